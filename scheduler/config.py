@@ -1,0 +1,70 @@
+"""Engine configuration: frozen dataclasses validated once. CLI flags map onto these fields."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+SPEC_METHODS = ("ngram", "layer_skip", "token_recycling", "lossy_kv")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` JSON, vLLM's key names where they exist (openai-api.md §11)."""
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
+    recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
+    adaptive: bool = False                          # FASER goodput controller (later)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if not 0 <= self.num_speculative_tokens <= 32:
+            raise ValueError("num_speculative_tokens must be in [0, 32]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @classmethod
+    def from_json(cls, text: str | dict | None) -> SpeculativeConfig | None:
+        if text is None or text == "":
+            return None
+        data = json.loads(text) if isinstance(text, str) else dict(text)
+        known = {f.name for f in fields(cls)} - {"extra"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown --speculative-config keys: {unknown}")
+        if data.get("skip_layers") is not None:
+            data["skip_layers"] = tuple(data["skip_layers"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None            # None: embedded SmolLM2 GGUF; "tiny-random"; a .gguf; an HF folder
+    device: str = "auto"                # auto -> cuda if available else cpu
+    dtype: str = "auto"                 # auto -> float32 on cpu, bfloat16 on cuda
+    max_model_len: int | None = None    # None: the model's context length
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0     # KV budget; num_blocks is derived from it
+    num_kv_blocks: int | None = None    # overrides the budget (tests force preemption with it)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024    # bounded queue: submit() beyond it raises EngineOverloadedError
+    seed: int = 0
+    num_threads: int | None = None      # torch intra-op threads on CPU (None: torch's default)
+    tiny_random_seed: int = 0           # weights of the "tiny-random" model
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be positive")
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be positive")
