@@ -1,0 +1,247 @@
+"""The compressor protocol: one interface for every lossy KV format (VeriCache's drafting cache).
+
+A sequence's KV, per layer, is three regions in position order:
+
+    | sinks (dense) | compressed pages (format-specific, may be dropped) | tail (dense, recent) |
+    0          num_sink                                              tail_start        num_tokens
+
+- `encode` appends new tokens to the dense tail. When the tail holds `window + page_size` tokens or
+  more, its oldest `page_size` tokens are compressed into one page (whole pages only, so a page's
+  content depends only on its tokens, never on when it was compressed).
+- `attend` runs attention over each region separately and merges the parts exactly with their
+  log-sum-exps (`merge_attention`): the dense window never goes through the lossy format.
+- `truncate` rolls back rejected draft tokens. A cut at or after `tail_start` is exact (moving a
+  counter); a cut inside the compressed region decodes the cut page back to dense (lossy), or raises
+  for formats that dropped the tokens.
+
+Subclasses implement four hooks: `_compress_page`, `_attend_pages`, `_decode_page`, `page_bytes`.
+Shapes: keys/values `[num_tokens, num_kv_heads, head_dim]`; queries `[num_q, num_heads, head_dim]`
+with `num_heads % num_kv_heads == 0` (query head h reads kv head `h // (num_heads // num_kv_heads)`).
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FP16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class CompressorConfig:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_sink: int = 4             # first tokens kept dense (attention sinks)
+    window: int = 64              # newest tokens always kept dense
+    page_size: int = 64           # tokens per compressed page
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size) <= 0:
+            raise ValueError(f"sizes must be positive: {self}")
+        if self.num_sink < 0 or self.window < 0:
+            raise ValueError(f"num_sink and window must be >= 0: {self}")
+
+    def dense_bytes_per_token(self) -> int:
+        """fp16 K + V of one token, one layer, all kv heads (the 100% line of every ratio)."""
+        return 2 * self.num_kv_heads * self.head_dim * FP16_BYTES
+
+
+@dataclass
+class LayerState:
+    """One layer of one sequence. `pages[i]` covers positions [page_starts[i], +page_size)."""
+    sink_k: torch.Tensor          # [n_sink, num_kv_heads, head_dim]
+    sink_v: torch.Tensor
+    tail_k: torch.Tensor          # [n_tail, num_kv_heads, head_dim]
+    tail_v: torch.Tensor
+    tail_start: int = 0
+    pages: list[Any] = field(default_factory=list)
+    page_starts: list[int] = field(default_factory=list)
+    attn_mass: list[float] = field(default_factory=list)   # per page, EMA (retention hint)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tail_start + self.tail_k.shape[0]
+
+
+@dataclass
+class SequenceState:
+    layers: list[LayerState]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layers[0].num_tokens
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                    q_positions: torch.Tensor | None = None,
+                    k_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain GQA attention returning (out [num_q, num_heads, D], lse [num_q, num_heads]), fp32.
+
+    q: [num_q, num_heads, D]; k, v: [n, num_kv_heads, D]. With positions, key j is visible to query i
+    only if k_positions[j] <= q_positions[i]. A query that sees nothing gets out 0 and lse -inf.
+    """
+    num_q, num_heads, _ = q.shape
+    n, num_kv_heads, _ = k.shape
+    if n == 0:
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((num_q, num_heads), -math.inf,
+                                                                      dtype=torch.float32)
+    group = num_heads // num_kv_heads
+    kf = k.float().repeat_interleave(group, dim=1)                     # [n, num_heads, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * sm_scale    # [num_heads, num_q, n]
+    if q_positions is not None:
+        visible = k_positions[None, :] <= q_positions[:, None]          # [num_q, n]
+        logits = logits.masked_fill(~visible[None], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)                               # [num_heads, num_q]
+    probs = torch.exp(logits - lse[..., None].clamp_min(-1e30)).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", probs, vf)
+    return out, lse.transpose(0, 1).contiguous()
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over disjoint key sets: softmax weights renormalised by lse.
+
+    parts: (out [num_q, num_heads, D], lse [num_q, num_heads]) each. Parts with lse = -inf add nothing.
+    """
+    lses = torch.stack([lse for _, lse in parts])                       # [P, num_q, num_heads]
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - lse.clamp_min(-1e30)[None]).nan_to_num(0.0)
+    out = sum(w[..., None] * o.float() for w, (o, _) in zip(weights, parts))
+    return out, lse
+
+
+class Compressor(ABC):
+    """Base of every KV compressor. Holds no per-sequence data: state lives in `SequenceState`.
+
+    Contract for callers:
+    - keys are post-RoPE; positions passed to `encode` must continue the sequence (no gaps);
+    - `attend` sees every token encoded so far; queries must come after all compressed tokens
+      (`q_positions` masks only the dense tail, e.g. for a multi-token verify/draft block);
+    - the state is owned by one sequence and is not thread-safe.
+    """
+
+    name = "base"
+
+    def __init__(self, config: CompressorConfig):
+        self.config = config
+        self.sm_scale = 1.0 / math.sqrt(config.head_dim)
+
+    # ---- hooks -------------------------------------------------------------------------------
+    @abstractmethod
+    def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Any:
+        """k, v: [page_size, num_kv_heads, D] -> one page in the compressed format."""
+
+    @abstractmethod
+    def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Attention over all pages of a layer -> (out, lse), or None if nothing is kept."""
+
+    @abstractmethod
+    def _decode_page(self, page: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A page back to dense (k, v) [page_size, num_kv_heads, D], or None if dropped."""
+
+    @abstractmethod
+    def page_bytes(self, page: Any) -> int:
+        """Bytes the page occupies in its packed format (bit-exact accounting, metadata included)."""
+
+    def bytes_per_token(self) -> float:
+        """Steady-state bytes of one compressed token, one layer, all kv heads, K + V."""
+        raise NotImplementedError
+
+    # ---- protocol ----------------------------------------------------------------------------
+    def new_state(self, dtype: torch.dtype = torch.float16, device: str = "cpu") -> SequenceState:
+        c = self.config
+        empty = torch.empty(0, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
+        return SequenceState([LayerState(empty, empty, empty, empty) for _ in range(c.num_layers)])
+
+    def encode(self, state: SequenceState, layer: int, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor | None = None) -> None:
+        """Append new tokens' post-RoPE k, v [num_new, num_kv_heads, D] to one layer."""
+        ls = state.layers[layer]
+        if positions is not None and positions.numel():
+            expected = torch.arange(ls.num_tokens, ls.num_tokens + k.shape[0], device=positions.device)
+            if not torch.equal(positions.to(expected.dtype), expected):
+                raise ValueError(f"positions must continue the sequence at {ls.num_tokens}")
+        k, v = k.to(ls.tail_k.dtype), v.to(ls.tail_v.dtype)
+        num_sink_free = max(0, self.config.num_sink - ls.sink_k.shape[0])
+        if ls.tail_k.shape[0] == 0 and ls.tail_start == ls.sink_k.shape[0] and num_sink_free:
+            take = min(num_sink_free, k.shape[0])
+            ls.sink_k = torch.cat([ls.sink_k, k[:take]])
+            ls.sink_v = torch.cat([ls.sink_v, v[:take]])
+            ls.tail_start += take
+            k, v = k[take:], v[take:]
+        ls.tail_k = torch.cat([ls.tail_k, k])
+        ls.tail_v = torch.cat([ls.tail_v, v])
+        self._compress_full_pages(layer, ls)
+
+    def _compress_full_pages(self, layer: int, ls: LayerState) -> None:
+        p = self.config.page_size
+        while ls.tail_k.shape[0] >= self.config.window + p:
+            ls.pages.append(self._compress_page(layer, ls.tail_k[:p].contiguous(), ls.tail_v[:p].contiguous()))
+            ls.page_starts.append(ls.tail_start)
+            ls.attn_mass.append(1.0)
+            ls.tail_k, ls.tail_v = ls.tail_k[p:], ls.tail_v[p:]
+            ls.tail_start += p
+        self._after_new_pages(layer, ls)
+
+    def _after_new_pages(self, layer: int, ls: LayerState) -> None:
+        """Hook for retention policies (e.g. rate-distortion downgrades). Default: nothing."""
+
+    def attend(self, state: SequenceState, layer: int, q: torch.Tensor,
+               q_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_q, num_heads, D] over everything encoded -> (out fp32, lse fp32 [num_q, num_heads])."""
+        ls = state.layers[layer]
+        parts = [dense_attention(q, ls.sink_k, ls.sink_v, self.sm_scale)]
+        paged = self._attend_pages(layer, q, ls) if ls.pages else None
+        if paged is not None:
+            parts.append(paged)
+        k_pos = None
+        if q_positions is not None:
+            k_pos = torch.arange(ls.tail_start, ls.num_tokens, device=q_positions.device)
+        parts.append(dense_attention(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions, k_pos))
+        return merge_attention(parts)
+
+    def truncate(self, state: SequenceState, num_tokens: int) -> None:
+        """Keep the first num_tokens tokens of every layer (roll back rejected drafts)."""
+        for ls in state.layers:
+            if num_tokens > ls.num_tokens:
+                raise ValueError(f"cannot truncate {ls.num_tokens} tokens to {num_tokens}")
+            if num_tokens <= ls.sink_k.shape[0]:             # back into the sinks: nothing else survives
+                ls.sink_k, ls.sink_v = ls.sink_k[:num_tokens], ls.sink_v[:num_tokens]
+                ls.pages, ls.page_starts, ls.attn_mass = [], [], []
+                ls.tail_k, ls.tail_v, ls.tail_start = ls.tail_k[:0], ls.tail_v[:0], num_tokens
+                continue
+            while ls.pages and num_tokens < ls.tail_start:
+                dense = self._decode_page(ls.pages[-1])
+                if dense is None:
+                    raise ValueError("cannot roll back into tokens this compressor dropped")
+                ls.pages.pop()
+                ls.tail_start = ls.page_starts.pop()
+                ls.attn_mass.pop()
+                ls.tail_k = torch.cat([dense[0].to(ls.tail_k.dtype), ls.tail_k])
+                ls.tail_v = torch.cat([dense[1].to(ls.tail_v.dtype), ls.tail_v])
+            keep = num_tokens - ls.tail_start
+            ls.tail_k, ls.tail_v = ls.tail_k[:keep], ls.tail_v[:keep]
+
+    def state_bytes(self, state: SequenceState) -> int:
+        """Actual bytes held: dense sinks and tail at fp16 plus every page in its packed format."""
+        c = self.config
+        dense_tokens = sum(ls.sink_k.shape[0] + ls.tail_k.shape[0] for ls in state.layers)
+        paged = sum(self.page_bytes(p) for ls in state.layers for p in ls.pages)
+        return dense_tokens * c.dense_bytes_per_token() + paged
+
+    def set_retention(self, **hints: Any) -> None:
+        """Retention hints (budgets, windows). Unknown hints raise: nothing is silently ignored."""
+        if hints:
+            raise TypeError(f"{self.name} takes no retention hints {sorted(hints)}")
+
+    def observe(self, state: SequenceState, layer: int, page_mass: torch.Tensor, decay: float = 0.9) -> None:
+        """Attention-mass feedback: page_mass [num_pages] = share of attention each page received
+        (e.g. from `page_attention_mass`); kept as an EMA that retention policies read."""
+        ls = state.layers[layer]
+        for i, m in enumerate(page_mass.tolist()[: len(ls.pages)]):
+            ls.attn_mass[i] = decay * ls.attn_mass[i] + (1 - decay) * float(m)

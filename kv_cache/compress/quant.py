@@ -1,0 +1,106 @@
+"""Integer quantization baseline (KIVI-style): keys per channel, values per token.
+
+Within one page of P tokens and one kv head:
+- keys   [P, D]: one (scale, zero) pair per channel, shared by the page's P tokens (keys have
+  per-channel outliers, so channels get their own range);
+- values [P, D]: one (scale, zero) pair per token.
+Asymmetric min/max quantization, codes in [0, 2^bits - 1], scale and zero stored as fp16, codes
+bit-packed (bits in {2, 4, 8}). Attention dequantizes the pages and runs dense attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.kv_cache.compress.base import Compressor, CompressorConfig, LayerState, dense_attention
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes uint8 [..., n] with values < 2^bits -> uint8 [..., n * bits // 8] (little end first)."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    per_byte = 8 // bits
+    n = codes.shape[-1]
+    if n % per_byte:
+        raise ValueError(f"last dim {n} must be a multiple of {per_byte}")
+    grouped = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per_byte, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_bits: uint8 [..., m] -> uint8 [..., m * 8 // bits]."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
+    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization reducing over `dim` -> (codes uint8 like x, scale fp16, zero fp16).
+
+    scale and zero keep `dim` with size 1. x ≈ codes * scale + zero, |error| <= scale / 2 plus fp16
+    rounding of the range ends.
+    """
+    xf = x.float()
+    lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
+    qmax = (1 << bits) - 1
+    scale = ((hi - lo) / qmax).clamp_min(1e-8).half()
+    zero = lo.half()
+    codes = torch.floor((xf - zero.float()) / scale.float() + 0.5).clamp(0, qmax).to(torch.uint8)
+    return codes, scale, zero
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float() + zero.float()
+
+
+@dataclass
+class QuantPage:
+    k_packed: torch.Tensor      # [P, H, D * kbits / 8] uint8
+    k_scale: torch.Tensor       # [1, H, D] fp16 (per channel)
+    k_zero: torch.Tensor
+    v_packed: torch.Tensor      # [P, H, D * vbits / 8] uint8
+    v_scale: torch.Tensor       # [P, H, 1] fp16 (per token)
+    v_zero: torch.Tensor
+
+
+class QuantCompressor(Compressor):
+    name = "quant"
+
+    def __init__(self, config: CompressorConfig, key_bits: int = 4, value_bits: int = 4):
+        super().__init__(config)
+        if key_bits not in SUPPORTED_BITS or value_bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be in {SUPPORTED_BITS}")
+        self.key_bits, self.value_bits = key_bits, value_bits
+        self.name = f"int{key_bits}k-int{value_bits}v"
+
+    def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> QuantPage:
+        kc, ks, kz = quantize(k, self.key_bits, dim=0)
+        vc, vs, vz = quantize(v, self.value_bits, dim=2)
+        return QuantPage(pack_bits(kc, self.key_bits), ks, kz, pack_bits(vc, self.value_bits), vs, vz)
+
+    def _decode_page(self, page: QuantPage) -> tuple[torch.Tensor, torch.Tensor]:
+        k = dequantize(unpack_bits(page.k_packed, self.key_bits), page.k_scale, page.k_zero)
+        v = dequantize(unpack_bits(page.v_packed, self.value_bits), page.v_scale, page.v_zero)
+        return k, v
+
+    def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
+        decoded = [self._decode_page(p) for p in state.pages]
+        k = torch.cat([d[0] for d in decoded])
+        v = torch.cat([d[1] for d in decoded])
+        return dense_attention(q, k, v, self.sm_scale)
+
+    def page_bytes(self, page: QuantPage) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (page.k_packed, page.k_scale, page.k_zero, page.v_packed, page.v_scale, page.v_zero))
+
+    def bytes_per_token(self) -> float:
+        c = self.config
+        h, d, p = c.num_kv_heads, c.head_dim, c.page_size
+        key = h * d * self.key_bits / 8 + 2 * h * d * 2 / p        # codes + per-page channel scale/zero
+        value = h * d * self.value_bits / 8 + 2 * h * 2             # codes + per-token scale/zero
+        return key + value
