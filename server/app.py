@@ -1,0 +1,135 @@
+"""The FastAPI app: routes, guards and error handlers around one engine client.
+
+`build_app(engine, tokenizer, settings)` takes any object with the engine methods (the real
+`AsyncEngine` or a test fake). Extra routers (e.g. `/metrics`) are passed in by whoever builds the app;
+they can read `app.state.serving` (the `ServingContext`) for the engine and settings.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from specserve.server.engine_client import EngineClient
+from specserve.server.errors import bad_request, engine_dead, install_error_handlers
+from specserve.server.middleware import APIKeyMiddleware, BodyGuardMiddleware, RequestIdMiddleware
+from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                       CompletionResponse, DetokenizeRequest, ErrorResponse,
+                                       TokenizeRequest)
+from specserve.server.serving_base import ServingContext, check_prompt_ids, served_model
+from specserve.server.serving_chat import create_chat_completion, render_chat
+from specserve.server.serving_completions import create_completion
+from specserve.server.settings import VERSION, ServerSettings
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def build_app(engine, tokenizer, settings: ServerSettings,
+              routers: Sequence[APIRouter] = ()) -> FastAPI:
+    app = FastAPI(title="specserve", version=VERSION,
+                  description="OpenAI-compatible server (vLLM semantics) with speculative decoding.")
+    ctx = ServingContext(EngineClient(engine), tokenizer, settings)
+    app.state.serving = ctx
+    install_error_handlers(app)
+    app.include_router(openai_router(ctx))
+    app.include_router(ops_router(ctx))
+    for router in routers:
+        app.include_router(router)
+    # Starlette runs the last added middleware first: request id → API key → body guard → routes.
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def _live(ctx: ServingContext) -> None:
+    if ctx.client.is_dead:
+        raise engine_dead()
+
+
+def openai_router(ctx: ServingContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions", response_model=CompletionResponse,
+                 responses={**ERRORS, 200: {"content": STREAM}})
+    async def completions(raw: Request, body: CompletionRequest):
+        _live(ctx)
+        return await create_completion(raw, body, ctx)
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+                 responses={**ERRORS, 200: {"content": STREAM}})
+    async def chat_completions(raw: Request, body: ChatCompletionRequest):
+        _live(ctx)
+        return await create_chat_completion(raw, body, ctx)
+
+    @router.get("/v1/models", responses=ERRORS)
+    async def models():
+        created = int(time.time())
+        card = {"id": ctx.settings.model_name, "object": "model", "created": created,
+                "owned_by": "specserve", "root": ctx.settings.model_path or ctx.model_info.path,
+                "parent": None, "max_model_len": ctx.model_info.max_model_len,
+                "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                                "created": created, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+        return {"object": "list", "data": [card]}
+
+    @router.post("/tokenize", responses=ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        served_model(ctx, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages.", "prompt")
+        if body.messages is not None:
+            text = render_chat(ctx, body.messages, chat_template=body.chat_template,
+                               add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message,
+                               chat_template_kwargs=body.chat_template_kwargs)
+            add_special = bool(body.add_special_tokens)
+        else:
+            text = body.prompt
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = ctx.tokenizer.encode(text, add_special_tokens=add_special)
+        strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": ctx.model_info.max_model_len, "tokens": tokens,
+                "token_strs": strs}
+
+    @router.post("/detokenize", responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        served_model(ctx, body.model)
+        check_prompt_ids(body.tokens, ctx.model_info.vocab_size)
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    return router
+
+
+def ops_router(ctx: ServingContext) -> APIRouter:
+    """Open routes for probes and tools (no API key)."""
+    router = APIRouter()
+
+    @router.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        if ctx.client.is_dead:
+            err = engine_dead()
+            return JSONResponse(err.envelope(), status_code=503, headers=err.headers)
+        return Response(status_code=200)
+
+    @router.get("/ping")
+    async def ping():
+        return await health()
+
+    @router.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @router.get("/load")
+    async def load():
+        return {"server_load": len(ctx.client.in_flight)}
+
+    return router
+

@@ -1,0 +1,161 @@
+"""The server's side of the engine message boundary (scheduler/messages.py).
+
+The server never holds an engine iterator directly: `EngineClient.open(requests)` submits one engine
+request per choice and returns a `ChoiceStream` that merges their outputs. Whoever opens a stream must
+close it (`async with`): closing aborts every engine request that has not finished, which is how a
+client disconnect, a stop string or an error frees KV blocks within one engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator
+
+from specserve.scheduler.messages import (EngineDeadError, EngineRequest, ModelInfo, RequestOutput)
+
+logger = logging.getLogger("specserve.server")
+_END = object()
+
+
+class EngineClient:
+    """Wraps any object with the `EngineClientProtocol` methods (the real engine or a test fake)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.in_flight: set[str] = set()        # engine request ids submitted and not yet done
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
+
+    @property
+    def is_dead(self) -> bool:
+        return bool(getattr(self.engine, "is_dead", False))
+
+    async def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if self.is_dead:
+            raise EngineDeadError("the engine is not running")
+        outputs = self.engine.submit(request)
+        if inspect.isawaitable(outputs):          # `async def submit` returning an iterator
+            outputs = await outputs
+        self.in_flight.add(request.request_id)
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.in_flight:
+            self.in_flight.discard(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception:                     # the engine may already be gone
+                logger.exception("abort(%s) failed", request_id)
+
+    def done(self, request_id: str) -> None:
+        self.in_flight.discard(request_id)
+
+    def open(self, requests: list[EngineRequest]) -> ChoiceStream:
+        return ChoiceStream(self, requests)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class ChoiceStream:
+    """Outputs of several engine requests, merged: `async for index, output in stream`.
+
+    `index` is the position in `requests` (the choice index). `finish(index)` aborts one request early
+    (a stop string matched). Exceptions raised by the engine come out of the iterator.
+    """
+
+    def __init__(self, client: EngineClient, requests: list[EngineRequest]):
+        self.client = client
+        self.requests = requests
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pumps: list[asyncio.Task] = []
+        self.finished: set[int] = set()
+        self.num_open = len(requests)
+        self.pushed: list[tuple[int, RequestOutput]] = []
+
+    async def __aenter__(self) -> ChoiceStream:
+        try:
+            for index, request in enumerate(self.requests):
+                outputs = await self.client.submit(request)
+                self.pumps.append(asyncio.create_task(self._pump(index, outputs)))
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _pump(self, index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in outputs:
+                await self.queue.put((index, output))
+                if output.finished:
+                    break
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:              # surfaces in the consumer, which maps it to a status
+            await self.queue.put((index, exc))
+        finally:
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except BaseException:
+                    pass
+        await self.queue.put((index, _END))
+
+    def __aiter__(self):
+        return self
+
+    def unget(self, item: tuple[int, RequestOutput]) -> None:
+        """Put an item back so that the next `__anext__` returns it first."""
+        self.pushed.append(item)
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self.pushed:
+            return self.pushed.pop()
+        while self.num_open > 0:
+            index, item = await self.queue.get()
+            if item is _END:
+                self.num_open -= 1
+                self._mark_done(index)
+                continue
+            if index in self.finished:
+                continue                          # late output of a request we already stopped
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self._mark_done(index)
+            return index, item
+        raise StopAsyncIteration
+
+    def _mark_done(self, index: int) -> None:
+        if index not in self.finished:
+            self.finished.add(index)
+            self.client.done(self.requests[index].request_id)
+
+    def finish(self, index: int) -> None:
+        """Stop one choice early: abort its engine request now (idempotent)."""
+        if index not in self.finished:
+            self.finished.add(index)
+            self.client.abort(self.requests[index].request_id)
+
+    async def close(self) -> None:
+        for index, request in enumerate(self.requests):
+            if index not in self.finished:
+                self.finished.add(index)
+                self.client.abort(request.request_id)
+        for task in self.pumps:
+            task.cancel()
+        for task in self.pumps:
+            try:
+                await task
+            except BaseException:
+                pass
+        self.pumps.clear()

@@ -1,0 +1,221 @@
+"""POST /v1/chat/completions (openai-api.md §7): chat template, n choices, chat-shaped logprobs, SSE."""
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response
+
+from specserve.scheduler.messages import EngineRequest, TokenLogprob
+from specserve.server.errors import bad_request
+from specserve.server.generation import ChoiceState, spec_metrics
+from specserve.server.protocol import ChatCompletionRequest, ChatMessage
+from specserve.server.serving_base import (ClientDisconnected, ServingContext, check_common_fields,
+                                           context_error, engine_request_id, error_event, logprob_value,
+                                           new_choice, open_stream, request_id_for,
+                                           run_unless_disconnected, sampling_params, served_model,
+                                           sse_data, sse_response, stream_error, usage_dict)
+
+NO_TEMPLATE = ("This model has no chat template; use /v1/completions or start the server with "
+               "--chat-template.")
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the template sees them: text parts joined into one string (other parts → 400)."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list.", "messages")
+    result = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content part type {part.type!r} is not supported by this server; "
+                                      "only text parts are.", f"messages.{i}.content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        result.append(entry)
+    return result
+
+
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool,
+                chat_template_kwargs: dict | None) -> str:
+    """The prompt text from the chat template (request > --chat-template > the model's own)."""
+    import jinja2
+
+    template = chat_template or ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    if not template:
+        raise bad_request(NO_TEMPLATE, "messages")
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true.",
+                          "continue_final_message")
+    try:
+        return ctx.tokenizer.apply_chat_template(
+            conversation(messages), chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}))
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise bad_request(f"The chat template failed on these messages: {exc}", "messages") from None
+
+
+def chat_logprob_entries(token_text, token_ids: list[int], entries: list[TokenLogprob], k: int) -> list:
+    """`logprobs.content` items (openai-api.md §4.2): token, logprob, bytes, top_logprobs."""
+    content = []
+    for tok, entry in zip(token_ids, entries):
+        text = token_text(tok)
+        top = [{"token": token_text(alt), "logprob": logprob_value(lp), "bytes": list(token_text(alt).encode())}
+               for alt, lp in list(zip(entry.top_token_ids, entry.top_logprobs))[:k]]
+        content.append({"token": text, "logprob": logprob_value(entry.logprob),
+                        "bytes": list(text.encode()), "top_logprobs": top})
+    return content
+
+
+async def create_chat_completion(raw: Request, body: ChatCompletionRequest, ctx: ServingContext) -> Response:
+    model = served_model(ctx, body.model)
+    check_common_fields(body, "chat")
+    if body.tools and body.tool_choice != "none":
+        raise bad_request("tools are not supported by this server (use tool_choice: \"none\").", "tools")
+    if body.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice other than \"none\" is not supported by this server.", "tool_choice")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+        if not 0 <= body.top_logprobs <= ctx.settings.max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {ctx.settings.max_logprobs}], "
+                              f"got {body.top_logprobs}.", "top_logprobs")
+    if body.n > ctx.settings.max_choices:
+        raise bad_request(f"n must be at most {ctx.settings.max_choices}, got {body.n}.", "n")
+    text = render_chat(ctx, body.messages, chat_template=body.chat_template,
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message,
+                       chat_template_kwargs=body.chat_template_kwargs)
+    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    if body.truncate_prompt_tokens is not None:
+        prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
+    info = ctx.model_info
+    explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if explicit is not None and explicit < 1:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise bad_request(f"{param} must be at least 1, got {explicit}.", param)
+    if len(prompt_ids) >= info.max_model_len or (
+            explicit is not None and len(prompt_ids) + explicit > info.max_model_len):
+        raise context_error(info.max_model_len, len(prompt_ids),
+                            explicit if explicit is not None else info.max_model_len - len(prompt_ids))
+    max_tokens = explicit if explicit is not None else info.max_model_len - len(prompt_ids)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.prompt_logprobs is not None and body.prompt_logprobs > ctx.settings.max_logprobs:
+        raise bad_request(f"prompt_logprobs must be at most {ctx.settings.max_logprobs}, "
+                          f"got {body.prompt_logprobs}.", "prompt_logprobs")
+    request_id = request_id_for(raw, body)
+    requests, states = [], []
+    for i in range(body.n):
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs,
+                                 prompt_logprobs=body.prompt_logprobs, vocab_size=info.vocab_size,
+                                 seed_offset=i)
+        requests.append(EngineRequest(engine_request_id(request_id, i), prompt_ids, params))
+        states.append(new_choice(ctx, body, i, 0))
+    job = ChatJob(ctx, body, model, request_id, prompt_ids, states)
+    if body.stream:
+        stream = await open_stream(raw, ctx, requests)
+        return sse_response(job.events(stream), ctx, stream.close)
+    try:
+        return JSONResponse(await run_unless_disconnected(raw, job.collect(requests)))
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+class ChatJob:
+    def __init__(self, ctx, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids, states):
+        self.ctx, self.body, self.model, self.prompt_ids, self.states = ctx, body, model, prompt_ids, states
+        self.id = f"chatcmpl-{request_id}"
+        self.created = int(time.time())
+        self.k = body.top_logprobs or 0
+
+    def usage(self) -> dict:
+        cached = self.states[0].num_cached_tokens if self.ctx.settings.enable_prompt_tokens_details else None
+        return usage_dict(len(self.prompt_ids), sum(len(s.token_ids) for s in self.states), cached)
+
+    def logprobs(self, token_ids, entries) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        return {"content": chat_logprob_entries(self.ctx.token_text, token_ids, entries, self.k)}
+
+    def add_metrics(self, payload: dict) -> None:
+        if self.ctx.settings.per_request_spec_decode_metrics:
+            metrics = spec_metrics(self.states)
+            if metrics is not None:
+                payload["metrics"] = metrics
+
+    async def collect(self, requests: list[EngineRequest]) -> dict:
+        async with self.ctx.client.open(requests) as stream:
+            async for index, output in stream:
+                if self.states[index].process(output).stopped_by_string:
+                    stream.finish(index)
+                if all(s.finished for s in self.states):
+                    break
+        choices = []
+        for state in self.states:
+            choice = {"index": state.index, "message": {"role": "assistant", "content": state.text},
+                      "logprobs": self.logprobs(state.token_ids, state.logprobs),
+                      "finish_reason": state.finish_reason, "stop_reason": state.stop_reason}
+            if self.body.return_token_ids:
+                choice["token_ids"] = state.token_ids
+                choice["prompt_token_ids"] = self.prompt_ids
+            choices.append(choice)
+        response = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                    "choices": choices, "usage": self.usage(),
+                    "system_fingerprint": self.ctx.settings.system_fingerprint}
+        self.add_metrics(response)
+        return response
+
+    def chunk(self, choice: dict) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    async def events(self, stream):
+        body, settings = self.body, self.ctx.settings
+        include_usage = settings.enable_force_include_usage or bool(
+            body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        try:
+            for state in self.states:             # role first, one chunk per choice
+                yield sse_data(self.chunk({"index": state.index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}))
+            async for index, output in stream:
+                state: ChoiceState = self.states[index]
+                delta = state.process(output)
+                if delta.stopped_by_string:
+                    stream.finish(index)
+                logprobs = self.logprobs(delta.token_ids, delta.logprobs)
+                if not delta.text and delta.finish_reason is None and not (logprobs and logprobs["content"]):
+                    continue
+                choice = {"index": state.index, "delta": {"content": delta.text} if delta.text else {},
+                          "logprobs": logprobs, "finish_reason": delta.finish_reason}
+                if delta.finish_reason is not None:
+                    choice["stop_reason"] = delta.stop_reason
+                if body.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                chunk = self.chunk(choice)
+                if continuous:
+                    chunk["usage"] = self.usage()
+                done = all(s.finished for s in self.states)
+                if done and not include_usage:
+                    self.add_metrics(chunk)
+                yield sse_data(chunk)
+                if done:
+                    break
+            if include_usage:
+                final = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                         "model": self.model, "choices": [], "usage": self.usage()}
+                self.add_metrics(final)
+                yield sse_data(final)
+        except Exception as exc:
+            yield error_event(stream_error(exc))
+        finally:
+            await stream.close()
+        yield "[DONE]"
