@@ -245,3 +245,16 @@ class Compressor(ABC):
         ls = state.layers[layer]
         for i, m in enumerate(page_mass.tolist()[: len(ls.pages)]):
             ls.attn_mass[i] = decay * ls.attn_mass[i] + (1 - decay) * float(m)
+
+    def page_attention_mass(self, state: SequenceState, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Share of the softmax mass each page gets from queries q (mean over queries and heads),
+        computed on decoded pages (a retention signal, not a hot path) -> [num_pages]."""
+        ls = state.layers[layer]
+        _, total = self.attend(state, layer, q)                              # [num_q, num_heads]
+        mass = torch.zeros(len(ls.pages))
+        for i, page in enumerate(ls.pages):
+            dense = self._decode_page(page)
+            if dense is not None:
+                _, lse = dense_attention(q, dense[0], dense[1], self.sm_scale)
+                mass[i] = torch.exp(lse - total).mean()
+        return mass

@@ -1,0 +1,186 @@
+"""Spherical KV: keys as 8-bit radii + spherical-VQ direction codes, logits straight from the codes.
+
+Tiers (DESIGN §5.4; the paper defines them for head_dim 128, we keep group sizes and code bits and
+let the number of groups scale with head_dim, so bits per key scale by head_dim / 128):
+
+| tier | group g | code bits | codewords | key bits/token/head (G groups × (8 + bits)) | D=128 | D=64 |
+|---|---|---|---|---|---|---|
+| 1 | 16 | 6 | 64 | G·14 | 112 | 56 |
+| 2 | 16 | 4 | 16 | G·12 | 96 | 48 |
+| 3 | 32 | 3 | 8  | G·11 | 44 | 22 |
+| 0 | dropped: K and V gone | | | 0 | 0 | 0 |
+
+Plus per page and group one fp32 radius scale and one tier byte per page. One tier per page (all kv
+heads of the layer share it: a simplification of the paper's per-head pages, so one kernel call per
+tier covers every head). Values: fp16, or int8/int4 per token (`value_bits`), dequantized before the
+kernel, which reads dense values. Codebooks come from `spherical_calib.py`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specserve.kernels.dispatch import get_op
+from specserve.kernels.reference.spherical_encode import spherical_decode
+from specserve.kv_cache.compress.base import (
+    Compressor, CompressorConfig, LayerState, SequenceState, merge_attention)
+from specserve.kv_cache.compress.quant import dequantize, pack_bits, quantize, unpack_bits
+from specserve.kv_cache.compress import rdr
+
+
+@dataclass(frozen=True)
+class Tier:
+    group: int          # dims per group
+    bits: int           # bits per direction code (codebook of 2**bits unit vectors)
+
+    @property
+    def num_codes(self) -> int:
+        return 1 << self.bits
+
+
+TIERS = {1: Tier(16, 6), 2: Tier(16, 4), 3: Tier(32, 3)}
+DROP = 0
+
+
+def key_bits_per_token(tier: int, head_dim: int) -> int:
+    """Bits of one key (one kv head) at a tier, radius + code per group, metadata excluded."""
+    if tier == DROP:
+        return 0
+    t = TIERS[tier]
+    return head_dim // t.group * (8 + t.bits)
+
+
+@dataclass
+class SphericalPage:
+    tier: int
+    theta: torch.Tensor | None = None     # [H, P, G] uint8
+    radius: torch.Tensor | None = None    # [H, P, G] uint8
+    scale: torch.Tensor | None = None     # [H, 1, G] float32
+    v: tuple | None = None                # fp16 [H, P, D], or (packed codes, scale, zero) per token
+    radius_mass: float = 0.0              # mean over tokens/heads of sum_j r_j / sqrt(D) (RDR weight)
+    layer: int = 0
+
+
+class SphericalCompressor(Compressor):
+    name = "spherical"
+
+    def __init__(self, config: CompressorConfig, codebooks: dict[int, torch.Tensor],
+                 tier: int = 1, value_bits: int = 16, budget_bits: float | None = None):
+        """codebooks: tier -> [num_layers, num_kv_heads, G, K, g] unit vectors (see spherical_calib).
+
+        budget_bits: if set, rate-distortion retention keeps the compressed pages (all layers) at or
+        under this many bits per token per layer (K + V, all kv heads), downgrading tiers greedily.
+        """
+        super().__init__(config)
+        if tier not in TIERS or value_bits not in (16, 8, 4):
+            raise ValueError(f"tier must be in {sorted(TIERS)} and value_bits in (16, 8, 4)")
+        for t, cb in codebooks.items():
+            want = (config.num_layers, config.num_kv_heads, config.head_dim // TIERS[t].group,
+                    TIERS[t].num_codes, TIERS[t].group)
+            if tuple(cb.shape) != want:
+                raise ValueError(f"tier {t} codebook shape {tuple(cb.shape)} != {want}")
+        self.codebooks = codebooks
+        self.tier, self.value_bits, self.budget_bits = tier, value_bits, budget_bits
+        self.name = f"spherical-T{tier}-v{value_bits}" + (f"-rdr{budget_bits:g}" if budget_bits else "")
+
+    # ---- format --------------------------------------------------------------------------------
+    def _encode_keys(self, layer: int, k: torch.Tensor, tier: int, page: SphericalPage) -> None:
+        kh = k.float().transpose(0, 1).contiguous()                          # [H, P, D]
+        cb = self.codebooks[tier][layer]
+        encode = get_op("spherical_encode", str(k.device))
+        page.theta, page.radius, page.scale = encode(kh, cb, kh.shape[1])
+        page.tier = tier
+        r = page.radius.float() / 255 * page.scale                          # [H, P, G]
+        page.radius_mass = float(r.sum(-1).mean()) / math.sqrt(self.config.head_dim)
+
+    def _values(self, page: SphericalPage) -> torch.Tensor:
+        """-> [H, P, D] float32."""
+        if self.value_bits == 16:
+            return page.v.float()
+        packed, s, z = page.v
+        return dequantize(unpack_bits(packed, self.value_bits), s, z)
+
+    def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> SphericalPage:
+        page = SphericalPage(tier=self.tier, layer=layer)
+        self._encode_keys(layer, k, self.tier, page)
+        vh = v.transpose(0, 1).contiguous()                                  # [H, P, D]
+        if self.value_bits == 16:
+            page.v = vh.half()
+        else:
+            codes, s, z = quantize(vh, self.value_bits, dim=2)
+            page.v = (pack_bits(codes, self.value_bits), s, z)
+        return page
+
+    def _decode_page(self, page: SphericalPage):
+        if page.tier == DROP:
+            return None
+        k = spherical_decode(page.theta, page.radius, page.scale, self.codebooks[page.tier][page.layer],
+                             page.theta.shape[1])
+        return k.transpose(0, 1), self._values(page).transpose(0, 1)
+
+    def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
+        parts = []
+        attend = get_op("spherical_attention", str(q.device))
+        for tier in TIERS:
+            pages = [p for p in state.pages if p.tier == tier]
+            if not pages:
+                continue
+            theta = torch.cat([p.theta for p in pages], dim=1)               # [H, T, G]
+            radius = torch.cat([p.radius for p in pages], dim=1)
+            scale = torch.cat([p.scale for p in pages], dim=1)               # [H, T / P, G]
+            v = torch.cat([self._values(p) for p in pages], dim=1)           # [H, T, D]
+            parts.append(attend(q, theta, radius, scale, self.codebooks[tier][layer], v,
+                                self.sm_scale, self.config.page_size))
+        return merge_attention(parts) if parts else None
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def _page_bits(self, tier: int) -> int:
+        c = self.config
+        if tier == DROP:
+            return 8                                                         # the tier byte
+        groups = c.head_dim // TIERS[tier].group
+        keys = c.page_size * c.num_kv_heads * key_bits_per_token(tier, c.head_dim) + c.num_kv_heads * groups * 32
+        if self.value_bits == 16:
+            values = c.page_size * c.num_kv_heads * c.head_dim * 16
+        else:
+            values = c.page_size * c.num_kv_heads * (c.head_dim * self.value_bits + 32)
+        return keys + values + 8
+
+    def page_bytes(self, page: SphericalPage) -> int:
+        return self._page_bits(page.tier) // 8
+
+    def bytes_per_token(self) -> float:
+        return self._page_bits(self.tier) / 8 / self.config.page_size
+
+    # ---- retention -----------------------------------------------------------------------------
+    def set_retention(self, budget_bits: float | None = None, state: SequenceState | None = None) -> None:
+        """Set the rate-distortion budget (bits per token per layer over compressed pages) and, given
+        a state, rebalance it now."""
+        self.budget_bits = budget_bits
+        if state is not None and budget_bits is not None:
+            self.rebalance(state)
+
+    def encode(self, state: SequenceState, layer: int, k, v, positions=None) -> None:
+        """As the base; after the last layer's encode made new pages, rebalance under the budget."""
+        num_pages = len(state.layers[layer].pages)
+        super().encode(state, layer, k, v, positions)
+        last = layer == self.config.num_layers - 1
+        if self.budget_bits is not None and last and len(state.layers[layer].pages) > num_pages:
+            self.rebalance(state)
+
+    def rebalance(self, state: SequenceState) -> int:
+        """Downgrade pages (1 → 2 → 3 → drop) until under budget; returns the number of changes."""
+        units = [rdr.Unit(layer, i, p.tier, max(ls.attn_mass[i], 0.1) * p.radius_mass)
+                 for layer, ls in enumerate(state.layers) for i, p in enumerate(ls.pages)]
+        num_tokens = len(units) * self.config.page_size
+        moves = rdr.plan_downgrades(units, self.budget_bits * num_tokens, self._page_bits)
+        for layer, index, tier in moves:
+            page = state.layers[layer].pages[index]
+            if tier == DROP:
+                state.layers[layer].pages[index] = SphericalPage(tier=DROP, layer=layer)
+            else:
+                k, _ = self._decode_page(page)
+                self._encode_keys(layer, k, tier, page)
+        return len(moves)
