@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.plan import TokenLogprob  # noqa: F401  (re-exported for the server)
+
+
 
 
 @dataclass(frozen=True)
@@ -21,16 +24,6 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Raw (pre-temperature, pre-penalty) log-probability of one position, as vLLM reports it."""
-    token_id: int
-    logprob: float
-    rank: int                            # 1-based rank of token_id in the raw distribution
-    top_token_ids: list[int]             # the top-N alternatives, best first (N = requested logprobs)
-    top_logprobs: list[float]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,148 @@
+"""AsyncEngine: the EngineCore loop in a background thread, behind a message boundary.
+
+The asyncio side only puts messages (add / abort) into an inbox and reads RequestOutputs from one
+asyncio.Queue per request; the engine thread never touches asyncio objects except through
+`loop.call_soon_threadsafe`. Moving the loop to its own process changes only this file.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from specserve.scheduler.config import EngineConfig
+from specserve.scheduler.engine import EngineCore
+from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, EngineRequest,
+                                          RequestOutput)
+from specserve.scheduler.scheduler import StepStats
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None):
+        self.config = config
+        self.core = core or EngineCore(config)
+        self.core.async_owner = self          # tests wait for idle through this
+        self.model_info = self.core.model_info
+        self.on_step: Callable[[StepStats], None] | None = None    # metrics hook, engine thread
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ------------------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Validate and enqueue; raises before anything is yielded (ParamError, overload, dead)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead}")
+        self.core.validate(request)
+        waiting = self.core.scheduler.num_waiting + self._inbox.qsize()
+        if waiting >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{waiting} requests are already waiting")
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"duplicate request id {request.request_id}")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
+        self._inbox.put(("add", request))
+        return self._iterate(request.request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:                      # the consumer went away: free its KV
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain(block=not self.core.has_unfinished()):
+                    return
+                if self.core.has_unfinished():
+                    self._deliver(self.core.step())
+                    if self.on_step is not None:
+                        self.on_step(self.core.scheduler.stats)
+        except BaseException as exc:              # noqa: BLE001 — any escape kills the engine
+            logger.exception("engine loop died")
+            self._dead = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for target in streams:
+                _post(target, EngineDeadError(f"engine died: {exc}"))
+
+    def _drain(self, block: bool) -> bool:
+        while True:
+            try:
+                msg = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return True
+            block = False
+            if msg is _STOP:
+                return False
+            kind, payload = msg
+            if kind == "add":
+                try:
+                    self.core.add_request(payload)
+                except Exception as exc:          # validated already; a race such as a duplicate id
+                    self._deliver_error(payload.request_id, exc)
+            else:
+                out = self.core.abort_request(payload)
+                if out is not None:
+                    self._deliver([out])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                target = self._streams.get(out.request_id)
+            if target is not None:
+                _post(target, out)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            _post(target, exc)
+
+
+def _post(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: object) -> None:
+    loop, stream = target
+    try:
+        loop.call_soon_threadsafe(stream.put_nowait, item)
+    except RuntimeError:                          # the consumer's loop is closed: nobody to tell
+        pass

@@ -1,0 +1,242 @@
+"""Continuous batching policy: who runs this step, how many tokens each computes, who is preempted.
+
+One number per request (vLLM v1): tokens to compute = num_tokens + num_drafts - num_computed_tokens.
+It covers prefill chunks, prefix hits, resuming after preemption and verify rows alike.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.kv_cache.manager import KVCacheManager
+from specserve.scheduler.messages import RequestOutput, SpecStats
+from specserve.scheduler.request import Request, RequestStatus
+from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult
+
+
+@dataclass
+class StepStats:
+    """What one step did, for metrics and logs (no work beyond counting)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_prompt_tokens: int = 0           # prompt tokens computed this step
+    num_generation_tokens: int = 0       # tokens emitted this step
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)
+    finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
+    step_time_s: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.stats = StepStats()
+
+    # -- queue -------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [], None)
+
+    def fail(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(req, [], None, error=message))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- schedule ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self.stats = StepStats()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens + len(req.draft_token_ids) - req.num_computed_tokens
+            if num_new > budget and req.draft_token_ids:       # shorten drafts rather than split rows
+                del req.draft_token_ids[max(0, budget - (num_new - len(req.draft_token_ids))):]
+                num_new = req.num_tokens + len(req.draft_token_ids) - req.num_computed_tokens
+            num_new = min(num_new, budget)
+            while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break                                               # req itself was preempted
+        if not preempted:
+            budget = self._admit(scheduled, budget)
+        return self._plan(scheduled)
+
+    def _admit(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
+                hit = self.kv.match_prefix(req.request_id, req.all_token_ids)
+                req.num_computed_tokens = hit
+                self.stats.prefix_cache_queries += req.num_tokens
+                self.stats.prefix_cache_hits += hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hit
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+                self.kv.free(req.request_id)                   # release prefix hits; retry next step
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, go back to the head of the queue."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.num_preemptions += 1
+        if req.num_output_tokens == 0:
+            req.prompt_logprobs = []                           # recomputed with the prompt
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
+        out = []
+        for req, num_new in scheduled:
+            start = req.num_computed_tokens
+            tokens = (req.all_token_ids + req.draft_token_ids)[start:start + num_new]
+            sample = start + num_new >= req.num_tokens
+            num_drafts = start + num_new - req.num_tokens if sample else 0
+            if start < req.num_prompt_tokens:
+                self.stats.num_prompt_tokens += min(num_new, req.num_prompt_tokens - start)
+            out.append(ScheduledRequest(
+                request_id=req.request_id, token_ids=tokens, num_computed_tokens=start,
+                num_draft_tokens=num_drafts, block_ids=list(self.kv.block_ids(req.request_id)),
+                sample=sample, params=req.params, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+                want_prompt_logprobs=(req.want_prompt_logprobs and req.num_output_tokens == 0
+                                      and start < req.num_prompt_tokens)))
+        finished, self._finished_ids = self._finished_ids, []
+        return StepPlan(out, finished)
+
+    # -- commit ------------------------------------------------------------------------------
+    def commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        outputs = []
+        for sreq in plan.requests:
+            req = self.requests.get(sreq.request_id)
+            if req is None or req.status.is_finished:
+                continue
+            req.num_computed_tokens += sreq.num_new_tokens
+            if sreq.request_id in result.prompt_logprobs:
+                req.prompt_logprobs.extend(result.prompt_logprobs[sreq.request_id])
+            if not sreq.sample:
+                continue
+            sampled = result.sampled[sreq.request_id]
+            tokens = sampled.token_ids
+            num_accepted = len(tokens) - 1
+            req.num_computed_tokens -= sreq.num_draft_tokens - num_accepted   # roll back rejected rows
+            req.draft_token_ids = []
+            if sreq.num_draft_tokens:
+                self._count_spec(req, sreq.num_draft_tokens, num_accepted)
+            new_tokens = []
+            for tok in tokens:
+                req.append(tok)
+                new_tokens.append(tok)
+                if req.check_stop(self.eos_token_ids, self.max_model_len):
+                    break
+            self.stats.num_generation_tokens += len(new_tokens)
+            logprobs = sampled.logprobs[:len(new_tokens)] if sampled.logprobs is not None else None
+            if req.status.is_finished:
+                self._finish(req, req.status)
+            else:
+                self.kv.rollback(req.request_id, req.num_tokens)
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            outputs.append(self._output(req, new_tokens, logprobs))
+        self.stats.num_running, self.stats.num_waiting = len(self.running), len(self.waiting)
+        self.stats.kv_usage = self.kv.usage()
+        self.stats.step_time_s = result.step_time_s
+        return outputs
+
+    def _count_spec(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        req.num_drafts += 1
+        req.num_draft_tokens += num_drafted
+        req.num_accepted_tokens += num_accepted
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafted
+        s.num_accepted_tokens += num_accepted
+        s.draft_lens.append(num_drafted)
+        for pos in range(num_accepted):
+            for counts in (req.accepted_per_pos, s.accepted_per_pos):
+                if len(counts) <= pos:
+                    counts.extend([0] * (pos + 1 - len(counts)))
+                counts[pos] += 1
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
+        self.stats.finished.append((req.request_id, status.finish_reason or ""))
+
+    def _output(self, req: Request, new_tokens: list[int], logprobs, error: str | None = None) -> RequestOutput:
+        first = bool(new_tokens) and req.num_output_tokens == len(new_tokens)
+        prompt_logprobs = None
+        if first and req.want_prompt_logprobs:
+            prompt_logprobs = [None] + list(req.prompt_logprobs)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new_tokens, finished=req.status.is_finished,
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            spec=SpecStats(req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens,
+                           tuple(req.accepted_per_pos)) if req.num_drafts else None,
+            error=error)

@@ -1,0 +1,137 @@
+"""Batched sampling: logit processors, greedy / temperature / top-k / top-p / min-p, raw logprobs.
+
+One row per position to sample (a request's last position, or each verify row once drafts exist).
+Rows of requests with a `seed` draw their noise from the request's own generator, so their output
+does not depend on what else is in the batch; other rows share one batched draw.
+Sampling uses the exponential race: argmax(p / E), E ~ Exp(1), is an exact draw from p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.spec_phases.plan import TokenLogprob
+
+
+@dataclass(slots=True)
+class SampleRow:
+    params: object                        # SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]           # history before this row (committed output + earlier drafts)
+    generator: torch.Generator | None     # the request's own generator when it has a seed
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device | str,
+                 seed: int = 0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    # -- logit processors ---------------------------------------------------------------------
+    def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """logits: [num_rows, vocab] float32 (modified in place). Bias, min_tokens, penalties."""
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias.keys()), device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            if len(row.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+        pen = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if pen:
+            self._apply_penalties(logits, [rows[i] for i in pen], torch.tensor(pen, device=logits.device))
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow], idx: torch.Tensor) -> None:
+        dev, n, vocab = logits.device, len(rows), logits.shape[1]
+        counts = torch.zeros(n, vocab, device=dev)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+        for j, row in enumerate(rows):
+            if row.output_token_ids:
+                out = torch.tensor(row.output_token_ids, device=dev)
+                counts[j].index_add_(0, out, torch.ones(len(out), device=dev))
+            if row.prompt_token_ids:
+                seen[j, torch.tensor(row.prompt_token_ids, device=dev)] = True
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+        sub = logits[idx]
+        seen |= counts > 0
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)   # prompt + output
+        sub = sub - freq * counts - pres * (counts > 0).float()                    # output only
+        logits[idx] = sub
+
+    # -- sampling -----------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Processed logits [num_rows, vocab] -> token ids [num_rows]."""
+        greedy = [r.params.temperature == 0 for r in rows]
+        tokens = logits.argmax(dim=-1)
+        if all(greedy):
+            return tokens
+        probs = self.probs(logits, rows)
+        noise = self.exponential_noise(rows, probs.shape[1], probs.device)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
+
+    def probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Target distribution of each row after temperature, min-p, top-k and top-p (greedy rows
+        get temperature 1 as a placeholder; callers use their argmax)."""
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature or 1.0 for r in rows], device=dev)[:, None]
+        logits = logits / temp
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            probs = logits.softmax(dim=-1)
+            limit = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < limit, float("-inf"))
+        top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if min(top_k) < self.vocab_size or min(top_p) < 1.0:
+            logits = _top_k_top_p(logits, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+        return logits.softmax(dim=-1)
+
+    def exponential_noise(self, rows: list[SampleRow], vocab: int, device: torch.device) -> torch.Tensor:
+        noise = torch.empty(len(rows), vocab, device=device)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(
+                generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+        return noise
+
+    # -- logprobs -----------------------------------------------------------------------------
+    @staticmethod
+    def logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
+        """Raw logprobs (vLLM's default `raw_logprobs` mode) of the chosen tokens plus top-N."""
+        logprobs = raw_logits.float().log_softmax(dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+        ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+        k = max(num_top) if num_top else 0
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        out = []
+        for i, n in enumerate(num_top):
+            out.append(TokenLogprob(
+                token_id=int(token_ids[i]), logprob=float(chosen[i]), rank=int(ranks[i]),
+                top_token_ids=top_ids[i, :n].tolist() if n else [],
+                top_logprobs=top_vals[i, :n].tolist() if n else []))
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and its top-p nucleus (the first token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))

@@ -1,0 +1,67 @@
+"""The worker: model + KV storage + runner on one device. The scheduler reaches the device only
+through `Worker.execute(plan)`; everything it needs to know comes back as plain numbers."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
+from specserve.spec_phases.loader import load_model
+from specserve.spec_phases.plan import StepPlan, StepResult
+from specserve.spec_phases.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class Worker:
+    def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto", block_size: int = 16,
+                 kv_cache_memory_gb: float = 1.0, num_kv_blocks: int | None = None, seed: int = 0,
+                 num_threads: int | None = None, tiny_seed: int = 0):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        torch.manual_seed(seed)
+        self.model = load_model(model, self.dtype, self.device, tiny_seed=tiny_seed)
+        cfg = self.config = self.model.config
+        self.num_blocks = num_kv_blocks or num_blocks_for_budget(
+            kv_cache_memory_gb * 2**30, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if self.num_blocks < 1:
+            raise ValueError("the KV cache budget is too small for one block")
+        self.block_size = block_size
+        self.storage = KVStorage(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                 self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.storage, cfg.eos_token_ids, seed)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, block_size,
+                    self.storage.nbytes / 2**20, self.dtype, self.device)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.runner.generators.pop(request_id, None)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
