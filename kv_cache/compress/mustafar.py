@@ -1,0 +1,101 @@
+"""Mustafar: per-token magnitude pruning of post-RoPE keys and values, stored as bitmap-sparse tiles.
+
+Each token keeps its `head_dim - int(sparsity * head_dim)` largest-magnitude channels (per kv head),
+separately for K and V; the newest tokens (the dense window) and the sinks are never pruned. Pages
+(a multiple of 64 tokens) are packed with `bitmap_encode`: keys in column tiles (one channel × 64
+tokens), values in row tiles (one token × 64 channels); layout in kernels/reference/bitmap_attention.py.
+
+Bytes per tile in the packed format: 8 (bitmap) + 4 (int32 offset) + 2 × non-zeros. (In memory
+offsets are int64 for simplicity; the accounting uses the format's int32.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.kernels.dispatch import get_op
+from specserve.kernels.reference.bitmap_attention import dense_keys, dense_values
+from specserve.kv_cache.compress.base import Compressor, CompressorConfig, LayerState
+
+TILE = 64
+TILE_META_BYTES = 8 + 4
+
+
+def magnitude_prune(x: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Zero all but the top `D - int(sparsity * D)` entries by |x| along the last dim (ties: lowest index)."""
+    d = x.shape[-1]
+    keep = d - int(sparsity * d)
+    if keep >= d:
+        return x.clone()
+    top = x.abs().topk(keep, dim=-1).indices
+    return torch.zeros_like(x).scatter(-1, top, x.gather(-1, top))
+
+
+@dataclass
+class MustafarPage:
+    k_bitmaps: torch.Tensor     # [H, P / 64, D] int64
+    k_offsets: torch.Tensor     # [H, P / 64, D] int64, into k_values
+    k_values: torch.Tensor      # [nnz_k] fp16
+    v_bitmaps: torch.Tensor     # [H, P, D / 64] int64
+    v_offsets: torch.Tensor     # [H, P, D / 64] int64, into v_values
+    v_values: torch.Tensor      # [nnz_v] fp16
+
+
+class MustafarCompressor(Compressor):
+    name = "mustafar"
+
+    def __init__(self, config: CompressorConfig, key_sparsity: float = 0.7, value_sparsity: float = 0.7):
+        super().__init__(config)
+        if config.page_size % TILE or config.head_dim % TILE:
+            raise ValueError("Mustafar needs page_size and head_dim to be multiples of 64")
+        if not (0 <= key_sparsity < 1 and 0 <= value_sparsity < 1):
+            raise ValueError("sparsity must be in [0, 1)")
+        self.key_sparsity, self.value_sparsity = key_sparsity, value_sparsity
+        self.name = f"mustafar-k{key_sparsity:g}-v{value_sparsity:g}"
+
+    def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> MustafarPage:
+        p, h, d = k.shape
+        encode = get_op("bitmap_encode", str(k.device))
+        kp = magnitude_prune(k.half(), self.key_sparsity).transpose(0, 1)        # [H, P, D]
+        vp = magnitude_prune(v.half(), self.value_sparsity).transpose(0, 1)
+        k_tiles = kp.reshape(h, p // TILE, TILE, d).transpose(2, 3).reshape(-1, TILE)   # (h, b, c) rows
+        kb, ko, kv = encode(k_tiles.contiguous())
+        vb, vo, vv = encode(vp.reshape(-1, TILE).contiguous())                   # (h, t, j) rows
+        return MustafarPage(kb.view(h, p // TILE, d), ko.view(h, p // TILE, d), kv,
+                            vb.view(h, p, d // TILE), vo.view(h, p, d // TILE), vv)
+
+    def _decode_page(self, page: MustafarPage) -> tuple[torch.Tensor, torch.Tensor]:
+        k = dense_keys(page.k_bitmaps, page.k_offsets, page.k_values)            # [H, P, D]
+        v = dense_values(page.v_bitmaps, page.v_offsets, page.v_values)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
+        pages = state.pages
+        k_shift, v_shift, parts = 0, 0, {name: [] for name in ("kb", "ko", "kv", "vb", "vo", "vv")}
+        for pg in pages:                                                         # concatenate, rebasing offsets
+            parts["kb"].append(pg.k_bitmaps)
+            parts["ko"].append(pg.k_offsets + k_shift)
+            parts["kv"].append(pg.k_values)
+            parts["vb"].append(pg.v_bitmaps)
+            parts["vo"].append(pg.v_offsets + v_shift)
+            parts["vv"].append(pg.v_values)
+            k_shift += pg.k_values.numel()
+            v_shift += pg.v_values.numel()
+        cat = {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1) for name, ts in parts.items()}
+        attend = get_op("bitmap_attention", str(q.device))
+        return attend(q, cat["kb"], cat["ko"], cat["kv"], cat["vb"], cat["vo"], cat["vv"], self.sm_scale)
+
+    def page_bytes(self, page: MustafarPage) -> int:
+        num_tiles = page.k_bitmaps.numel() + page.v_bitmaps.numel()
+        return num_tiles * TILE_META_BYTES + 2 * (page.k_values.numel() + page.v_values.numel())
+
+    def bytes_per_token(self) -> float:
+        """Assumes the kept entries are non-zero (true for real activations)."""
+        c = self.config
+        h, d = c.num_kv_heads, c.head_dim
+        kept_k = d - int(self.key_sparsity * d)
+        kept_v = d - int(self.value_sparsity * d)
+        keys = h * d * TILE_META_BYTES / TILE + h * 2 * kept_k                   # D tiles per 64 tokens
+        values = h * (d // TILE) * TILE_META_BYTES + h * 2 * kept_v               # D/64 tiles per token
+        return keys + values
