@@ -18,6 +18,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,12 @@ def peers_dir() -> Path:
     path = Path(os.environ.get("SPECSERVE_PEERS_DIR") or cache_dir() / "peers")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def venv_python(venv: Path) -> Path:

@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from specserve.loadtests.vllm_bench import markdown as bench_markdown
+
 OURS_PREFIX = "specserve"
 
 
@@ -102,6 +104,7 @@ def markdown(results: dict) -> str:
             per_pos = ", ".join(_fmt(v) for v in sd["acceptance_per_pos"])
             lines.append(f"| {c['label']} | {c['peer']} | {_fmt(sd['acceptance_rate'])} "
                          f"| {_fmt(sd['mean_acceptance_length'])} | {per_pos} |")
+    lines.append(bench_markdown(results.get("vllm_bench")))
     lines += ["", "### Peers", ""]
     for name, info in results["peers"].items():
         lines.append(f"- **{name}**: {info.get('status', '?')}")

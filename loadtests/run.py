@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import sys
 import time
 from pathlib import Path
@@ -31,14 +30,8 @@ ALL_PEERS = ["llama.cpp", "vllm-cpu", "vllm-cpu-ngram", "specserve-plain", "spec
 MAX_MODEL_LEN = 8192
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_peer(name: str, install: bool) -> peer_mod.Peer:
-    port = free_port()
+    port = peer_mod.free_port()
     if name.startswith("specserve-"):
         return peer_mod.specserve_peer(port, mode=name.split("-", 1)[1], max_model_len=MAX_MODEL_LEN)
     if name.startswith("vllm-cpu"):
