@@ -5,7 +5,8 @@ Two load shapes over the same list of requests:
 - open loop: request i is sent at `arrival_s[i]` after the start (Poisson or bursty gaps, see
   workloads.py), however many are still in flight, up to `max_in_flight`.
 Both stop sending new requests at `time_limit_s`, and cancel what is still running at
-`time_limit_s + grace_s`; cancelled requests are reported as failed with error "cancelled".
+`time_limit_s + grace_s`; cancelled requests are reported as failed with error "cancelled", keeping
+what they had streamed so far (their content chunks still count as delivered tokens).
 """
 from __future__ import annotations
 
@@ -53,10 +54,12 @@ def _sse_payloads(lines):
 
 
 async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, spec: RequestSpec,
-                            extra_body: dict | None = None) -> RequestResult:
+                            extra_body: dict | None = None, result: RequestResult | None = None) -> RequestResult:
+    """Send one streaming request; fills `result` in place as chunks arrive (so a cancel keeps them)."""
     body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, **(extra_body or {})}
-    result = RequestResult(start_s=time.perf_counter())
+    result = result if result is not None else RequestResult()
+    result.start_s = time.perf_counter()
     last_chunk_s = None
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
@@ -107,12 +110,17 @@ async def _aiter_payloads(response: httpx.Response):
             yield payload
 
 
-async def _bounded(coro, deadline: float) -> RequestResult:
-    """Run one request until the hard deadline (perf_counter); past it, a failed 'cancelled' result."""
+async def _bounded(client: httpx.AsyncClient, base_url: str, model: str, spec: RequestSpec,
+                   extra_body: dict | None, deadline: float) -> RequestResult:
+    """One request until the hard deadline (perf_counter); past it, failed with error 'cancelled'."""
+    result = RequestResult()
     try:
-        return await asyncio.wait_for(coro, max(0.0, deadline - time.perf_counter()))
+        return await asyncio.wait_for(stream_completion(client, base_url, model, spec, extra_body, result),
+                                      max(0.0, deadline - time.perf_counter()))
     except asyncio.TimeoutError:
-        return RequestResult(error="cancelled")
+        result.ok, result.error = False, "cancelled"
+        result.completion_tokens = result.num_chunks   # usage never came: count what was streamed
+        return result
 
 
 def _client(max_connections: int) -> httpx.AsyncClient:
@@ -134,8 +142,7 @@ async def run_closed_loop(base_url: str, model: str, requests: list[RequestSpec]
         async def worker() -> None:
             while queue and time.perf_counter() < soft_deadline:
                 spec = queue.pop()
-                results.append(await _bounded(
-                    stream_completion(client, base_url, model, spec, extra_body), hard_deadline))
+                results.append(await _bounded(client, base_url, model, spec, extra_body, hard_deadline))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return LoadResult(results, time.perf_counter() - start)
@@ -153,8 +160,7 @@ async def run_open_loop(base_url: str, model: str, requests: list[RequestSpec], 
     async with _client(max_in_flight) as client:
         async def one(spec: RequestSpec) -> RequestResult:
             async with gate:
-                return await _bounded(stream_completion(client, base_url, model, spec, extra_body),
-                                      hard_deadline)
+                return await _bounded(client, base_url, model, spec, extra_body, hard_deadline)
 
         for spec in sorted(requests, key=lambda r: r.arrival_s):
             if spec.arrival_s > time_limit_s:

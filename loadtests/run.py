@@ -89,10 +89,10 @@ async def run_cell(peer: peer_mod.Peer, model: str, cell: Cell) -> dict:
         requests = list(cell.requests)
         if cell.concurrency is not None:
             load = await run_closed_loop(peer.base_url, model, requests, cell.concurrency, cell.time_limit_s,
-                                         grace_s=cell.time_limit_s, extra_body=peer.extra_body)
+                                         grace_s=cell.grace_s, extra_body=peer.extra_body)
         else:
             load = await run_open_loop(peer.base_url, model, requests, cell.time_limit_s,
-                                       grace_s=cell.time_limit_s, extra_body=peer.extra_body)
+                                       grace_s=cell.grace_s, extra_body=peer.extra_body)
         after = await scrape(client, peer.base_url)
     ok = [r for r in load.results if r.ok]
     errors = sorted({r.error for r in load.results if r.error})
@@ -120,7 +120,7 @@ def run_peer(name: str, cells: list[Cell], deadline: float, log_dir: Path, insta
         asyncio.run(run_closed_loop(peer.base_url, model, warm, 1, 60.0, extra_body=peer.extra_body))
         skipped = []
         for cell in cells:
-            if time.monotonic() + cell.time_limit_s > deadline:
+            if time.monotonic() + cell.time_limit_s + cell.grace_s > deadline:
                 skipped.append(cell.label)
                 continue
             print(f"[{name}] {cell.label} ...", flush=True)

@@ -5,7 +5,8 @@ Definitions follow `vllm bench serve` so the two can be compared:
 - ITL: gaps between consecutive content chunks of one request (with speculation a chunk may carry
   several tokens, so ITL is per chunk, not per token).
 - TPOT: (E2E - TTFT) / (output tokens - 1), per request.
-- Output tokens/s: output tokens of completed requests / wall time of the whole cell.
+- Output tokens/s: tokens delivered / wall time of the whole cell, where delivered = usage tokens of
+  completed requests + content chunks streamed by requests cancelled at the cell's deadline.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def summarize(results: Sequence, duration_s: float, slo: SLO | None = None) -> d
     tpots = [v for v in (tpot(r.e2e_s, r.ttft_s, r.completion_tokens) for r in ok) if not math.isnan(v)]
     itls = [gap for r in ok for gap in r.itls_s]
     num_output_tokens = sum(r.completion_tokens for r in ok)
+    num_delivered = num_output_tokens + sum(r.completion_tokens for r in results if r.error == "cancelled")
     num_good = sum(1 for r in ok if slo is None or slo.met_by(
         r.ttft_s, tpot(r.e2e_s, r.ttft_s, r.completion_tokens), r.e2e_s))
     per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: math.nan)
@@ -83,7 +85,8 @@ def summarize(results: Sequence, duration_s: float, slo: SLO | None = None) -> d
         "num_prompt_tokens": sum(r.prompt_tokens for r in ok),
         "num_output_tokens": num_output_tokens,
         "mean_output_tokens": num_output_tokens / len(ok) if ok else math.nan,
-        "output_tokens_per_s": per_s(num_output_tokens),
+        "num_cancelled": sum(1 for r in results if r.error == "cancelled"),
+        "output_tokens_per_s": per_s(num_delivered),
         "requests_per_s": per_s(len(ok)),
         "goodput_requests_per_s": per_s(num_good),
         "slo_attainment": num_good / len(results) if results else math.nan,

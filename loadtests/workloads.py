@@ -38,7 +38,8 @@ class Cell:
 
     workload: str
     requests: tuple[RequestSpec, ...]
-    time_limit_s: float
+    time_limit_s: float               # no new request after this
+    grace_s: float                    # in-flight requests are cancelled this long after the limit
     slo: SLO
     concurrency: int | None = None
     rate: float | None = None
@@ -123,34 +124,36 @@ def gamma_arrivals(num: int, rate: float, burstiness: float, seed: int) -> list[
 
 
 SIZES = {
-    # name: chat concurrencies, chat requests per level, code-edit levels, long (tokens, requests, conc),
-    #       bursty (rate, requests), time limit per cell
+    # chat/code-edit: concurrency levels and requests per level; long: (prompt tokens, requests,
+    # concurrency); bursty: (req/s, requests); limit_s/grace_s per cell (long gets twice both).
+    # "modest" is sized for about 5 minutes per peer on 2 cores, so five peers fit in ~30 minutes.
     "smoke": dict(chat_levels=(1, 4), chat_n=4, code_levels=(1,), code_n=2, long=(1024, 2, 2),
-                  bursty=(2.0, 6), limit_s=20.0),
-    "modest": dict(chat_levels=(1, 8, 16), chat_n=48, code_levels=(1, 8), code_n=16, long=(4096, 8, 8),
-                   bursty=(3.0, 40), limit_s=45.0),
+                  bursty=(1.0, 4), limit_s=8.0, grace_s=10.0),
+    "modest": dict(chat_levels=(1, 8, 16), chat_n=64, code_levels=(1, 8), code_n=32, long=(4096, 4, 4),
+                   bursty=(2.0, 50), limit_s=20.0, grace_s=15.0),
 }
 
 
 def cells(size: str = "modest", seed: int = 0, count_tokens: TokenCounter | None = None) -> list[Cell]:
     cfg = SIZES[size]
-    limit = cfg["limit_s"]
+    limit, grace = cfg["limit_s"], cfg["grace_s"]
     chat_slo, long_slo = SLO(ttft_s=2.0, tpot_s=0.2), SLO(ttft_s=30.0, tpot_s=0.5)
     out = []
     for c in cfg["chat_levels"]:
         prompts = chat_prompts(max(cfg["chat_n"], 2 * c), seed)
-        out.append(Cell("chat", tuple(RequestSpec(p, 64) for p in prompts), limit, chat_slo, concurrency=c))
+        out.append(Cell("chat", tuple(RequestSpec(p, 64) for p in prompts), limit, grace, chat_slo,
+                        concurrency=c))
     for c in cfg["code_levels"]:
         prompts = code_edit_prompts(max(cfg["code_n"], 2 * c), seed + 1)
-        out.append(Cell("code-edit", tuple(RequestSpec(p, 128) for p in prompts), limit, chat_slo,
+        out.append(Cell("code-edit", tuple(RequestSpec(p, 128) for p in prompts), limit, grace, chat_slo,
                         concurrency=c))
     num_tokens, num, conc = cfg["long"]
     prompts = long_prompts(num, seed + 2, num_tokens, count_tokens)
-    out.append(Cell("long", tuple(RequestSpec(p, 32) for p in prompts), 2 * limit, long_slo,
+    out.append(Cell("long", tuple(RequestSpec(p, 32) for p in prompts), 2 * limit, 2 * grace, long_slo,
                     concurrency=conc))
     rate, num = cfg["bursty"]
     arrivals = gamma_arrivals(num, rate, 0.25, seed + 3)
     prompts = chat_prompts(num, seed + 4)
     out.append(Cell("bursty", tuple(RequestSpec(p, 64, a) for p, a in zip(prompts, arrivals)), limit,
-                    chat_slo, rate=rate, burstiness=0.25))
+                    grace, chat_slo, rate=rate, burstiness=0.25))
     return out

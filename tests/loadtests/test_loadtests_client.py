@@ -2,6 +2,7 @@
 import asyncio
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from specserve.loadtests.client import (RequestSpec, first_model_id, run_closed_loop, run_open_loop,
                                         stream_completion)
 from specserve.loadtests.metrics import scrape
+from specserve.loadtests.stats import summarize
 import httpx
 
 METRICS = 'vllm:spec_decode_num_drafts_total{engine="0",model_name="fake"} 4.0\n'
@@ -54,6 +56,9 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             write({"id": "c", "object": "text_completion",
                    "choices": [{"index": 0, "text": "t" * min(per_chunk, n - i), "finish_reason": None}]})
             self.wfile.flush()
+            if prompt == "stall" and i == 1:
+                time.sleep(3.0)                      # long past the client's hard deadline
+                return
         if prompt == "inband":
             write({"error": {"message": "boom", "type": "InternalServerError", "code": 500}})
         elif prompt == "truncated":
@@ -140,3 +145,14 @@ def test_model_id_and_metrics_scrape(base_url):
     totals, missing = asyncio.run(go())
     assert totals == {"vllm:spec_decode_num_drafts_total": 4.0}
     assert missing is None
+
+
+def test_requests_past_the_hard_deadline_are_cancelled_but_keep_their_tokens(base_url):
+    load = asyncio.run(run_closed_loop(base_url, "fake", [RequestSpec("stall", 5)], concurrency=1,
+                                       time_limit_s=0.1, grace_s=0.5))
+    (r,) = load.results
+    assert not r.ok and r.error == "cancelled"
+    assert (r.num_chunks, r.completion_tokens) == (2, 2)
+    s = summarize(load.results, load.duration_s)
+    assert (s["num_completed"], s["num_cancelled"]) == (0, 1)
+    assert s["output_tokens_per_s"] == 2 / load.duration_s
