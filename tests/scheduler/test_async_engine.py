@@ -1,0 +1,81 @@
+import asyncio
+
+import pytest
+
+from specserve.scheduler.async_engine import AsyncEngine
+from specserve.scheduler.config import EngineConfig
+from specserve.scheduler.messages import EngineDeadError, EngineOverloadedError, EngineRequest
+from specserve.scheduler.sampling_params import ParamError, SamplingParams
+
+
+@pytest.fixture
+def engine():
+    eng = AsyncEngine(EngineConfig(model="tiny-random", kv_cache_memory_gb=0.05))
+    yield eng
+    eng.shutdown()
+
+
+def req(rid, n=20, max_tokens=10):
+    return EngineRequest(rid, [3 + (7 * i) % 300 for i in range(n)],
+                         SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+async def collect(engine, request):
+    tokens, last = [], None
+    async for out in engine.submit(request):
+        tokens.extend(out.new_token_ids)
+        last = out
+    return tokens, last
+
+
+def test_concurrent_requests_stream_to_completion(engine):
+    async def main():
+        return await asyncio.gather(*(collect(engine, req(f"c{i}", n=5 + i)) for i in range(5)))
+    results = asyncio.run(main())
+    assert all(len(t) == 10 and last.finished and last.finish_reason == "length" for t, last in results)
+
+
+def test_consumer_leaving_early_aborts_and_frees(engine):
+    async def main():
+        stream = engine.submit(req("gone", max_tokens=200))
+        async for out in stream:
+            if out.new_token_ids:
+                break
+        await stream.aclose()
+        for _ in range(200):
+            if not engine.core.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+    asyncio.run(main())
+    assert not engine.core.has_unfinished()
+    engine.core.kv.check_integrity()
+
+
+def test_validation_and_overload_raise_before_streaming():
+    eng = AsyncEngine(EngineConfig(model="tiny-random", kv_cache_memory_gb=0.05, max_waiting_requests=1,
+                                   max_model_len=64))
+    try:
+        async def main():
+            with pytest.raises(ParamError):
+                eng.submit(req("long", n=70))
+            eng.core.scheduler.waiting.append(object())     # a full queue, as the engine sees it
+            with pytest.raises(EngineOverloadedError):
+                eng.submit(req("x"))
+            eng.core.scheduler.waiting.clear()
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+
+
+def test_dead_engine_fails_streams_and_new_submits(engine, monkeypatch):
+    def explode():
+        raise SystemError("kaput")
+    async def main():
+        monkeypatch.setattr(engine.core, "step", explode)
+        with pytest.raises(EngineDeadError):
+            await collect(engine, req("d"))
+        assert engine.is_dead
+        with pytest.raises(EngineDeadError):
+            engine.submit(req("after"))
+    asyncio.run(main())
+    engine.core.scheduler.abort("d")                        # the dead loop left it behind

@@ -1,0 +1,79 @@
+import math
+
+import pytest
+import torch
+
+from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampler import SampleRow, Sampler
+
+V = 10
+
+
+def rows(params, outputs=None, prompt=None, gens=None):
+    n = len(params)
+    return [SampleRow(p, prompt[i] if prompt else [], outputs[i] if outputs else [], gens[i] if gens else None)
+            for i, p in enumerate(params)]
+
+
+def sampler():
+    return Sampler(V, (9,), "cpu", seed=0)
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    s = sampler()
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05] + [1e-9] * 5] * 3))
+    probs = s.probs(logits.clone(), rows([SamplingParams(top_k=2), SamplingParams(top_p=0.65),
+                                          SamplingParams(min_p=0.4)]))
+    assert (probs[0] > 0).sum() == 2 and math.isclose(float(probs[0, 0]), 0.4 / 0.7, rel_tol=1e-5)
+    assert (probs[1] > 0).sum() == 2                  # 0.4 + 0.3 reaches 0.65
+    assert (probs[2] > 0).sum() == 3                  # min_p 0.4 * 0.4 = 0.16 keeps 0.4, 0.3, 0.2
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+def test_temperature_sampling_follows_the_distribution():
+    s = sampler()
+    target = torch.tensor([0.5, 0.25, 0.125, 0.125] + [0.0] * 6)
+    logits = torch.log(target.clamp_min(1e-30))[None].repeat(4000, 1)
+    draws = s.sample(logits, rows([SamplingParams(temperature=1.0)] * 4000))
+    freq = torch.bincount(draws, minlength=V).float() / 4000
+    assert torch.allclose(freq[:4], target[:4], atol=0.03) and freq[4:].sum() == 0
+
+
+def test_penalties_and_bias_and_min_tokens():
+    s = sampler()
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0, 0, 0, 0, 0, 3.0]] * 4)
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(frequency_penalty=1.0),
+              SamplingParams(presence_penalty=1.5, logit_bias={4: 7.0}), SamplingParams(min_tokens=3)]
+    out = s.process(logits.clone(), rows(params, outputs=[[0], [1, 1], [3, 3], [5]], prompt=[[2], [], [], []]))
+    assert out[0, 0] == 1.0 and out[0, 2] == -2.0 and out[0, 1] == 1.0   # output and prompt tokens
+    assert out[1, 1] == -1.0 and out[1, 0] == 2.0                         # 1.0 - 2 * 1.0
+    assert out[2, 3] == -1.0 and out[2, 4] == 7.0                         # presence once; bias
+    assert out[3, 9] == float("-inf")                                      # EOS masked below min_tokens
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    s = sampler()
+    logits = torch.zeros(1, V)
+    p = SamplingParams(temperature=1.0)
+    a = [int(s.sample(logits.clone(), rows([p], gens=[torch.Generator().manual_seed(7)]))) for _ in range(1)]
+    batch = torch.zeros(5, V)
+    gens = [None, None, torch.Generator().manual_seed(7), None, None]
+    b = s.sample(batch, rows([p] * 5, gens=gens))
+    assert int(b[2]) == a[0]
+
+
+def test_greedy_rows_take_the_argmax_after_processing():
+    s = sampler()
+    logits = torch.tensor([[0.0, 5.0, 4.9] + [0.0] * 7])
+    out = s.sample(s.process(logits.clone(), rows([SamplingParams(temperature=0, logit_bias={2: 1.0})])),
+                   rows([SamplingParams(temperature=0)]))
+    assert int(out[0]) == 2
+
+
+def test_logprobs_are_raw_and_ranked():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
+    lp = Sampler.logprobs(logits, torch.tensor([2]), [2])[0]
+    want = torch.log_softmax(logits, -1)[0]
+    assert lp.rank == 2 and lp.top_token_ids == [0, 2]
+    assert lp.logprob == pytest.approx(float(want[2]))
+    assert lp.top_logprobs == pytest.approx([float(want[0]), float(want[2])])

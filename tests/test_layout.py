@@ -1,0 +1,51 @@
+"""Imports go one way: server -> scheduler -> {spec_phases, kv_cache} -> kernels
+(spec_phases may read kv_cache). Every package folder is installed as specserve.<folder>."""
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED = {
+    "server": {"server", "scheduler", "spec_phases", "kv_cache", "kernels"},
+    "scheduler": {"scheduler", "spec_phases", "kv_cache", "kernels"},
+    "spec_phases": {"spec_phases", "kv_cache", "kernels"},
+    "kv_cache": {"kv_cache", "kernels"},
+    "kernels": {"kernels"},
+    "loadtests": {"loadtests", "spec_phases"},   # HTTP only; reads the embedded model path for peers
+}
+
+
+def imported_layers(path: Path) -> set[tuple[str, int]]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "specserve" and len(parts) > 1:
+                found.add((parts[1], node.lineno))
+            elif parts[0] in ALLOWED:
+                found.add((parts[0] + " (bare import: use specserve.*)", node.lineno))
+    return found
+
+
+def test_imports_go_one_way():
+    bad = []
+    for layer, allowed in ALLOWED.items():
+        for path in (ROOT / layer).rglob("*.py"):
+            for target, line in imported_layers(path):
+                if target not in allowed:
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_package_folder_is_installed():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = set(config["packages"])
+    for layer in ALLOWED:
+        for init in (ROOT / layer).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT)
+            assert "specserve." + ".".join(rel.parts) in declared, f"{rel} missing from pyproject packages"
