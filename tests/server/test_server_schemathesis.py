@@ -17,7 +17,7 @@ def schemathesis_command(url: str, report: Path) -> list[str]:
     exe = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
     return [exe, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
             "--max-examples", "15", "--seed", "1", "--request-timeout", "20", "--workers", "1",
-            "--phases", "examples,coverage,fuzzing", "--no-shrink", "--suppress-health-check", "all",
+            "--phases", "examples,coverage,fuzzing", "--no-shrink", "--suppress-health-check", "all", "--generation-database", "none",
             "--report", "ndjson", "--report-ndjson-path", str(report), "--no-color"]
 
 
@@ -27,7 +27,6 @@ def test_schemathesis_finds_no_server_error(make_server, tmp_path):
     done = subprocess.run(schemathesis_command(server.url, report), capture_output=True, text=True,
                           timeout=540)
     tail = done.stdout[-4000:] + done.stderr[-2000:]
-    print(done.stdout[-3000:])
     assert done.returncode == 0, tail
     assert "not_a_server_error" in done.stdout or "passed" in done.stdout.lower(), tail
     # the server is still healthy afterwards and nothing is left running in the engine
