@@ -27,7 +27,7 @@ class EngineCore:
         self.async_owner = None                   # the AsyncEngine driving this core, if any
         self.worker = Worker(config.model, config.device, config.dtype, config.block_size,
                              config.kv_cache_memory_gb, config.num_kv_blocks, config.seed, config.num_threads,
-                             config.tiny_random_seed)
+                             config.tiny_random_seed, config.speculative)
         cfg = self.worker.config
         max_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         capacity = self.worker.num_blocks * config.block_size
@@ -37,8 +37,9 @@ class EngineCore:
         self.max_model_len = max_len
         pool = BlockPool(self.worker.num_blocks, config.block_size, config.enable_prefix_caching, name="full")
         self.kv = KVCacheManager([pool])
+        spec = config.speculative
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                   cfg.eos_token_ids)
+                                   cfg.eos_token_ids, spec.num_speculative_tokens if spec else 0)
         path = resolve_model_path(None if config.model == TINY_RANDOM else config.model)
         name = TINY_RANDOM if config.model == TINY_RANDOM else (
             path.name if path.is_dir() else Path(path).stem)

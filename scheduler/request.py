@@ -36,7 +36,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0                       # tokens whose KV is in the cache
         self.num_cached_tokens = -1                        # prefix-cache hit at first schedule (-1: not yet)
-        self.draft_token_ids: list[int] = []               # proposals for this step (0..k)
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.prompt_logprobs: list = []                    # gathered over prefill chunks

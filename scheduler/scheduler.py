@@ -37,8 +37,9 @@ class StepStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], num_speculative_tokens: int = 0):
         self.kv = kv
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -83,16 +84,13 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.stats = StepStats()
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []          # (request, tokens, draft slots)
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = req.num_tokens + len(req.draft_token_ids) - req.num_computed_tokens
-            if num_new > budget and req.draft_token_ids:       # shorten drafts rather than split rows
-                del req.draft_token_ids[max(0, budget - (num_new - len(req.draft_token_ids))):]
-                num_new = req.num_tokens + len(req.draft_token_ids) - req.num_computed_tokens
-            num_new = min(num_new, budget)
+            num_drafts = min(self.draft_len(req), budget - 1)  # shorten drafts rather than split rows
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget - num_drafts) + num_drafts
             while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -100,7 +98,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, num_new))
+                scheduled.append((req, num_new - num_drafts, num_drafts))
                 budget -= num_new
                 i += 1
                 continue
@@ -109,7 +107,18 @@ class Scheduler:
             budget = self._admit(scheduled, budget)
         return self._plan(scheduled)
 
-    def _admit(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+    def draft_len(self, req: Request) -> int:
+        """Draft slots for a decoding request this step: the configured k, capped per request and by
+        what is left of max_tokens and of the context. (FASER's controller will choose it.)"""
+        if self.num_speculative_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        k = self.num_speculative_tokens
+        if req.params.num_speculative_tokens is not None:
+            k = min(k, req.params.num_speculative_tokens)
+        k = min(k, req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        return max(k, 0)
+
+    def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
@@ -127,7 +136,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append((req, num_new))
+            scheduled.append((req, num_new, 0))
             budget -= num_new
         return budget
 
@@ -137,20 +146,18 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.draft_token_ids = []
         req.num_preemptions += 1
         if req.num_output_tokens == 0:
             req.prompt_logprobs = []                           # recomputed with the prompt
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
+    def _plan(self, scheduled: list[tuple[Request, int, int]]) -> StepPlan:
         out = []
-        for req, num_new in scheduled:
+        for req, num_new, num_drafts in scheduled:
             start = req.num_computed_tokens
-            tokens = (req.all_token_ids + req.draft_token_ids)[start:start + num_new]
+            tokens = req.all_token_ids[start:start + num_new]
             sample = start + num_new >= req.num_tokens
-            num_drafts = start + num_new - req.num_tokens if sample else 0
             if start < req.num_prompt_tokens:
                 self.stats.num_prompt_tokens += min(num_new, req.num_prompt_tokens - start)
             out.append(ScheduledRequest(
@@ -178,10 +185,9 @@ class Scheduler:
             sampled = result.sampled[sreq.request_id]
             tokens = sampled.token_ids
             num_accepted = len(tokens) - 1
-            req.num_computed_tokens -= sreq.num_draft_tokens - num_accepted   # roll back rejected rows
-            req.draft_token_ids = []
-            if sreq.num_draft_tokens:
-                self._count_spec(req, sreq.num_draft_tokens, num_accepted)
+            req.num_computed_tokens += num_accepted          # verified drafts; rejected ones roll back
+            if sampled.num_drafted:
+                self._count_spec(req, sampled.num_drafted, num_accepted)
             new_tokens = []
             for tok in tokens:
                 req.append(tok)

@@ -22,10 +22,10 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]            # tokens to compute: a prompt chunk, or [last sampled] + drafts
+    token_ids: list[int]            # tokens to compute: a prompt chunk, or [last sampled token]
     num_computed_tokens: int        # position of token_ids[0]
-    num_draft_tokens: int           # the last num_draft_tokens of token_ids are drafts (0 today)
-    block_ids: list[int]            # covers num_computed_tokens + len(token_ids) slots
+    num_draft_tokens: int           # at most this many drafts may follow (the draft phase proposes them)
+    block_ids: list[int]            # covers num_computed_tokens + len(token_ids) + num_draft_tokens slots
     sample: bool                    # this chunk reaches the end of the sequence: produce tokens
     params: object                  # SamplingParams (duck-typed: spec_phases never imports scheduler)
     prompt_token_ids: list[int]     # live references, for penalties and prompt logprobs
@@ -53,6 +53,7 @@ class StepPlan:
 @dataclass(slots=True)
 class SampledTokens:
     token_ids: list[int]                        # accepted drafts + exactly one bonus/recovered token
+    num_drafted: int = 0                        # drafts this step verified (0 .. num_draft_tokens)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 

@@ -9,6 +9,10 @@ import torch
 from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.plan import StepPlan, StepResult
+from specserve.spec_phases.proposers.base import Proposer
+from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer, default_skip_layers
+from specserve.spec_phases.proposers.ngram import NgramProposer
+from specserve.spec_phases.proposers.token_recycling import TokenRecyclingProposer
 from specserve.spec_phases.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -36,7 +40,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 class Worker:
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory_gb: float = 1.0, num_kv_blocks: int | None = None, seed: int = 0,
-                 num_threads: int | None = None, tiny_seed: int = 0):
+                 num_threads: int | None = None, tiny_seed: int = 0, speculative=None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(device)
@@ -52,8 +56,25 @@ class Worker:
         self.storage = KVStorage(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                  self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.storage, cfg.eos_token_ids, seed)
+        self.runner.proposer = self._proposer(model, speculative)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, block_size,
                     self.storage.nbytes / 2**20, self.dtype, self.device)
+
+    def _proposer(self, model: str | None, spec) -> Proposer | None:
+        """spec: a SpeculativeConfig (duck-typed; spec_phases does not import scheduler)."""
+        if spec is None or spec.num_speculative_tokens == 0:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "token_recycling":
+            return TokenRecyclingProposer(self.config.vocab_size, spec.recycling_top_k, self.device)
+        if spec.method == "layer_skip":
+            skip = spec.skip_layers
+            if skip is None:
+                skip = default_skip_layers(model, self.model, None, spec.num_speculative_tokens)
+            logger.info("layer_skip drafter skips layers %s", list(skip))
+            return LayerSkipProposer(self.runner.forward_rows, self.config.num_layers, tuple(skip))
+        raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)

@@ -1,0 +1,33 @@
+"""The proposer protocol: every drafter answers `propose(requests, max_lens) -> list[list[int]]`.
+
+A request's drafts continue its committed tokens; the verify pass scores them and acceptance keeps
+the longest valid prefix. All drafters here are deterministic, so under sampling their draft
+distribution is one-hot (papers.md §5.2) and rejection sampling stays exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    request_id: str
+    token_ids: list[int]          # committed tokens (prompt + output); the last is not yet in the KV cache
+    num_computed_tokens: int      # == len(token_ids) - 1 when drafting
+    block_ids: list[int]          # covers len(token_ids) + max_len - 1 slots
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
+        """At most max_lens[i] draft tokens for requests[i] (fewer, or none, is fine)."""
+        ...
+
+    def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """Called with the raw logits [rows, vocab] of every verified row and the token each row
+        consumed; drafters that learn from the target (token recycling) update here."""
+        ...

@@ -1,0 +1,153 @@
+"""Self-speculation by layer skipping: the target itself, running only a subset of its layers,
+drafts greedily on the same paged KV cache (no extra weights). The verify pass rewrites every
+drafted slot with full-model K/V, so the skipped layers never leak into the output.
+
+`python -m specserve.spec_phases.proposers.layer_skip [MODEL]` calibrates the default skip set for a
+model by measured agreement with the full model and stores it in the specserve cache.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specserve.spec_phases.paths import cache_dir, resolve_model_path
+from specserve.spec_phases.proposers.base import DraftRequest
+
+# (token id, position, block ids) per row -> raw logits [rows, vocab]
+RowForward = Callable[[list[tuple[int, int, list[int]]], list[int]], torch.Tensor]
+
+CALIBRATION_TEXT = (
+    "The history of computing is a story of abstraction. Early machines were programmed by rewiring "
+    "panels; later, stored programs let the same hardware run many tasks. Compilers turned readable code "
+    "into machine instructions, and operating systems shared one computer among many users.\n\n"
+    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
+    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
+    "    return result\n\nQuestion: What is the capital of Italy?\nAnswer: The capital of Italy is Rome. "
+    "Rome is known for its ancient ruins, such as the Colosseum, and for Vatican City.")
+
+
+class LayerSkipProposer:
+    name = "layer_skip"
+
+    def __init__(self, forward: RowForward, num_layers: int, skip_layers: tuple[int, ...]):
+        self.forward = forward
+        self.layers = [i for i in range(num_layers) if i not in set(skip_layers)]
+
+    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        current = [r.token_ids[-1] for r in requests]
+        for step in range(max(max_lens, default=0)):
+            active = [i for i, k in enumerate(max_lens) if k > step]
+            rows = [(current[i], requests[i].num_computed_tokens + step, requests[i].block_ids) for i in active]
+            next_tokens = self.forward(rows, self.layers).argmax(dim=-1).tolist()
+            for i, tok in zip(active, next_tokens):
+                drafts[i].append(tok)
+                current[i] = tok
+        return drafts
+
+    def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        pass
+
+
+def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       is_causal=True, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+@torch.inference_mode()
+def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...], dict]:
+    """Pick the skip set maximising the expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)), where a is
+    the measured greedy agreement with the full model and c the fraction of layers kept."""
+    ids = torch.tensor(token_ids, device=model.embed_tokens.weight.device)
+    pos = torch.arange(len(ids), device=ids.device)
+    n = model.config.num_layers
+    ref = model.compute_logits(model(ids, pos, _causal)).argmax(-1)
+
+    def agreement(skip: set[int]) -> float:
+        layers = [i for i in range(n) if i not in skip]
+        return float((model.compute_logits(model(ids, pos, _causal, layers)).argmax(-1) == ref).float().mean())
+
+    single = {layer: agreement({layer}) for layer in range(1, n - 1)}     # first and last always kept
+    order = sorted(single, key=single.get, reverse=True)                  # least important first
+    best, best_speedup, trace = (), 1.0, []
+    for num_skip in range(1, len(order) + 1):
+        skip = set(order[:num_skip])
+        a = min(agreement(skip), 0.999)
+        c = (n - num_skip) / n
+        speedup = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+        trace.append({"num_skip": num_skip, "agreement": round(a, 3), "speedup": round(speedup, 3)})
+        if speedup > best_speedup:
+            best, best_speedup = tuple(sorted(skip)), speedup
+        if a < 0.2:
+            break
+    return best, {"single_layer_agreement": single, "trace": trace, "expected_speedup": best_speedup}
+
+
+@torch.inference_mode()
+def _own_generation(model, length: int = 160) -> list[int]:
+    """Without a tokenizer, calibrate on the model's own greedy continuation of its BOS token."""
+    dev = model.embed_tokens.weight.device
+    ids = [model.config.bos_token_id if model.config.bos_token_id is not None else 1]
+    for _ in range(length):
+        x = torch.tensor(ids, device=dev)
+        ids.append(int(model.compute_logits(model(x, torch.arange(len(ids), device=dev), _causal)[-1:])[0].argmax()))
+    return ids
+
+
+def _cache_file(model: str | None) -> "object":
+    path = resolve_model_path(model)
+    key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()[:16]
+    return cache_dir() / "layer_skip" / f"{path.stem}-{key}.json"
+
+
+def default_skip_layers(model: str | None, llama, tokenize: Callable[[str], list[int]] | None = None,
+                        k: int = 4) -> tuple[int, ...]:
+    """The calibrated skip set for `model` from the cache, calibrating (and caching) it if missing."""
+    file = _cache_file(model)
+    if file.exists():
+        return tuple(json.loads(file.read_text())["skip_layers"])
+    token_ids = tokenize(CALIBRATION_TEXT) if tokenize else _own_generation(llama)
+    skip, report = calibrate(llama, token_ids, k)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps({"skip_layers": list(skip), **report}, indent=1))
+    return skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Calibrate the layer_skip drafter's default skip set.")
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("-k", type=int, default=4, help="draft length the speedup estimate assumes")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer  # noqa: F401  (only to fail early without transformers)
+
+    from specserve.spec_phases.loader import load_model
+    llama = load_model(args.model)
+    file = _cache_file(args.model)
+    if file.exists():
+        file.unlink()
+    tok = _tokenizer(args.model)
+    skip = default_skip_layers(args.model, llama, tok, args.k)
+    print(json.dumps({"model": str(resolve_model_path(args.model)), "skip_layers": list(skip),
+                      "cache": str(file)}))
+
+
+def _tokenizer(model: str | None) -> Callable[[str], list[int]]:
+    import os
+
+    from transformers import AutoTokenizer
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_model_path(model)
+    tok = (AutoTokenizer.from_pretrained(str(path)) if path.is_dir()
+           else AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    return tok.encode
+
+
+if __name__ == "__main__":
+    main()
