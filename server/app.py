@@ -44,6 +44,10 @@ def build_app(engine, tokenizer, settings: ServerSettings,
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestIdMiddleware)
+    for router in routers:                  # e.g. /metrics: HTTP middleware (outermost), request trackers
+        attach = getattr(router, "attach", None)
+        if attach is not None:
+            attach(app)
     return app
 
 

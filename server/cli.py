@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-choices", type=int, default=256, help="prompts × n per request")
     serve.add_argument("--sse-keep-alive-interval", type=float, default=15.0)
     serve.add_argument("--disable-log-requests", action="store_true")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no engine metrics at /metrics and no periodic stats log line")
     serve.add_argument("--uvicorn-log-level", default="info")
     add_engine_flags(serve)
     export = commands.add_parser("export-tokenizer", help="write an HF tokenizer folder for load tools")
@@ -99,7 +101,8 @@ def server_settings(args: argparse.Namespace, model_info) -> ServerSettings:
             per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
             chat_template=read_chat_template(args.chat_template),
             max_body_bytes=args.max_request_body_bytes, max_choices=args.max_choices,
-            sse_keepalive_s=args.sse_keep_alive_interval, disable_log_requests=args.disable_log_requests)
+            sse_keepalive_s=args.sse_keep_alive_interval, disable_log_requests=args.disable_log_requests,
+            disable_log_stats=getattr(args, "disable_log_stats", False))
     except ValueError as exc:
         raise SystemExit(f"specserve: {exc}") from None
 

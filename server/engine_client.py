@@ -24,6 +24,7 @@ class EngineClient:
     def __init__(self, engine):
         self.engine = engine
         self.in_flight: set[str] = set()        # engine request ids submitted and not yet done
+        self.tracker_factory = None             # (requests, n) -> RequestTracker | None (server/metrics.py)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -53,8 +54,10 @@ class EngineClient:
     def done(self, request_id: str) -> None:
         self.in_flight.discard(request_id)
 
-    def open(self, requests: list[EngineRequest]) -> ChoiceStream:
-        return ChoiceStream(self, requests)
+    def open(self, requests: list[EngineRequest], n: int = 1) -> ChoiceStream:
+        """`requests` are prompts × n choices, prompt-major (n matters only to request metrics)."""
+        tracker = self.tracker_factory(requests, n) if self.tracker_factory is not None else None
+        return ChoiceStream(self, requests, tracker)
 
     def shutdown(self) -> None:
         shutdown = getattr(self.engine, "shutdown", None)
@@ -69,9 +72,10 @@ class ChoiceStream:
     (a stop string matched). Exceptions raised by the engine come out of the iterator.
     """
 
-    def __init__(self, client: EngineClient, requests: list[EngineRequest]):
+    def __init__(self, client: EngineClient, requests: list[EngineRequest], tracker=None):
         self.client = client
         self.requests = requests
+        self.tracker = tracker                    # request metrics; sees each output once, on arrival
         self.queue: asyncio.Queue = asyncio.Queue()
         self.pumps: list[asyncio.Task] = []
         self.finished: set[int] = set()
@@ -129,7 +133,11 @@ class ChoiceStream:
             if index in self.finished:
                 continue                          # late output of a request we already stopped
             if isinstance(item, BaseException):
+                if self.tracker is not None:
+                    self.tracker.failed(index)
                 raise item
+            if self.tracker is not None:
+                self.tracker.output(index, item)
             if item.finished:
                 self._mark_done(index)
             return index, item
@@ -145,12 +153,17 @@ class ChoiceStream:
         if index not in self.finished:
             self.finished.add(index)
             self.client.abort(self.requests[index].request_id)
+            if self.tracker is not None:
+                self.tracker.stopped(index)
 
     async def close(self) -> None:
         for index, request in enumerate(self.requests):
             if index not in self.finished:
                 self.finished.add(index)
                 self.client.abort(request.request_id)
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
         for task in self.pumps:
             task.cancel()
         for task in self.pumps:

@@ -209,10 +209,10 @@ def stream_error(exc: BaseException) -> APIError:
     return APIError(500, f"The engine failed on this request: {exc}")
 
 
-async def open_stream(raw: Request, ctx: ServingContext, requests: list[EngineRequest]):
+async def open_stream(raw: Request, ctx: ServingContext, requests: list[EngineRequest], n: int = 1):
     """Submit every choice and wait for the first output, so that overload, a dead engine or a
     refused request still get their own status before the 200 header. The stream starts with it."""
-    stream = ctx.client.open(requests)
+    stream = ctx.client.open(requests, n)
     try:
         await stream.__aenter__()
     except BaseException as exc:

@@ -121,7 +121,7 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest, ctx:
         states.append(new_choice(ctx, body, i, 0))
     job = ChatJob(ctx, body, model, request_id, prompt_ids, states)
     if body.stream:
-        stream = await open_stream(raw, ctx, requests)
+        stream = await open_stream(raw, ctx, requests, body.n)
         return sse_response(job.events(stream), ctx, stream.close)
     try:
         return JSONResponse(await run_unless_disconnected(raw, job.collect(requests)))
@@ -152,7 +152,7 @@ class ChatJob:
                 payload["metrics"] = metrics
 
     async def collect(self, requests: list[EngineRequest]) -> dict:
-        async with self.ctx.client.open(requests) as stream:
+        async with self.ctx.client.open(requests, self.body.n) as stream:
             async for index, output in stream:
                 if self.states[index].process(output).stopped_by_string:
                     stream.finish(index)

@@ -133,7 +133,7 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
             states.append(new_choice(ctx, body, index, prompt_index))
     job = CompletionJob(ctx, body, model, request_id, prompts, states)
     if body.stream:
-        stream = await open_stream(raw, ctx, requests)
+        stream = await open_stream(raw, ctx, requests, body.n)
         return sse_response(job.events(stream), ctx, stream.close)
     try:
         return JSONResponse(await run_unless_disconnected(raw, job.collect(requests)))
@@ -172,7 +172,7 @@ class CompletionJob:
         return text, logprobs.build(ids, state.prompt_logprobs or [None] * len(ids))
 
     async def collect(self, requests: list[EngineRequest]) -> dict:
-        async with self.ctx.client.open(requests) as stream:
+        async with self.ctx.client.open(requests, self.body.n) as stream:
             async for index, output in stream:
                 delta = self.states[index].process(output)
                 if delta.stopped_by_string:

@@ -24,6 +24,8 @@ class ServerSettings:
     retry_after_s: int = 1
     sse_keepalive_s: float = 15.0                  # `: ping` comments on idle streams; 0 turns them off
     disable_log_requests: bool = False
+    disable_log_stats: bool = False                # no engine metrics at /metrics, no periodic stats log
+    log_stats_interval_s: float = 10.0             # the periodic stats log line (vLLM: 10 s)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

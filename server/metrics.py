@@ -1,0 +1,139 @@
+"""`GET /metrics`: vLLM-compatible Prometheus exposition (metrics-and-deploy.md §1–3).
+
+`make_router(engine, settings)` is what `server/cli.py` mounts. The router carries an `attach(app)`
+that `build_app` calls once the app exists: it adds the HTTP middleware and hands the engine client a
+`RequestTracker` factory. Engine metrics come from `engine.on_step` (StepStats, engine thread).
+
+With `disable_log_stats` there are no `vllm:`/`specserve:` series and no log line; `/metrics` still
+answers, with the process, Python and HTTP series.
+"""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from starlette.responses import Response
+
+from specserve.server.metrics_catalog import EngineMetrics, MetricLabels
+from specserve.server.metrics_recorders import RequestTracker, StepRecorder
+from specserve.server.settings import ServerSettings
+
+HTTP_EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version"})
+HTTP_LATENCY_BUCKETS = (0.1, 0.5, 1.0)
+HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5,
+                      5.0, 7.5, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """One registry per app, so tests can build several apps in one process."""
+
+    def __init__(self, engine, settings: ServerSettings, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.engine = engine
+        self.http = HttpMetrics(self.registry)
+        self.engine_metrics: EngineMetrics | None = None
+        self.steps: StepRecorder | None = None
+        if settings.disable_log_stats:
+            return
+        config = getattr(engine, "config", None)
+        spec = getattr(config, "speculative", None)
+        labels = MetricLabels(model_name=settings.model_name,
+                              spec_method=spec.method if spec is not None else None,
+                              num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                              kv_compressor=getattr(config, "kv_compressor", None) or "none")
+        self.engine_metrics = EngineMetrics(self.registry, labels, engine.model_info.max_model_len)
+        core = getattr(engine, "core", None)
+        running = (lambda: core.scheduler.running) if core is not None else None
+        self.steps = StepRecorder(self.engine_metrics, running, settings.log_stats_interval_s)
+        if core is not None:
+            self._describe_cache(core, labels)
+        if hasattr(engine, "on_step"):
+            engine.on_step = self.steps.record
+
+    def _describe_cache(self, core, labels: MetricLabels) -> None:
+        worker, config = core.worker, core.config
+        info = {"block_size": str(config.block_size), "num_gpu_blocks": str(worker.num_blocks),
+                "enable_prefix_caching": str(config.enable_prefix_caching),
+                "cache_dtype": str(worker.dtype).removeprefix("torch."), "engine": labels.engine}
+        Gauge("vllm:cache_config_info", "KV cache configuration (constant 1).", list(info),
+              registry=self.registry).labels(**info).set(1)
+        m, base = self.engine_metrics, {"model_name": labels.model_name, "engine": labels.engine}
+        per_token = worker.config.kv_bytes_per_token(worker.dtype)
+        m.kv_bytes_per_token.labels(**base, pool="full", kv_compressor="none").set(per_token)
+        m.kv_cache_bytes.labels(**base, pool="full", tier="device").set(
+            per_token * worker.num_blocks * config.block_size)
+
+    def tracker(self, requests, n: int = 1) -> RequestTracker | None:
+        if self.engine_metrics is None:
+            return None
+        return RequestTracker(self.engine_metrics, self.steps, requests, n)
+
+    def expose(self) -> bytes:
+        core = getattr(self.engine, "core", None)
+        if self.steps is not None and core is not None and not core.has_unfinished():
+            self.steps.set_idle(core.kv.usage())
+        return generate_latest(self.registry)
+
+
+class HttpMetrics:
+    """The series prometheus-fastapi-instrumentator would add (same names), without the dependency."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("http_requests", "HTTP requests by handler, method and status class.",
+                                ["handler", "method", "status"], registry=registry)
+        self.duration = Histogram("http_request_duration_seconds", "HTTP request latency by handler.",
+                                  ["handler", "method"], buckets=HTTP_LATENCY_BUCKETS, registry=registry)
+        self.duration_highr = Histogram("http_request_duration_highr_seconds", "HTTP request latency, "
+                                        "fine buckets, all handlers.", buckets=HTTP_HIGHR_BUCKETS,
+                                        registry=registry)
+
+
+class HttpMetricsMiddleware:
+    """Plain ASGI middleware: times each HTTP request to its last body byte (streams included)."""
+
+    def __init__(self, app, metrics: HttpMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            handler = getattr(route, "path", None) or "none"
+            if handler not in HTTP_EXCLUDED:
+                elapsed, method = time.perf_counter() - start, scope.get("method", "GET")
+                self.metrics.requests.labels(handler, method, f"{status[0] // 100}xx").inc()
+                self.metrics.duration.labels(handler, method).observe(elapsed)
+                self.metrics.duration_highr.observe(elapsed)
+
+
+def make_router(engine, settings: ServerSettings) -> APIRouter:
+    metrics = ServerMetrics(engine, settings)
+    router = APIRouter()
+
+    @router.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        return Response(metrics.expose(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+    def attach(app) -> None:
+        app.add_middleware(HttpMetricsMiddleware, metrics=metrics.http)
+        app.state.serving.client.tracker_factory = metrics.tracker
+
+    router.attach = attach
+    router.metrics = metrics
+    return router
