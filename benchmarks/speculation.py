@@ -48,8 +48,9 @@ METHODS = {
 def workload(tokenizer, name: str) -> list[list[int]]:
     if name == "code-edit":
         return [tokenizer.encode(p) for p in CODE_EDIT]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-            for q in CHAT]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in CHAT]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 def run(core: EngineCore, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:

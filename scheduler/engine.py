@@ -53,7 +53,7 @@ class EngineCore:
         if not prompt:
             raise ParamError("prompt", "prompt must be provided and non-empty.")
         vocab = self.model_info.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise ParamError("prompt", f"token id {bad} is out of vocabulary (size {vocab}).")
         num_prompt, max_tokens = len(prompt), req.sampling_params.max_tokens

@@ -12,11 +12,15 @@ import hashlib
 import json
 from collections.abc import Callable
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from specserve.spec_phases.paths import cache_dir, resolve_model_path
 from specserve.spec_phases.proposers.base import DraftRequest
+
+logger = logging.getLogger(__name__)
 
 # (token id, position, block ids) per row -> raw logits [rows, vocab]
 RowForward = Callable[[list[tuple[int, int, list[int]]], list[int]], torch.Tensor]
@@ -64,7 +68,9 @@ def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
 @torch.inference_mode()
 def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...], dict]:
     """Pick the skip set maximising the expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)), where a is
-    the measured greedy agreement with the full model and c the fraction of layers kept."""
+    the measured greedy agreement with the full model and c the fraction of layers kept. Layers are
+    dropped in order of least single-layer damage; the set is never empty (an empty set would draft
+    with the full model), even where no set is expected to pay — that is logged."""
     ids = torch.tensor(token_ids, device=model.embed_tokens.weight.device)
     pos = torch.arange(len(ids), device=ids.device)
     n = model.config.num_layers
@@ -76,7 +82,7 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
 
     single = {layer: agreement({layer}) for layer in range(1, n - 1)}     # first and last always kept
     order = sorted(single, key=single.get, reverse=True)                  # least important first
-    best, best_speedup, trace = (), 1.0, []
+    best, best_speedup, trace = (), 0.0, []
     for num_skip in range(1, len(order) + 1):
         skip = set(order[:num_skip])
         a = min(agreement(skip), 0.999)
@@ -87,6 +93,9 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
             best, best_speedup = tuple(sorted(skip)), speedup
         if a < 0.2:
             break
+    if best_speedup <= 1.0:
+        logger.warning("layer_skip is not expected to pay on this model: best skip set %s gives an estimated "
+                       "%.2fx at k=%d", list(best), best_speedup, k)
     return best, {"single_layer_agreement": single, "trace": trace, "expected_speedup": best_speedup}
 
 
