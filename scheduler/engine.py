@@ -39,7 +39,8 @@ class EngineCore:
         self.kv = KVCacheManager([pool])
         spec = config.speculative
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                   cfg.eos_token_ids, spec.num_speculative_tokens if spec else 0)
+                                   cfg.eos_token_ids, spec.num_speculative_tokens if spec else 0,
+                                   adaptive=bool(spec and spec.adaptive))
         path = resolve_model_path(None if config.model == TINY_RANDOM else config.model)
         name = TINY_RANDOM if config.model == TINY_RANDOM else (
             path.name if path.is_dir() else Path(path).stem)

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.kv_cache.manager import KVCacheManager
+from specserve.scheduler.faser import DraftLengthController
 from specserve.scheduler.messages import RequestOutput, SpecStats
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult
@@ -37,9 +38,11 @@ class StepStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], num_speculative_tokens: int = 0):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], num_speculative_tokens: int = 0,
+                 adaptive: bool = False):
         self.kv = kv
         self.num_speculative_tokens = num_speculative_tokens
+        self.controller = DraftLengthController(num_speculative_tokens) if adaptive and num_speculative_tokens else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -86,10 +89,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []          # (request, tokens, draft slots)
         preempted = False
+        draft_lens = self._choose_draft_lens()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_drafts = min(self.draft_len(req), budget - 1)  # shorten drafts rather than split rows
+            num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # shorten drafts, not rows
             num_new = min(req.num_tokens - req.num_computed_tokens, budget - num_drafts) + num_drafts
             while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
@@ -117,6 +121,16 @@ class Scheduler:
             k = min(k, req.params.num_speculative_tokens)
         k = min(k, req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
         return max(k, 0)
+
+    def _choose_draft_lens(self) -> dict[str, int]:
+        caps = {r.request_id: k for r in self.running if (k := self.draft_len(r)) > 0}
+        if self.controller is None or not caps:
+            return caps
+        ids = list(caps)
+        other = len(self.running) + sum(min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
+                                        for r in self.running if r.request_id not in caps) - len(ids)
+        ks = self.controller.choose(ids, [caps[i] for i in ids], max(other, 0) + len(ids))
+        return dict(zip(ids, ks))
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -188,6 +202,8 @@ class Scheduler:
             req.num_computed_tokens += num_accepted          # verified drafts; rejected ones roll back
             if sampled.num_drafted:
                 self._count_spec(req, sampled.num_drafted, num_accepted)
+            if self.controller is not None and sreq.num_draft_tokens:
+                self.controller.observe(req.request_id, sampled.num_drafted, num_accepted)
             new_tokens = []
             for tok in tokens:
                 req.append(tok)
@@ -205,6 +221,10 @@ class Scheduler:
         self.stats.num_running, self.stats.num_waiting = len(self.running), len(self.waiting)
         self.stats.kv_usage = self.kv.usage()
         self.stats.step_time_s = result.step_time_s
+        if self.controller is not None:
+            drafted = [s.num_drafted for s in result.sampled.values()]
+            self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),
+                                         result.step_time_s)
         return outputs
 
     def _count_spec(self, req: Request, num_drafted: int, num_accepted: int) -> None:
@@ -230,6 +250,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        if self.controller is not None:
+            self.controller.release(req.request_id)
         self._finished_ids.append(req.request_id)
         self.stats.finished.append((req.request_id, status.finish_reason or ""))
 

@@ -97,3 +97,13 @@ def test_abort_mid_verification_frees_everything(make_engine):
         core.abort_request(f"a{i}")
     assert not core.has_unfinished()
     core.check_integrity()
+
+
+def test_adaptive_draft_lengths_stay_lossless(make_engine):
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in range(8)]
+    plain, _ = generate(make_engine(), params)
+    adaptive = SpeculativeConfig(method="ngram", num_speculative_tokens=6, adaptive=True)
+    core = make_engine(speculative=adaptive)
+    spec, drafted = generate(core, params)
+    assert spec == plain and drafted > 0
+    assert core.scheduler.controller is not None and len(core.scheduler.controller.cost.samples) > 0

@@ -1,0 +1,68 @@
+"""The goodput controller with fabricated acceptance histories and cost models."""
+import numpy as np
+
+from specserve.scheduler.faser import CostModel, DraftLengthController
+
+
+def controller(c0=0.02, c1=0.002, c2=0.0, prior=0.6, k_max=8):
+    return DraftLengthController(k_max, prior=prior, cost=CostModel(c0, c1, c2))
+
+
+def teach(ctl, request_id, rate, steps=40, k=8, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        accepted = 0
+        while accepted < k and rng.random() < rate:
+            accepted += 1
+        ctl.observe(request_id, k, accepted)
+
+
+def test_zero_drafts_when_drafting_cannot_pay():
+    ctl = controller(c0=0.001, c1=0.01)          # every token costs 10x the fixed step cost
+    teach(ctl, "a", 0.1)
+    assert ctl.choose(["a"], [8], num_other_tokens=1) == [0]
+
+
+def test_more_drafts_for_requests_that_accept_more():
+    ctl = controller()
+    teach(ctl, "good", 0.9, seed=1)
+    teach(ctl, "bad", 0.2, seed=2)
+    k_good, k_bad = ctl.choose(["good", "bad"], [8, 8], num_other_tokens=2)
+    assert k_good > k_bad and k_good >= 4
+
+
+def test_reacts_when_acceptance_shifts():
+    ctl = controller()
+    teach(ctl, "r", 0.95)
+    before = ctl.choose(["r"], [8], 1)[0]
+    teach(ctl, "r", 0.0, steps=10)
+    after = ctl.choose(["r"], [8], 1)[0]
+    assert before >= 5 and after < before and after <= 1
+
+
+def test_caps_are_respected():
+    ctl = controller()
+    teach(ctl, "r", 0.99)
+    assert ctl.choose(["r", "s"], [2, 0], 2) == [2, 0]
+
+
+def test_draft_lengths_shrink_smoothly_with_load():
+    """No cliff: the mean draft length never rises as the batch grows, and reaches 0 under load."""
+    ctl = controller(c0=0.02, c1=0.002)
+    means = []
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
+        ids = [f"r{i}" for i in range(batch)]
+        for i in ids:
+            ctl.accept[i] = np.full(8, 0.7)
+        means.append(np.mean(ctl.choose(ids, [8] * batch, batch)))
+    assert all(b <= a + 1e-9 for a, b in zip(means, means[1:]))
+    assert means[0] >= 2 and means[-1] == 0
+
+
+def test_cost_model_recovers_a_linear_step_time():
+    model = CostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        tokens, k = int(rng.integers(1, 200)), int(rng.integers(0, 8))
+        model.observe(tokens, k, 0.01 + 0.0005 * tokens + 0.003 * k)
+    assert np.allclose(model.coef, [0.01, 0.0005, 0.003], rtol=1e-3)
