@@ -1,0 +1,192 @@
+"""A real Prometheus scrapes a real `specserve serve` (tiny model, n-gram speculation), and every PromQL
+query of the Grafana dashboard returns data through Prometheus' HTTP API.
+
+The `prometheus` binary comes from the Debian package, installed here with apt-get when missing; the
+test is skipped (with the reason) only where that install is impossible.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+WINDOW = "3m"                                     # stands in for $__rate_interval: covers the whole run
+VARIABLES = {"$job": ".*", "$model_name": ".*", "$instance": ".*", "$engine": ".*"}
+
+
+def ensure_prometheus() -> str:
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("prometheus is not installed and apt-get is not usable here (not root or no apt)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "install", "-y", "--no-install-recommends", "prometheus"],
+                ["apt-get", "update"],
+                ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if cmd[1] == "install" and done.returncode == 0:
+            break
+    found = shutil.which("prometheus")
+    if not found:
+        pytest.skip(f"could not install the Debian package prometheus: {done.stderr[-500:]}")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, what: str, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s          # hang guard only
+    while True:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    spec = importlib.util.spec_from_file_location("generate_dashboard", ROOT / "deploy/grafana/generate_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = []
+    for panel in module.dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            out.append((f'{panel["title"]} [{target["refId"]}]', target["expr"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    prometheus = ensure_prometheus()
+    tmp = tmp_path_factory.mktemp("prom")
+    api_port, prom_port = free_port(), free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "specserve.server", "serve", "tiny-random", "--host", "127.0.0.1", "--port",
+         str(api_port), "--served-model-name", "tiny", "--speculative-config", SPEC, "--max-model-len", "256",
+         "--num-kv-blocks", "96", "--num-threads", "1", "--uvicorn-log-level", "warning"],
+        stdout=open(tmp / "specserve.log", "w"), stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    config = (ROOT / "deploy/prometheus.yml").read_text()
+    config = config.replace("/etc/prometheus/alerts.yml", str(ROOT / "deploy/alerts.yml"))
+    config = config.replace("scrape_interval: 5s", "scrape_interval: 1s")
+    config = config.replace('["specserve:8000"]', f'["127.0.0.1:{api_port}"]')
+    (tmp / "prometheus.yml").write_text(config)
+    prom = subprocess.Popen(
+        [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT)
+    api, prom_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{prom_port}"
+    try:
+        wait_for(lambda: server.poll() is None and httpx.get(api + "/health").status_code == 200, "specserve")
+        wait_for(lambda: prom.poll() is None and any(
+            t["health"] == "up" for t in httpx.get(prom_url + "/api/v1/targets").json()["data"]["activeTargets"]),
+            "prometheus to scrape specserve")
+        time.sleep(2.5)                               # a few scrapes at zero before the load starts
+        drive_load(api)
+        time.sleep(3.5)                               # and a few after it
+        yield api, prom_url
+    finally:
+        for proc in (prom, server):
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def drive_load(api: str) -> None:
+    """Repetitive prompts (so the n-gram drafter has something to find), streamed and not, n > 1,
+    a shared prefix (prefix cache hits), over a few seconds so several scrapes see the counters move."""
+    bodies = [{"model": "tiny", "prompt": "one two three four one two three four one two three " * (1 + i % 3),
+               "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0, "n": 1 + i % 2}
+              for i in range(12)]
+    errors: list[str] = []
+
+    def worker(chunk):
+        with httpx.Client(timeout=120) as client:
+            for body in chunk:
+                reply = client.post(api + "/v1/completions", json=body)
+                if reply.status_code != 200:
+                    errors.append(reply.text)
+                time.sleep(0.3)
+
+    threads = [threading.Thread(target=worker, args=(bodies[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+
+
+def query(prom_url: str, expr: str) -> list[dict]:
+    reply = httpx.get(prom_url + "/api/v1/query", params={"query": expr}, timeout=30).json()
+    assert reply["status"] == "success", (expr, reply)
+    return reply["data"]["result"]
+
+
+def substitute(expr: str) -> str:
+    expr = expr.replace("$__rate_interval", WINDOW)
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+def test_every_dashboard_query_returns_data(stack):
+    _, prom_url = stack
+    queries = dashboard_queries()
+    assert len(queries) >= 30
+    empty = [(title, expr) for title, expr in queries if not query(prom_url, substitute(expr))]
+    assert not empty, "queries without data:\n" + "\n".join(f"{t}: {e}" for t, e in empty)
+
+
+def test_acceptance_numbers_from_prometheus_are_sane(stack):
+    _, prom_url = stack
+    by_title = dict(dashboard_queries())
+    rate = float(query(prom_url, substitute(by_title["Draft acceptance rate [A]"]))[0]["value"][1])
+    length = float(query(prom_url, substitute(by_title["Mean acceptance length [A]"]))[0]["value"][1])
+    assert 0 < rate <= 1 and 1 < length <= 5, (rate, length)
+    per_pos = query(prom_url, substitute(by_title["Acceptance rate by draft position [A]"]))
+    assert sorted(r["metric"]["position"] for r in per_pos) == ["0", "1", "2", "3"]
+    values = [float(r["value"][1]) for r in sorted(per_pos, key=lambda r: r["metric"]["position"])]
+    assert values == sorted(values, reverse=True) and math.isclose(sum(values), length - 1, rel_tol=1e-6)
+
+
+def test_dashboard_variables_resolve_and_alert_rules_load(stack):
+    _, prom_url = stack
+    for label, want in (("model_name", "tiny"), ("engine", "0"), ("job", "specserve")):
+        values = httpx.get(f"{prom_url}/api/v1/label/{label}/values",
+                           params={"match[]": "vllm:num_requests_running"}).json()["data"]
+        assert want in values, (label, values)
+    groups = httpx.get(prom_url + "/api/v1/rules").json()["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+
+
+def test_vllm_bench_reads_these_counters(stack):
+    """What `vllm bench serve` scrapes for its Speculative Decoding block, straight from /metrics."""
+    api, _ = stack
+    text = httpx.get(api + "/metrics").text
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total",
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="3"}'):
+        assert name in text
+    assert json.loads(httpx.get(api + "/v1/models").text)["data"][0]["id"] == "tiny"
