@@ -27,7 +27,8 @@ def dense_values(v_bitmaps: torch.Tensor, v_offsets: torch.Tensor, v_values: tor
     return tiles.reshape(*tiles.shape[:2], -1)
 
 
-def bitmap_attention(q: torch.Tensor, k_bitmaps: torch.Tensor, k_offsets: torch.Tensor, k_values: torch.Tensor,
+def bitmap_attention(q: torch.Tensor,
+                     k_bitmaps: torch.Tensor, k_offsets: torch.Tensor, k_values: torch.Tensor,
                      v_bitmaps: torch.Tensor, v_offsets: torch.Tensor, v_values: torch.Tensor, sm_scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [num_q, num_heads, D] -> (out [num_q, num_heads, D] f32, lse [num_q, num_heads] f32)."""

@@ -15,7 +15,8 @@ TILE = 64
 
 
 def _bit_weights(device) -> torch.Tensor:
-    return torch.ones(TILE, dtype=torch.int64, device=device) << (TILE - 1 - torch.arange(TILE, device=device))
+    shifts = TILE - 1 - torch.arange(TILE, device=device)
+    return torch.ones(TILE, dtype=torch.int64, device=device) << shifts
 
 
 def bitmap_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

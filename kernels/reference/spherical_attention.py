@@ -1,7 +1,8 @@
 """Attention over Spherical-KV key codes (reference): rebuild the keys, then plain attention.
 
 The Triton kernel computes the same logits without rebuilding keys: per query head a table
-LUT[j, c] = <q_j, C_j[c]>, then logit_t = sm_scale * sum_j radius[t, j] / 255 * scale[j] * LUT[j, theta[t, j]].
+LUT[j, c] = <q_j, C_j[c]>, then
+    logit_t = sm_scale * sum_j radius[t, j] / 255 * scale[j] * LUT[j, theta[t, j]].
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 One program per (query, head); per 64-token block it loads the D key-tile bitmaps, expands them to a
 [D, 64] K^T tile (a non-zero's slot = its tile offset + the set bits before it), and the 64 tokens'
 value tiles to a [64, D] V tile (row tiles of one token are contiguous in the value array, so a
-slot = the token's first offset + set bits before it in the row). Layout: kernels/reference/bitmap_attention.py.
+slot = the token's first offset + set bits before it in the row).
+Layout: kernels/reference/bitmap_attention.py.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _attend_kernel(q_ptr, kb_ptr, ko_ptr, kv_ptr, vb_ptr, vo_ptr, vv_ptr, out_pt
     tl.store(lse_ptr + pid, m + tl.log(l))
 
 
-def bitmap_attention(q: torch.Tensor, k_bitmaps: torch.Tensor, k_offsets: torch.Tensor, k_values: torch.Tensor,
+def bitmap_attention(q: torch.Tensor,
+                     k_bitmaps: torch.Tensor, k_offsets: torch.Tensor, k_values: torch.Tensor,
                      v_bitmaps: torch.Tensor, v_offsets: torch.Tensor, v_values: torch.Tensor, sm_scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels/reference/bitmap_attention.py."""

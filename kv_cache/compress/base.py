@@ -181,7 +181,8 @@ class Compressor(ABC):
     def _compress_full_pages(self, layer: int, ls: LayerState) -> None:
         p = self.config.page_size
         while ls.tail_k.shape[0] >= self.config.window + p:
-            ls.pages.append(self._compress_page(layer, ls.tail_k[:p].contiguous(), ls.tail_v[:p].contiguous()))
+            page = self._compress_page(layer, ls.tail_k[:p].contiguous(), ls.tail_v[:p].contiguous())
+            ls.pages.append(page)
             ls.page_starts.append(ls.tail_start)
             ls.attn_mass.append(1.0)
             ls.tail_k, ls.tail_v = ls.tail_k[p:], ls.tail_v[p:]

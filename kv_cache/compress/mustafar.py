@@ -73,7 +73,7 @@ class MustafarCompressor(Compressor):
     def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
         pages = state.pages
         k_shift, v_shift, parts = 0, 0, {name: [] for name in ("kb", "ko", "kv", "vb", "vo", "vv")}
-        for pg in pages:                                                         # concatenate, rebasing offsets
+        for pg in pages:                                             # concatenate, rebasing offsets
             parts["kb"].append(pg.k_bitmaps)
             parts["ko"].append(pg.k_offsets + k_shift)
             parts["kv"].append(pg.k_values)

@@ -50,4 +50,5 @@ def plan_downgrades(units: list[Unit], budget_bits: float, page_bits: Callable[[
         tiers[key] = NEXT_TIER[old]
         total -= page_bits(old) - page_bits(tiers[key])
         push(u, tiers[key], order)
-    return [(u.layer, u.index, tiers[(u.layer, u.index)]) for u in units if tiers[(u.layer, u.index)] != u.tier]
+    final = [(u.layer, u.index, tiers[(u.layer, u.index)]) for u in units]
+    return [move for move, u in zip(final, units) if move[2] != u.tier]

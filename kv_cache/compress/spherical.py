@@ -141,7 +141,8 @@ class SphericalCompressor(Compressor):
         if tier == DROP:
             return 8                                                         # the tier byte
         groups = c.head_dim // TIERS[tier].group
-        keys = c.page_size * c.num_kv_heads * key_bits_per_token(tier, c.head_dim) + c.num_kv_heads * groups * 32
+        keys = (c.page_size * c.num_kv_heads * key_bits_per_token(tier, c.head_dim)
+                + c.num_kv_heads * groups * 32)                             # + fp32 scale per group
         if self.value_bits == 16:
             values = c.page_size * c.num_kv_heads * c.head_dim * 16
         else:

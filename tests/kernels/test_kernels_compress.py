@@ -90,7 +90,8 @@ def case_bitmap_attention():
         vals[torch.rand(h, t, d) >= density] = 0
         kb, ko, kv = bitmap_encode(keys.reshape(h, nb, 64, d).transpose(2, 3).reshape(-1, 64))
         vb, vo, vv = bitmap_encode(vals.reshape(-1, 64))
-        args = (kb.view(h, nb, d), ko.view(h, nb, d), kv, vb.view(h, t, d // 64), vo.view(h, t, d // 64), vv, 0.1)
+        args = (kb.view(h, nb, d), ko.view(h, nb, d), kv,
+                vb.view(h, t, d // 64), vo.view(h, t, d // 64), vv, 0.1)
         q = torch.randn(nq, hq, d)
         (o1, l1), (o2, l2) = ref(q, *args), fast(q, *args)
         torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)

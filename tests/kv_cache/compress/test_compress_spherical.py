@@ -76,7 +76,8 @@ def test_bytes_per_token_matches_stored_pages(tier, vbits, h, page):
     packed = sum(comp.page_bytes(pg) for pg in pages)
     # theta and radius are stored one byte each; packed accounting uses bits + 8-bit radius exactly
     code_bits = key_bits_per_token(tier, 64) - 8 * (64 // TIERS[tier].group)
-    unpacked_extra = 2 * page * h * (64 // TIERS[tier].group) * (8 - code_bits // (64 // TIERS[tier].group)) / 8
+    groups = 64 // TIERS[tier].group
+    unpacked_extra = 2 * page * h * groups * (8 - code_bits // groups) / 8
     assert packed == pytest.approx(stored - unpacked_extra + 2, abs=1e-6)    # + one tier byte per page
     assert comp.bytes_per_token() * 2 * page == pytest.approx(packed)
 
