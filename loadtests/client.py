@@ -33,7 +33,7 @@ class RequestResult:
     ttft_s: float = float("nan")
     e2e_s: float = float("nan")
     itls_s: list[float] = field(default_factory=list)
-    num_chunks: int = 0               # content chunks (non-empty choices)
+    num_chunks: int = 0               # content chunks (choices with non-empty text)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     usage_reported: bool = False      # False: completion_tokens is the content-chunk count
@@ -77,14 +77,16 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
                     result.error = f"in-band error: {chunk['error']}"
                     return result
                 now = time.perf_counter()
-                if chunk.get("choices"):
+                # A chunk counts when it carries text: llama.cpp ends with an empty one holding only
+                # finish_reason, which is not a token.
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
                     if last_chunk_s is None:
                         result.ttft_s = now - result.start_s
                     else:
                         result.itls_s.append(now - last_chunk_s)
                     last_chunk_s = now
                     result.num_chunks += 1
-                    result.text += chunk["choices"][0].get("text") or ""
+                    result.text += chunk["choices"][0]["text"]
                 if chunk.get("usage"):
                     result.usage_reported = True
                     result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)

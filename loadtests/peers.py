@@ -110,8 +110,17 @@ def export_hf_model(out: Path | None = None, dtype: str = "bfloat16") -> Path:
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         "gguf = Path(sys.argv[3]); out = sys.argv[1]\n"
         "tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)\n"
+        "kwargs = {}\n"
+        "try:  # transformers >= 5.19 keeps GGUF blocks packed unless asked to dequantize\n"
+        "    from transformers import GgufConfig\n"
+        "    kwargs['quantization_config'] = GgufConfig(dequantize=True)\n"
+        "except ImportError:\n"
+        "    pass\n"
         "model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,\n"
-        "                                             dtype=getattr(torch, sys.argv[2]))\n"
+        "                                             dtype=getattr(torch, sys.argv[2]), **kwargs)\n"
+        "model.hf_quantizer = None  # a dense model now: save it as plain safetensors\n"
+        "if hasattr(model.config, 'quantization_config'):\n"
+        "    del model.config.quantization_config\n"
         "model.save_pretrained(out); tok.save_pretrained(out)\n"
     )
     subprocess.run(NICE + [str(python), "-c", code, str(out), dtype, str(embedded_gguf())], check=True)
@@ -177,6 +186,10 @@ class Peer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def last_log_line(self) -> str:
+        lines = [line for line in self.log_tail().splitlines() if line.strip()]
+        return lines[-1].strip()[:300] if lines else ""
+
     def log_tail(self, num_chars: int = 3000) -> str:
         if self.log_path is None or not self.log_path.exists():
             return ""
@@ -200,20 +213,22 @@ def vllm_peer(port: int, ngram: bool, max_model_len: int = 8192, kv_space_gib: i
     python = venv_python(peers_dir() / "vllm-venv")
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_model()),
            "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--disable-log-requests"]
+           "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
     if ngram:
         cmd += ["--speculative-config", json.dumps(NGRAM_CONFIG)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     return Peer("vllm-cpu-ngram" if ngram else "vllm-cpu", cmd, port, env=env,
-                extra_body={"ignore_eos": True}, has_spec_metrics=ngram, startup_timeout_s=420.0)
+                extra_body={"ignore_eos": True}, has_spec_metrics=ngram, startup_timeout_s=900.0)
 
 
 def llama_peer(port: int, n_ctx: int = 8192, num_threads: int = 2) -> Peer:
     python = venv_python(peers_dir() / "llama-venv")
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(embedded_gguf()),
            "--model_alias", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", str(n_ctx), "--n_threads", str(num_threads)]
+           "--n_ctx", str(n_ctx), "--n_threads", str(num_threads), "--n_threads_batch", str(num_threads),
+           # by default a new request interrupts the one streaming: queue them instead, as a server should
+           "--interrupt_requests", "False"]
     # llama-cpp-python has no ignore_eos: ban the end tokens instead so every peer emits max_tokens.
     return Peer("llama.cpp", cmd, port, extra_body={"logit_bias": {"0": -100.0, "2": -100.0}},
                 startup_timeout_s=120.0)

@@ -131,9 +131,11 @@ def run_peer(name: str, cells: list[Cell], deadline: float, log_dir: Path, insta
             out.append(result)
         info["status"] = "ok" + (f"; skipped for the time budget: {', '.join(skipped)}" if skipped else "")
     except Exception as exc:                      # a failing peer is reported, the others still run
-        tail = peer.log_tail(1500) if peer else ""
-        info["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-        info["log_tail"] = tail
+        first_line = (str(exc).splitlines() or [""])[0][:200]
+        info["status"] = f"failed: {type(exc).__name__}: {first_line}"
+        if peer is not None and peer.last_log_line():
+            info["status"] += f" (log: `{peer.last_log_line()}`)"
+        info["log_tail"] = peer.log_tail(1500) if peer else ""
         print(f"[{name}] {info['status']}", flush=True)
     finally:
         if peer is not None:

@@ -59,6 +59,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             if prompt == "stall" and i == 1:
                 time.sleep(3.0)                      # long past the client's hard deadline
                 return
+        write({"id": "c", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
         if prompt == "inband":
             write({"error": {"message": "boom", "type": "InternalServerError", "code": 500}})
         elif prompt == "truncated":
