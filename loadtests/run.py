@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from specserve.loadtests.metrics import scrape, spec_decode_delta
 from specserve.loadtests.stats import summarize
 from specserve.loadtests.workloads import Cell, cells as make_cells
 
-ALL_PEERS = ["llama.cpp", "vllm-cpu", "vllm-cpu-ngram", "specserve-plain", "specserve-ngram"]
+ALL_PEERS = ["specserve-plain", "specserve-ngram", "vllm-cpu", "vllm-cpu-ngram", "llama.cpp"]
 MAX_MODEL_LEN = 8192
 
 
@@ -165,10 +166,13 @@ def main(argv: list[str] | None = None) -> dict:
                               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "size": args.size,
                               "seed": args.seed, "machine": machine_info(), "max_model_len": MAX_MODEL_LEN},
                      "peers": {}, "cells": [], "vllm_bench": None}
+    # SIGTERM (e.g. from `timeout`) unwinds through run_peer's finally, so no server is left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for name in names:
         info, out = run_peer(name, cells, deadline, args.out / "logs", install=not args.no_install)
         results["peers"][name] = info
         results["cells"] += out
+        report.write(results, args.out)            # partial results survive a later failure
     if args.vllm_bench:
         from specserve.loadtests import vllm_bench
 
