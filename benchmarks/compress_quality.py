@@ -88,11 +88,40 @@ def run_chunk(model, comp, state, ids, start, kv_exact, errs):
     return model.lm_head(model.model.norm(h))[0]
 
 
-def evaluate(model, comp, ids, kv_exact, ref_tokens, context, num_eval, chunk):
-    state = comp.new_state(dtype=torch.float16)
-    first = context - num_eval
+def observation_queries(model, hidden_states, start: int, end: int) -> list[torch.Tensor]:
+    """Post-RoPE queries [end - start, Hq, D] of prefix positions [start, end) for every layer, from
+    the full run's layer inputs: the prefill attention-mass prior RDR uses (an observation window)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    pos = torch.arange(start, end)[None]
+    queries = []
+    for layer, block in enumerate(model.model.layers):
+        x = block.input_layernorm(hidden_states[layer][:, start:end])
+        q = block.self_attn.q_proj(x).view(1, end - start, -1, model.config.head_dim).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(x, pos)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        queries.append(q[0].transpose(0, 1))
+    return queries
+
+
+def encode_prefix(comp, state, kv_exact, first, obs_queries) -> None:
+    """Encode the prefix; an RDR compressor first sees every page at T1, gets the observation window's
+    attention mass per page, and only then applies its budget."""
+    budget = getattr(comp, "budget_bits", None)
+    if budget:
+        comp.set_retention(budget_bits=None)
     for layer, (ek, ev) in enumerate(kv_exact):
         comp.encode(state, layer, ek[:first], ev[:first])
+    if budget:
+        for layer, q in enumerate(obs_queries):
+            comp.observe(state, layer, comp.page_attention_mass(state, layer, q), decay=0.0)
+        comp.set_retention(budget_bits=budget, state=state)
+
+
+def evaluate(model, comp, ids, kv_exact, ref_tokens, context, num_eval, chunk, obs_queries):
+    state = comp.new_state(dtype=torch.float16)
+    first = context - num_eval
+    with torch.no_grad():
+        encode_prefix(comp, state, kv_exact, first, obs_queries)
     dense = comp.config.dense_bytes_per_token()
     cache_ratio = comp.state_bytes(state) / (first * len(kv_exact) * dense)
     pages = [p for ls in state.layers for p in ls.pages]                      # measured, so RDR counts
@@ -198,7 +227,10 @@ def main() -> None:
     ids = torch.tensor(tok(eval_text())["input_ids"][: args.context])
     assert ids.numel() == args.context, f"eval text has only {ids.numel()} tokens"
     with torch.no_grad():
-        out = model(ids[None], use_cache=True)
+        out = model(ids[None], use_cache=True, output_hidden_states=True)
+        first = args.context - args.eval
+        obs_queries = observation_queries(model, out.hidden_states, first - 64, first)
+        out.hidden_states = None
     ref_tokens = out.logits[0, args.context - args.eval:].argmax(-1)
     kv_exact = [(layer.keys[0].transpose(0, 1).contiguous(), layer.values[0].transpose(0, 1).contiguous())
                 for layer in out.past_key_values.layers]                      # [T, H, D] per layer
@@ -208,7 +240,8 @@ def main() -> None:
         if args.only and not any(part == comp.name for part in args.only.split(",")):
             continue
         t = time.time()
-        row = evaluate(model, comp, ids, kv_exact, ref_tokens, args.context, args.eval, args.chunk)
+        row = evaluate(model, comp, ids, kv_exact, ref_tokens, args.context, args.eval, args.chunk,
+                       obs_queries)
         rows.append(row)
         print(json.dumps(row), f"{time.time() - t:.0f}s", flush=True)
     out_dir = Path(args.out)
