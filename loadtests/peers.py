@@ -85,6 +85,7 @@ def install_vllm(root: Path | None = None) -> Path:
         # The PyPI torchvision beside a local +cpu torch fails at import, and transformers imports it.
         ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
         ["install", "accelerate", "gguf"],            # for export_hf_model (transformers' GGUF loader)
+        ["install", "pandas"],                        # `vllm bench serve` reads custom datasets with it
     ])
 
 

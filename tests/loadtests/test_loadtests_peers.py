@@ -1,0 +1,73 @@
+"""Peer runners: start/ready/stop of a real child process on 127.0.0.1, the install marker, commands."""
+import json
+import sys
+
+import pytest
+
+from specserve.loadtests import peers
+from specserve.loadtests.peers import Peer, ensure_venv, free_port
+
+SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.end_headers()
+        self.wfile.write(b'{"data": [{"id": "m"}]}')
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_peer_starts_answers_and_stops(tmp_path):
+    port = free_port()
+    peer = Peer("fake", [sys.executable, "-c", SERVER, str(port)], port, startup_timeout_s=30)
+    peer.start(tmp_path)
+    try:
+        peer.wait_ready()
+        assert peer.proc.poll() is None
+    finally:
+        peer.stop(grace_s=5)
+    assert peer.proc.poll() is not None
+    assert peer.log_path.read_text().startswith("$ ")
+
+
+def test_peer_that_exits_reports_its_log(tmp_path):
+    peer = Peer("dies", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], free_port(),
+                startup_timeout_s=30)
+    peer.start(tmp_path)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        peer.wait_ready()
+    assert peer.last_log_line() == "no model here"
+
+
+def test_ensure_venv_skips_when_marker_matches(tmp_path, monkeypatch):
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / ".installed").write_text(json.dumps([["install", "x"]]))
+    calls = []
+    monkeypatch.setattr(peers, "_run", lambda cmd, log, env=None: calls.append(cmd))
+    assert ensure_venv(venv, [["install", "x"]]) == venv / "bin" / "python"
+    assert calls == []
+    ensure_venv(venv, [["install", "x"], ["install", "y"]])        # a changed recipe reinstalls
+    assert [c[-1] for c in calls] == ["x", "y"] and all(c[:3] == ["nice", "-n", "19"] for c in calls)
+    assert json.loads((venv / ".installed").read_text())[-1] == ["install", "y"]
+
+
+def test_peer_commands_match_the_comparison(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_PEERS_DIR", str(tmp_path))
+    monkeypatch.setattr(peers, "export_hf_model", lambda: tmp_path / "hf-model")
+    monkeypatch.setattr(peers, "embedded_gguf", lambda: tmp_path / "m.gguf")
+    ngram = peers.vllm_peer(9001, ngram=True)
+    spec = json.loads(ngram.cmd[ngram.cmd.index("--speculative-config") + 1])
+    assert spec == peers.NGRAM_CONFIG and ngram.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert ngram.cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--speculative-config" not in peers.vllm_peer(9002, ngram=False).cmd
+    llama = peers.llama_peer(9003)
+    assert llama.cmd[llama.cmd.index("--interrupt_requests") + 1] == "False"
+    assert "ignore_eos" not in llama.extra_body and llama.extra_body["logit_bias"]
+    ours = peers.specserve_peer(9004, mode="ngram")
+    assert json.loads(ours.cmd[ours.cmd.index("--speculative-config") + 1]) == peers.NGRAM_CONFIG
+    assert "--host" in ours.cmd and ours.cmd[ours.cmd.index("--host") + 1] == "127.0.0.1"
