@@ -86,19 +86,19 @@ def local_texts(limit_chars: int, exclude: tuple[str, ...] = ("transformers",)) 
     return "\n\n".join(texts)[:limit_chars]
 
 
-def cache_path(model_path: Path, settings: str) -> Path:
-    from specserve.spec_phases.paths import cache_dir
+def cache_path(model_path: Path, settings: str, cache_root: Path) -> Path:
+    """cache_root: the specserve cache (the caller passes `spec_phases.paths.cache_dir()`)."""
     stat = os.stat(model_path)
     key = hashlib.sha256(f"{model_path.name}:{stat.st_size}:{settings}:{CALIB_VERSION}".encode()).hexdigest()
-    folder = cache_dir() / "spherical"
+    folder = cache_root / "spherical"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{model_path.stem}-{key[:16]}.pt"
 
 
 def load_or_calibrate(model_path: Path, get_keys: Callable[[], torch.Tensor], settings: str,
-                      iters: int = 20) -> dict[int, torch.Tensor]:
+                      cache_root: Path, iters: int = 20) -> dict[int, torch.Tensor]:
     """Codebooks for this model and settings from the disk cache, or calibrated now and stored."""
-    path = cache_path(model_path, f"{settings}:iters={iters}")
+    path = cache_path(model_path, f"{settings}:iters={iters}", cache_root)
     if path.exists():
         return torch.load(path)
     books = calibrate(get_keys(), iters=iters)
