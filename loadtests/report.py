@@ -136,15 +136,21 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     labels = list(_by_cell(results["cells"]))
-    fig, axes = plt.subplots(1, max(1, len(labels)), figsize=(3.2 * max(1, len(labels)), 3.4), squeeze=False)
-    for ax, label in zip(axes[0], labels):
+    ncols = min(4, max(1, len(labels)))
+    nrows = -(-max(1, len(labels)) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.3 * nrows), squeeze=False)
+    for ax, label in zip(axes.flat, labels):
         for peer, cell in _by_cell(results["cells"])[label].items():
             values = sorted(cell.get("e2e_s") or [])
-            if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=peer)
-        ax.set(title=label, xlabel="E2E latency (s)", ylabel="fraction of requests")
+            if values:                                 # the CDF starts at 0 at the fastest request
+                fracs = [0.0] + [(i + 1) / len(values) for i in range(len(values))]
+                ax.step([values[0]] + values, fracs, where="post", label=peer)
+        ax.set(title=label, xlabel="E2E latency (s)", ylabel="fraction of requests", ylim=(0, 1.05))
         ax.title.set_fontsize(8)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(labels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     written.append(out_dir / "latency_cdf.png")
     fig.savefig(written[-1], dpi=100)
