@@ -116,6 +116,7 @@ def run_peer(name: str, cells: list[Cell], deadline: float, log_dir: Path, insta
         peer.start(log_dir)
         peer.wait_ready()
         info["startup_s"] = round(time.monotonic() - t0, 1)
+        info["loadavg_at_start"] = os.getloadavg()[0]      # other work on the machine skews everything
         model = asyncio.run(first_model_id(peer.base_url))
         warm = [RequestSpec("Question: What is a cache?\nAnswer:", 8)] * 2
         asyncio.run(run_closed_loop(peer.base_url, model, warm, 1, 60.0, extra_body=peer.extra_body))
@@ -131,6 +132,7 @@ def run_peer(name: str, cells: list[Cell], deadline: float, log_dir: Path, insta
                   f"{s['num_completed']}/{s['num_requests']} ok {result['errors'][:1]}", flush=True)
             out.append(result)
         info["status"] = "ok" + (f"; skipped for the time budget: {', '.join(skipped)}" if skipped else "")
+        info["loadavg_at_end"] = os.getloadavg()[0]
     except Exception as exc:                      # a failing peer is reported, the others still run
         first_line = (str(exc).splitlines() or [""])[0][:200]
         info["status"] = f"failed: {type(exc).__name__}: {first_line}"
