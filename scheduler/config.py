@@ -16,7 +16,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
     recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
-    adaptive: bool = False                          # FASER goodput controller (later)
+    adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
+    kv_compressor: str = "mustafar"                 # lossy_kv: the drafting cache's compressor
+    kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings (JSON)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

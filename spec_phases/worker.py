@@ -74,6 +74,9 @@ class Worker:
                 skip = default_skip_layers(model, self.model, None, spec.num_speculative_tokens)
             logger.info("layer_skip drafter skips layers %s", list(skip))
             return LayerSkipProposer(self.runner.forward_rows, self.config.num_layers, tuple(skip))
+        if spec.method == "lossy_kv":
+            from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
+            return LossyKVProposer(self.model, self.storage, spec.kv_compressor, dict(spec.kv_compressor_config))
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -82,6 +85,8 @@ class Worker:
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.runner.generators.pop(request_id, None)
+        if self.runner.proposer is not None:
+            self.runner.proposer.release(request_ids)
 
     @property
     def weight_bytes(self) -> int:

@@ -31,3 +31,7 @@ class Proposer(Protocol):
         """Called with the raw logits [rows, vocab] of every verified row and the token each row
         consumed; drafters that learn from the target (token recycling) update here."""
         ...
+
+    def release(self, request_ids: list[str]) -> None:
+        """The requests finished (or were aborted): drop any per-request state."""
+        ...

@@ -58,6 +58,9 @@ class LayerSkipProposer:
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         pass
 
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
 
 def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

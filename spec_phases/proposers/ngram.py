@@ -21,6 +21,9 @@ class NgramProposer:
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         pass
 
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
 
 def lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     tokens = np.asarray(token_ids, dtype=np.int64)

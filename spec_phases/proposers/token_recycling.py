@@ -37,3 +37,6 @@ class TokenRecyclingProposer:
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         top = logits.topk(self.top_k, dim=-1).indices          # [rows, top_k]
         self.table[input_token_ids.to(self.table.device)] = top.to(self.table.device)
+
+    def release(self, request_ids: list[str]) -> None:
+        pass                                                   # the table is shared, not per request
