@@ -16,6 +16,7 @@ import os
 import platform
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,7 +67,12 @@ def machine_info() -> dict:
                 if line.startswith("model name")), platform.processor())
     mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                   if line.startswith("MemTotal"))
-    return {"cpu": cpu, "num_cpus": os.cpu_count(), "mem_gib": round(mem_kb / 2**20, 1),
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"cpu": cpu, "num_cpus": os.cpu_count(), "mem_gib": round(mem_kb / 2**20, 1), "commit": commit,
             "os": platform.platform(), "python": platform.python_version(),
             "copy_bandwidth_gbs": round(copy_bandwidth_gbs(), 2)}
 
