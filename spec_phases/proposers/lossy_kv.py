@@ -1,0 +1,232 @@
+"""VeriCache's drafter: the target model decoding on a compressed (lossy) copy of each request's KV.
+
+Per request a compressor `SequenceState` mirrors the *verified* prefix of the full paged cache. Each
+`propose` first syncs it (encode the full-cache K/V of positions [verified, num_computed_tokens) read
+from `KVStorage` through the block table: prefill chunks, accepted drafts and bonus tokens all arrive
+by this one path), then runs the whole model greedily for `max_len` tokens. The draft tokens' own K/V
+never enter the compressed state: they live in a small dense per-round scratch, and attention merges
+`compressor.attend(state)` with attention over the scratch exactly by log-sum-exp. So a rejected draft
+costs nothing to undo (the scratch is dropped), no page is ever compressed from unverified K/V, and
+`truncate` is needed only after preemption (then the state is rebuilt from the recomputed cache).
+
+The verify pass reads and writes only the full cache, so output is identical to plain decoding.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import fields
+
+import torch
+
+from specserve.kv_cache.compress.base import (
+    Compressor, CompressorConfig, SequenceState, dense_attention, merge_attention)
+from specserve.kv_cache.storage import KVStorage
+from specserve.spec_phases.proposers.base import DraftRequest
+
+logger = logging.getLogger(__name__)
+
+COMPRESSORS = ("window", "quant", "spherical", "mustafar")
+_LAYOUT = {f.name for f in fields(CompressorConfig)} - {"num_layers", "num_kv_heads", "head_dim"}
+
+
+def build_compressor(name: str, model, settings: dict) -> Compressor:
+    """`kv_compressor` + `kv_compressor_config` -> a compressor sized for `model`. Layout keys
+    (num_sink, window, page_size) go to CompressorConfig, the rest to the compressor; unknown keys raise."""
+    cfg_m = model.config
+    settings = dict(settings)
+    layout = {k: settings.pop(k) for k in list(settings) if k in _LAYOUT}
+    cfg = CompressorConfig(num_layers=cfg_m.num_layers, num_kv_heads=cfg_m.num_kv_heads,
+                           head_dim=cfg_m.head_dim, **layout)
+    if name == "window":
+        from specserve.kv_cache.compress.window import WindowCompressor
+        return WindowCompressor(cfg, **settings)
+    if name == "quant":
+        from specserve.kv_cache.compress.quant import QuantCompressor
+        return QuantCompressor(cfg, **settings)
+    if name == "mustafar":
+        from specserve.kv_cache.compress.mustafar import MustafarCompressor
+        if "sparsity" in settings:                   # the issue's shorthand: one sparsity for K and V
+            s = settings.pop("sparsity")
+            settings.setdefault("key_sparsity", s)
+            settings.setdefault("value_sparsity", s)
+        return MustafarCompressor(cfg, **settings)
+    if name == "spherical":
+        from specserve.kv_cache.compress.spherical import SphericalCompressor
+        num_tokens = int(settings.pop("calib_tokens", 512))
+        books = spherical_codebooks(model, num_tokens)
+        return SphericalCompressor(cfg, books, **settings)
+    raise ValueError(f"kv_compressor must be one of {COMPRESSORS}, got {name!r}")
+
+
+# ---- spherical calibration on the model's own keys ----------------------------------------------
+class _DenseCache:
+    """Plain causal attention over everything seen so far; keeps every layer's post-RoPE keys."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+        keys, values = torch.cat(self.k[layer]), torch.cat(self.v[layer])
+        n = keys.shape[0]
+        pos = torch.arange(n, device=q.device)
+        out, _ = dense_attention(q, keys, values, q.shape[-1] ** -0.5, pos[n - q.shape[0]:], pos)
+        return out.to(q.dtype)
+
+
+@torch.inference_mode()
+def own_keys(model, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Post-RoPE keys [L, H, num_tokens, D] of the model's own text: sampled at temperature 1 from BOS
+    (a fixed seed; sampled rather than greedy so the text does not collapse into a loop)."""
+    cfg, dev = model.config, model.embed_tokens.weight.device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    cache, token = _DenseCache(cfg.num_layers), cfg.bos_token_id if cfg.bos_token_id is not None else 1
+    for pos in range(num_tokens):
+        hidden = model(torch.tensor([token], device=dev), torch.tensor([pos], device=dev), cache)
+        probs = torch.softmax(model.compute_logits(hidden)[0].cpu(), dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=gen))
+    return torch.stack([torch.cat(ks).float().cpu().transpose(0, 1) for ks in cache.k])
+
+
+def spherical_codebooks(model, num_tokens: int = 512, iters: int = 20) -> dict[int, torch.Tensor]:
+    """Codebooks for every tier that fits the head size, calibrated once and cached on disk, keyed by
+    the model's config and a fingerprint of its weights."""
+    from specserve.kv_cache.compress.spherical import TIERS
+    from specserve.kv_cache.compress.spherical_calib import CALIB_VERSION, calibrate
+    from specserve.spec_phases.paths import cache_dir
+    cfg = model.config
+    probe = torch.cat([p.detach().float().flatten()[:4096].cpu() for p in model.parameters()])
+    key = hashlib.sha256(f"{cfg}:{num_tokens}:{iters}:{CALIB_VERSION}".encode()
+                         + probe.numpy().tobytes()).hexdigest()[:16]
+    path = cache_dir() / "spherical" / f"lossy_kv-{key}.pt"
+    if path.exists():
+        return torch.load(path)
+    tiers = {t: s for t, s in TIERS.items() if cfg.head_dim % s.group == 0}
+    start = time.perf_counter()
+    books = calibrate(own_keys(model, num_tokens), iters=iters, tiers=tiers)
+    dev = model.embed_tokens.weight.device
+    books = {t: b.to(dev) for t, b in books.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{id(books)}")
+    torch.save(books, tmp)
+    tmp.replace(path)
+    logger.info("spherical codebooks calibrated on %d own tokens in %.1fs -> %s", num_tokens,
+                time.perf_counter() - start, path)
+    return books
+
+
+# ---- the drafter --------------------------------------------------------------------------------
+class DraftAttention:
+    """One draft step: row i is request i's newest token. Its k/v join that request's dense scratch;
+    attention = compressed verified prefix (+) scratch, merged exactly by lse. Linear layers run
+    batched over all rows; only this loop is per request."""
+
+    def __init__(self, comp: Compressor, states: list[SequenceState],
+                 scratch: list[list[tuple[torch.Tensor, torch.Tensor] | None]]):
+        self.comp, self.states, self.scratch = comp, states, scratch
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for row, (state, scratch) in enumerate(zip(self.states, self.scratch)):
+            prev = scratch[layer]
+            sk = k[row:row + 1] if prev is None else torch.cat([prev[0], k[row:row + 1]])
+            sv = v[row:row + 1] if prev is None else torch.cat([prev[1], v[row:row + 1]])
+            scratch[layer] = (sk, sv)
+            qi = q[row:row + 1]
+            parts = [self.comp.attend(state, layer, qi), dense_attention(qi, sk, sv, self.comp.sm_scale)]
+            outs.append(merge_attention(parts)[0])
+        return torch.cat(outs).to(q.dtype)
+
+
+class LossyKVProposer:
+    name = "lossy_kv"
+
+    def __init__(self, model, storage: KVStorage, compressor: str = "mustafar", settings: dict | None = None):
+        self.model, self.storage = model, storage
+        self.comp = build_compressor(compressor, model, settings or {})
+        self.compressor_name = compressor
+        self.states: dict[str, SequenceState] = {}
+        self.state_dtype = torch.float16 if storage.k.dtype == torch.float32 else storage.k.dtype
+        # counters (monotonic)
+        self.num_rounds = self.num_draft_steps = self.num_encoded_tokens = self.num_rebuilds = 0
+        self.encode_s = self.draft_s = 0.0
+
+    # -- sync --------------------------------------------------------------------------------------
+    def _sync(self, req: DraftRequest) -> SequenceState:
+        """Bring the state to exactly the full cache's first num_computed_tokens tokens."""
+        state = self.states.get(req.request_id)
+        target = req.num_computed_tokens
+        if state is not None and state.num_tokens > target:        # preempted and recomputed
+            state = None
+            self.num_rebuilds += 1
+        if state is None:
+            state = self.states[req.request_id] = self.comp.new_state(self.state_dtype, str(self.storage.k.device))
+        start = state.num_tokens
+        if target > start:
+            bs = self.block_size
+            pos = torch.arange(start, target)
+            blocks = torch.tensor(req.block_ids)[pos // bs]
+            slots = (blocks * bs + pos % bs).to(self.storage.k.device)
+            for layer in range(len(state.layers)):
+                self.comp.encode(state, layer, self.storage.k[layer][slots], self.storage.v[layer][slots])
+            self.num_encoded_tokens += target - start
+        return state
+
+    @property
+    def block_size(self) -> int:
+        return self.storage.block_size
+
+    # -- propose -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
+        t0 = time.perf_counter()
+        states = [self._sync(r) for r in requests]
+        t1 = time.perf_counter()
+        self.encode_s += t1 - t0
+        drafts: list[list[int]] = [[] for _ in requests]
+        num_layers = self.model.config.num_layers
+        scratch = [[None] * num_layers for _ in requests]
+        current = [r.token_ids[-1] for r in requests]
+        dev = self.storage.k.device
+        for step in range(max(max_lens, default=0)):
+            active = [i for i, n in enumerate(max_lens) if n > step]
+            attn = DraftAttention(self.comp, [states[i] for i in active], [scratch[i] for i in active])
+            ids = torch.tensor([current[i] for i in active], device=dev)
+            pos = torch.tensor([requests[i].num_computed_tokens + step for i in active], device=dev)
+            tokens = self.model.compute_logits(self.model(ids, pos, attn)).argmax(-1).tolist()
+            for i, tok in zip(active, tokens):
+                drafts[i].append(tok)
+                current[i] = tok
+            self.num_draft_steps += 1
+        self.num_rounds += 1
+        self.draft_s += time.perf_counter() - t1
+        return drafts
+
+    def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        pass
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
+
+    # -- accounting --------------------------------------------------------------------------------
+    def bytes_used(self) -> dict[str, float]:
+        """Bytes per pool for the tokens the drafter holds: the compressed (draft) pool as packed,
+        the full pool as the paged cache stores those same tokens (storage dtype, all layers)."""
+        tokens = sum(s.num_tokens for s in self.states.values())
+        compressed = sum(self.comp.state_bytes(s) for s in self.states.values())
+        s = self.storage
+        full_per_token = 2 * s.k.shape[0] * s.k.shape[2] * s.k.shape[3] * s.k.element_size()
+        return {"num_tokens": tokens, "compressed_bytes": compressed, "full_bytes": tokens * full_per_token,
+                "compressed_bytes_per_token": compressed / tokens if tokens else 0.0,
+                "full_bytes_per_token": float(full_per_token)}
+
+    def stats(self) -> dict[str, float]:
+        return {"compressor": self.comp.name, "num_rounds": self.num_rounds,
+                "num_draft_steps": self.num_draft_steps, "num_encoded_tokens": self.num_encoded_tokens,
+                "num_rebuilds": self.num_rebuilds, "encode_s": self.encode_s, "draft_s": self.draft_s,
+                "num_requests": len(self.states), **self.bytes_used()}
