@@ -39,7 +39,7 @@ from specserve.kv_cache.compress.window import WindowCompressor  # noqa: E402
 
 def load_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from specserve.spec_phases.paths import cache_dir, embedded_model_path
+    from specserve.spec_phases.paths import embedded_model_path
     p = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
@@ -223,6 +223,7 @@ def main() -> None:
         ids = torch.tensor(tok(local_texts(60 * args.calib_tokens))["input_ids"][: args.calib_tokens])
         return collect_keys(model, list(ids.split(2048)))
 
+    from specserve.spec_phases.paths import cache_dir
     books = load_or_calibrate(path, calib_keys, f"tokens={args.calib_tokens}", cache_dir())
     ids = torch.tensor(tok(eval_text())["input_ids"][: args.context])
     assert ids.numel() == args.context, f"eval text has only {ids.numel()} tokens"

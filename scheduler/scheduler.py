@@ -5,7 +5,6 @@ It covers prefill chunks, prefix hits, resuming after preemption and verify rows
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 

@@ -10,7 +10,6 @@ V = 10
 
 
 def rows(params, outputs=None, prompt=None, gens=None):
-    n = len(params)
     return [SampleRow(p, prompt[i] if prompt else [], outputs[i] if outputs else [], gens[i] if gens else None)
             for i, p in enumerate(params)]
 

@@ -3,7 +3,6 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from specserve.kernels.reference.bitmap_attention import bitmap_attention, dense_keys, dense_values
 from specserve.kernels.reference.bitmap_encode import bitmap_decode, bitmap_encode
 from specserve.kv_cache.compress.base import CompressorConfig, dense_attention
 from specserve.kv_cache.compress.mustafar import MustafarCompressor, magnitude_prune

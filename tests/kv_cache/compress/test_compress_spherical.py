@@ -1,5 +1,4 @@
 """Spherical KV: code round trips, logits from codes, tiers' byte formula, RDR budget, calibration."""
-import math
 
 import pytest
 import torch
