@@ -18,7 +18,6 @@ Swap traffic is counted (`bytes_h2d`, `bytes_d2h`), so the scheduler can put it 
 from __future__ import annotations
 
 import torch
-
 from specserve.kernels.dispatch import get_op
 from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
 

@@ -19,9 +19,13 @@ import time
 from dataclasses import fields
 
 import torch
-
 from specserve.kv_cache.compress.base import (
-    Compressor, CompressorConfig, SequenceState, dense_attention, merge_attention)
+    Compressor,
+    CompressorConfig,
+    SequenceState,
+    dense_attention,
+    merge_attention,
+)
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.proposers.base import DraftRequest
 

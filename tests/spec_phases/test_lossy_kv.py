@@ -2,13 +2,12 @@
 lengths, preemption, aborts mid-round), exact sampling path, and a drafter that really drafts."""
 import pytest
 import torch
-
+from specserve.kv_cache.storage import KVStorage
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.scheduler.sampling_params import SamplingParams
 from specserve.spec_phases import loader
 from specserve.spec_phases.model import ModelConfig
-from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.proposers.base import DraftRequest
 from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer, build_compressor
 

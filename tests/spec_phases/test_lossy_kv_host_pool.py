@@ -1,7 +1,6 @@
 """VeriCache's host pool: a verify forward with the full cache in host memory, staged to the device
 layer by layer, gives exactly the device-resident result and writes the new K/V back to the host."""
 import torch
-
 from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases import loader
