@@ -108,6 +108,9 @@ def compare(peer_name: str, out_dir: Path, deadline: float) -> dict:
         info["command"] = " ".join(cmd)
         peer.start(out_dir)
         peer.wait_ready()
+        warm = [RequestSpec(p, 8) for p in prompts[:CONCURRENCY]]   # neither client pays first-call costs
+        asyncio.run(run_closed_loop(peer.base_url, peer_mod.SERVED_MODEL_NAME, warm, CONCURRENCY, 120.0,
+                                    extra_body=peer.extra_body))
         with open(out_dir / "vllm_bench.log", "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=300,
                            env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
