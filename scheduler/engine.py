@@ -71,7 +71,9 @@ class EngineCore:
         self.scheduler.add(Request(req))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        return self.scheduler.abort(request_id)
+        out = self.scheduler.abort(request_id)
+        self.worker.release(self.scheduler.take_finished_ids())
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -79,15 +81,17 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        self.worker.release(plan.finished_request_ids)
         if plan.is_empty():
             return []
         try:
             result = self.worker.execute(plan)
         except Exception as exc:                   # one bad step fails its requests, not the engine
             logger.exception("step failed; failing its %d requests", len(plan.requests))
-            return self.scheduler.fail([r.request_id for r in plan.requests], f"engine step failed: {exc}")
-        return self.scheduler.commit(plan, result)
+            outputs = self.scheduler.fail([r.request_id for r in plan.requests], f"engine step failed: {exc}")
+        else:
+            outputs = self.scheduler.commit(plan, result)
+        self.worker.release(self.scheduler.take_finished_ids())   # per-request device state, now
+        return outputs
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:
         outputs = []
@@ -98,6 +102,10 @@ class EngineCore:
         return outputs
 
     def check_integrity(self) -> None:
+        """Every pool balances; drafter state (the compressed cache) is held only for live requests."""
         self.kv.check_integrity()
         if not self.has_unfinished() and self.kv.num_requests_holding_blocks():
             raise AssertionError("idle engine still has requests holding KV blocks")
+        stale = self.worker.held_request_ids() - set(self.scheduler.requests)
+        if stale:
+            raise AssertionError(f"drafter state held for finished requests: {sorted(stale)[:5]}")

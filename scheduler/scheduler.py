@@ -75,6 +75,11 @@ class Scheduler:
                 outputs.append(self._output(req, [], None, error=message))
         return outputs
 
+    def take_finished_ids(self) -> list[str]:
+        """Requests finished since the last call: the engine releases their device-side state."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -180,8 +185,7 @@ class Scheduler:
                 output_token_ids=req.output_token_ids,
                 want_prompt_logprobs=(req.want_prompt_logprobs and req.num_output_tokens == 0
                                       and start < req.num_prompt_tokens)))
-        finished, self._finished_ids = self._finished_ids, []
-        return StepPlan(out, finished)
+        return StepPlan(out)
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:

@@ -40,7 +40,6 @@ class ScheduledRequest:
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     requests: list[ScheduledRequest]
-    finished_request_ids: list[str] = field(default_factory=list)   # runner drops their state
 
     @property
     def num_tokens(self) -> int:

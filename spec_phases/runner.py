@@ -45,8 +45,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
-        for request_id in plan.finished_request_ids:
-            self.generators.pop(request_id, None)
         reqs = plan.requests
         drafts = self._propose(reqs)                      # draft phase
         token_lists = [r.token_ids + d for r, d in zip(reqs, drafts)]

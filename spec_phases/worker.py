@@ -88,6 +88,13 @@ class Worker:
         if self.runner.proposer is not None:
             self.runner.proposer.release(request_ids)
 
+    def held_request_ids(self) -> set[str]:
+        """Requests the worker keeps per-request state for (sampling generators, drafter caches)."""
+        held = set(self.runner.generators)
+        if self.runner.proposer is not None:
+            held |= self.runner.proposer.held_request_ids()
+        return held
+
     @property
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

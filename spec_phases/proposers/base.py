@@ -35,3 +35,7 @@ class Proposer(Protocol):
     def release(self, request_ids: list[str]) -> None:
         """The requests finished (or were aborted): drop any per-request state."""
         ...
+
+    def held_request_ids(self) -> set[str]:
+        """Requests this drafter holds state for (the engine's integrity check compares)."""
+        ...

@@ -62,6 +62,9 @@ class LayerSkipProposer:
         pass
 
 
+    def held_request_ids(self) -> set[str]:
+        return set()
+
 def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                        is_causal=True, enable_gqa=True)

@@ -217,6 +217,9 @@ class LossyKVProposer:
         for request_id in request_ids:
             self.states.pop(request_id, None)
 
+    def held_request_ids(self) -> set[str]:
+        return set(self.states)
+
     # -- accounting --------------------------------------------------------------------------------
     def bytes_used(self) -> dict[str, float]:
         """Bytes per pool for the tokens the drafter holds: the compressed (draft) pool as packed,

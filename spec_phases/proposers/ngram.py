@@ -25,6 +25,9 @@ class NgramProposer:
         pass
 
 
+    def held_request_ids(self) -> set[str]:
+        return set()
+
 def lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)

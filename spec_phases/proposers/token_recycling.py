@@ -40,3 +40,7 @@ class TokenRecyclingProposer:
 
     def release(self, request_ids: list[str]) -> None:
         pass                                                   # the table is shared, not per request
+
+
+    def held_request_ids(self) -> set[str]:
+        return set()
