@@ -159,14 +159,16 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     spec = [c for c in results["cells"] if c.get("spec_decode") and c["spec_decode"]["acceptance_per_pos"]
             and c["spec_decode"]["num_drafts"]]
     if spec:
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(10, 4))
         width = 0.8 / len(spec)
         for i, c in enumerate(spec):
             per_pos = c["spec_decode"]["acceptance_per_pos"]
             ax.bar([p + i * width for p in range(len(per_pos))], per_pos, width,
                    label=f"{c['peer']} · {c['label']}")
-        ax.set(xlabel="draft position", ylabel="accepted / drafts", title="acceptance per position")
-        ax.legend(fontsize=6)
+        num_pos = max(len(c["spec_decode"]["acceptance_per_pos"]) for c in spec)
+        ax.set_xticks([p + 0.4 - width / 2 for p in range(num_pos)], [str(p) for p in range(num_pos)])
+        ax.set(xlabel="draft position", ylabel="accepted / drafts", title="acceptance per position", ylim=(0, 1))
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         written.append(out_dir / "acceptance.png")
         fig.savefig(written[-1], dpi=110)
