@@ -19,6 +19,7 @@ class SpeculativeConfig:
     adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
     kv_compressor: str = "mustafar"                 # lossy_kv: the drafting cache's compressor
     kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings (JSON)
+    full_kv_in_host: bool | None = None             # lossy_kv: None -> host pool on CUDA, device on CPU
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

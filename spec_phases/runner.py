@@ -11,6 +11,7 @@ import torch
 
 from specserve.kernels.dispatch import get_op
 from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import LlamaModel
 from specserve.spec_phases.plan import SampledTokens, ScheduledRequest, StepPlan, StepResult
@@ -32,9 +33,12 @@ class PagedAttention:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, storage: KVStorage, eos_token_ids: tuple[int, ...], seed: int = 0):
+    def __init__(self, model: LlamaModel, storage: KVStorage | HostKVPool, eos_token_ids: tuple[int, ...],
+                 seed: int = 0):
+        """storage: the full KV cache, on the device (KVStorage) or in host memory (HostKVPool,
+        VeriCache: staged to the device layer by layer for every forward)."""
         self.model, self.storage = model, storage
-        self.device = storage.k.device
+        self.device = model.embed_tokens.weight.device
         self.block_size = storage.block_size
         cfg = model.config
         self.scale = cfg.head_dim ** -0.5
@@ -83,8 +87,12 @@ class ModelRunner:
         width = max(len(b) for b in block_tables)
         tables = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
         slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
-        meta = PagedAttentionMetadata(query_start, seq_lens, block_tables, bs, dev)
-        attn = PagedAttention(self.storage, meta, slot_mapping.to(dev), self.scale)
+        if isinstance(self.storage, HostKVPool):
+            attn = StagedPagedAttention(self.storage, query_start, seq_lens, block_tables, slot_mapping.to(dev),
+                                        self.scale, dev)
+        else:
+            meta = PagedAttentionMetadata(query_start, seq_lens, block_tables, bs, dev)
+            attn = PagedAttention(self.storage, meta, slot_mapping.to(dev), self.scale)
         return torch.tensor(token_ids, device=dev), positions.to(dev), attn
 
     @torch.inference_mode()

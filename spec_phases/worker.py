@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.plan import StepPlan, StepResult
@@ -53,12 +54,21 @@ class Worker:
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget is too small for one block")
         self.block_size = block_size
-        self.storage = KVStorage(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                 self.dtype, self.device)
+        shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if speculative is not None and speculative.method == "lossy_kv" and self._full_kv_in_host(speculative):
+            self.storage = HostKVPool(*shape)          # VeriCache: the device keeps the compressed cache
+        else:
+            self.storage = KVStorage(*shape, self.device)
         self.runner = ModelRunner(self.model, self.storage, cfg.eos_token_ids, seed)
         self.runner.proposer = self._proposer(model, speculative)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, block_size,
                     self.storage.nbytes / 2**20, self.dtype, self.device)
+
+    def _full_kv_in_host(self, spec) -> bool:
+        """lossy_kv keeps the full cache in host memory on GPU hosts by default; on a CPU host both
+        pools are host memory anyway, so staging is opt-in there (`"full_kv_in_host": true`)."""
+        choice = spec.full_kv_in_host
+        return self.device.startswith("cuda") if choice is None else bool(choice)
 
     def _proposer(self, model: str | None, spec) -> Proposer | None:
         """spec: a SpeculativeConfig (duck-typed; spec_phases does not import scheduler)."""

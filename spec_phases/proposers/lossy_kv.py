@@ -26,6 +26,7 @@ from specserve.kv_cache.compress.base import (
     dense_attention,
     merge_attention,
 )
+from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.proposers.base import DraftRequest
 
@@ -149,7 +150,7 @@ class DraftAttention:
 class LossyKVProposer:
     name = "lossy_kv"
 
-    def __init__(self, model, storage: KVStorage, compressor: str = "mustafar", settings: dict | None = None):
+    def __init__(self, model, storage: KVStorage | HostKVPool, compressor: str = "mustafar", settings: dict | None = None):
         self.model, self.storage = model, storage
         self.comp = build_compressor(compressor, model, settings or {})
         self.compressor_name = compressor
@@ -168,17 +169,22 @@ class LossyKVProposer:
             state = None
             self.num_rebuilds += 1
         if state is None:
-            state = self.states[req.request_id] = self.comp.new_state(self.state_dtype, str(self.storage.k.device))
+            state = self.states[req.request_id] = self.comp.new_state(self.state_dtype, str(self.device))
         start = state.num_tokens
         if target > start:
             bs = self.block_size
             pos = torch.arange(start, target)
             blocks = torch.tensor(req.block_ids)[pos // bs]
-            slots = (blocks * bs + pos % bs).to(self.storage.k.device)
+            slots = (blocks * bs + pos % bs).to(self.storage.k.device)   # the full cache may be in host memory
             for layer in range(len(state.layers)):
-                self.comp.encode(state, layer, self.storage.k[layer][slots], self.storage.v[layer][slots])
+                self.comp.encode(state, layer, self.storage.k[layer][slots].to(self.device),
+                                 self.storage.v[layer][slots].to(self.device))
             self.num_encoded_tokens += target - start
         return state
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     @property
     def block_size(self) -> int:
@@ -195,7 +201,7 @@ class LossyKVProposer:
         num_layers = self.model.config.num_layers
         scratch = [[None] * num_layers for _ in requests]
         current = [r.token_ids[-1] for r in requests]
-        dev = self.storage.k.device
+        dev = self.device
         for step in range(max(max_lens, default=0)):
             active = [i for i, n in enumerate(max_lens) if n > step]
             attn = DraftAttention(self.comp, [states[i] for i in active], [scratch[i] for i in active])

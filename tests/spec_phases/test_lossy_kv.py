@@ -164,3 +164,18 @@ def test_compressor_settings_are_checked():
     with pytest.raises(TypeError):
         build_compressor("quant", model, {"bogus": 1})
     assert build_compressor("mustafar", loader.build_random_model(tiny_d64()), {"sparsity": 0.5}).key_sparsity == 0.5
+
+
+def test_full_cache_in_the_host_pool_is_lossless(make_engine):
+    """VeriCache's two pools wired into the engine: the full cache lives in a HostKVPool and every
+    forward stages it layer by layer; greedy output equals plain decoding and bytes are counted."""
+    from dataclasses import replace
+
+    from specserve.kv_cache.host_pool import HostKVPool
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in range(3)]
+    plain, _, _ = generate(make_engine(), params)
+    core = make_engine(speculative=replace(spec("quant"), full_kv_in_host=True))
+    assert isinstance(core.worker.storage, HostKVPool)
+    out, drafted, _ = generate(core, params)
+    assert out == plain and drafted > 0
+    assert core.worker.storage.bytes_h2d > 0 and core.worker.storage.bytes_d2h > 0
