@@ -40,6 +40,9 @@ CHAT = ["What are three tips for staying healthy?", "Explain what a hash table i
 METHODS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2, "adaptive": True},
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 4},
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
 }
@@ -75,14 +78,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (<= 8)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--workloads", nargs="+", default=["code-edit", "chat"], choices=["code-edit", "chat"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tokenizer = load_tokenizer(None)
     rows = []
-    for method, spec in METHODS.items():
+    for method in ["off"] + [m for m in args.methods if m != "off"]:
+        spec = METHODS[method]
         core = EngineCore(EngineConfig(kv_cache_memory_gb=0.5, speculative=SpeculativeConfig.from_json(spec)))
         run(core, [[1, 2, 3]], 1, 4)                              # warm-up
-        for wl in ("code-edit", "chat"):
+        for wl in args.workloads:
             prompts = workload(tokenizer, wl)[:args.prompts]
             for batch in args.batch:
                 r = run(core, prompts, batch, args.max_tokens)
