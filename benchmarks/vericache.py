@@ -1,0 +1,162 @@
+"""VeriCache on the embedded model: capacity, throughput and swap cost, side by side in one run.
+
+    HF_HUB_OFFLINE=1 nice -n 19 python benchmarks/vericache.py --context 1024 --concurrency 4 \
+        --new-tokens 32 --k 16 --compressors window,quant,mustafar,spherical --out docs/img/vericache.json
+
+(a) capacity: at a fixed device KV budget, how many `--capacity-context`-token sequences fit with full
+    fp16 KV vs with the compressed drafting cache only (measured `state_bytes` of a real sequence's
+    K/V, sinks and dense window included). The full cache then lives in the host pool.
+(b) throughput: output tokens/s of `--concurrency` requests at `--context` tokens, plain decoding vs
+    lossy_kv per compressor; acceptance rate and mean accepted tokens per verify round.
+(c) swap: one verify forward with the full cache in a HostKVPool staged layer by layer vs the
+    device-resident cache (on CPU both are host memory: this measures the copy path's overhead;
+    the GPU overlap with a side stream is unmeasured here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from specserve.kv_cache.compress.spherical_calib import local_texts
+from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
+from specserve.scheduler.config import EngineConfig, SpeculativeConfig
+from specserve.scheduler.engine import EngineCore
+from specserve.scheduler.messages import EngineRequest
+from specserve.scheduler.sampling_params import SamplingParams
+from specserve.server.tokenizer import load_tokenizer
+from specserve.spec_phases.proposers.lossy_kv import _DenseCache, build_compressor
+
+SETTINGS = {"window": {"window": 192}, "quant": {"key_bits": 4, "value_bits": 4},
+            "mustafar": {"sparsity": 0.7}, "spherical": {"tier": 1, "value_bits": 8}}
+
+
+def prompts_of(tok, num: int, length: int) -> list[list[int]]:
+    ids = tok.encode(local_texts(8 * num * length))
+    if len(ids) < num * length:
+        raise SystemExit(f"only {len(ids)} local text tokens for {num} x {length}")
+    return [ids[i * length:(i + 1) * length] for i in range(num)]
+
+
+def run(prompts, new_tokens: int, spec, threads: int) -> dict:
+    core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_batched_tokens=4096, num_threads=threads,
+                                   speculative=spec))
+    for i, ids in enumerate(prompts):
+        core.add_request(EngineRequest(f"b{i}", ids, SamplingParams(max_tokens=new_tokens, temperature=0,
+                                                                   ignore_eos=True)))
+    outs = {f"b{i}": [] for i in range(len(prompts))}
+    drafted = accepted = rounds = 0
+    decode_s = 0.0
+    while core.has_unfinished():
+        start = time.perf_counter()
+        for out in core.step():
+            outs[out.request_id].extend(out.new_token_ids)
+        st = core.scheduler.stats
+        if st.num_prompt_tokens == 0:                 # decode-only steps: the throughput we compare
+            decode_s += time.perf_counter() - start
+        drafted, accepted = drafted + st.num_draft_tokens, accepted + st.num_accepted_tokens
+        rounds += len(st.draft_lens)
+    core.check_integrity()
+    prop = core.worker.runner.proposer
+    num_out = sum(len(o) for o in outs.values())
+    return {"outputs": [outs[f"b{i}"] for i in range(len(prompts))], "decode_s": decode_s,
+            "tokens_per_s": num_out / decode_s if decode_s else 0.0, "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "mean_accepted_per_round": accepted / rounds if rounds else 0.0,
+            "proposer": prop.stats() if prop is not None else None, "core": core}
+
+
+@torch.inference_mode()
+def capacity(model, ids: list[int], budget_gb: float, chunk: int = 512) -> list[dict]:
+    """Encode one real sequence's K/V (a chunked dense forward) into each compressor; sequences that
+    fit in `budget_gb` of device memory with full fp16 KV vs with the compressed drafting cache."""
+    cfg, dev = model.config, model.embed_tokens.weight.device
+    cache = _DenseCache(cfg.num_layers)
+    for start in range(0, len(ids), chunk):
+        part = torch.tensor(ids[start:start + chunk], device=dev)
+        model(part, torch.arange(start, start + len(part), device=dev), cache)
+    full = cfg.kv_bytes_per_token(torch.float16) * len(ids)
+    rows = [{"name": "full-fp16", "bytes_per_seq": full, "seqs": int(budget_gb * 2**30 // full)}]
+    for name, settings in SETTINGS.items():
+        comp = build_compressor(name, model, settings)
+        state = comp.new_state(torch.float16)
+        for layer in range(cfg.num_layers):
+            comp.encode(state, layer, torch.cat(cache.k[layer]), torch.cat(cache.v[layer]))
+        b = comp.state_bytes(state)
+        rows.append({"name": comp.name, "bytes_per_seq": b, "seqs": int(budget_gb * 2**30 // b),
+                     "vs_full": full / b})
+    return rows
+
+
+@torch.inference_mode()
+def swap_cost(core: EngineCore, num_reqs: int, context: int, k: int, repeats: int = 3) -> dict:
+    """Verify forward ([last + k drafts] per request) on the device-resident cache vs staged from a
+    host pool. The cache content is random: only timing and bytes matter here."""
+    w = core.worker
+    cfg, runner, bs = w.config, w.runner, w.block_size
+    per_req = -(-(context + k + 1) // bs)
+    tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(num_reqs)]
+    if per_req * num_reqs > w.num_blocks:
+        return {"skipped": "not enough blocks"}
+    pool = HostKVPool(cfg.num_layers, w.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, w.dtype)
+    tokens = [[5] * (k + 1) for _ in range(num_reqs)]
+    ids, positions, paged = runner._inputs(tokens, [context] * num_reqs, tables)
+    times = {"resident_s": [], "staged_s": []}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        w.model(ids, positions, paged)
+        times["resident_s"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        staged = StagedPagedAttention(pool, paged.meta.query_start, paged.meta.seq_lens, tables,
+                                      paged.slot_mapping, runner.scale, w.device)
+        w.model(ids, positions, staged)
+        times["staged_s"].append(time.perf_counter() - start)
+    return {"resident_s": min(times["resident_s"]), "staged_s": min(times["staged_s"]),
+            "h2d_bytes_per_verify": pool.bytes_h2d // repeats, "d2h_bytes_per_verify": pool.bytes_d2h // repeats}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--compressors", default="window,quant,mustafar,spherical")
+    ap.add_argument("--capacity-context", type=int, default=4096)
+    ap.add_argument("--budget-gb", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    tok = load_tokenizer(None)
+    report = {"args": vars(args)}
+    prompts = prompts_of(tok, args.concurrency, args.context)
+    plain = run(prompts, args.new_tokens, None, args.threads)
+    report["plain"] = {k: v for k, v in plain.items() if k not in ("outputs", "core")}
+    print("plain", json.dumps(report["plain"]), flush=True)
+    cap_ids = prompts_of(tok, 1, args.capacity_context)[0]
+    report["capacity"] = capacity(plain["core"].worker.model, cap_ids, args.budget_gb)
+    print("capacity", json.dumps(report["capacity"]), flush=True)
+    report["swap"] = swap_cost(plain["core"], args.concurrency, args.context, args.k)
+    print("swap", json.dumps(report["swap"]), flush=True)
+    report["lossy_kv"] = {}
+    for name in args.compressors.split(","):
+        spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k, kv_compressor=name,
+                                 kv_compressor_config=SETTINGS[name])
+        r = run(prompts, args.new_tokens, spec, args.threads)
+        row = {k: v for k, v in r.items() if k not in ("outputs", "core")}
+        row["identical"] = r["outputs"] == plain["outputs"]
+        row["speedup"] = row["tokens_per_s"] / report["plain"]["tokens_per_s"]
+        report["lossy_kv"][name] = row
+        print(name, json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
