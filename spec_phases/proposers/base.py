@@ -39,3 +39,16 @@ class Proposer(Protocol):
     def held_request_ids(self) -> set[str]:
         """Requests this drafter holds state for (the engine's integrity check compares)."""
         ...
+
+
+class StatelessProposer:
+    """Defaults for drafters that keep no per-request state and learn nothing from the target."""
+
+    def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        pass
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
+    def held_request_ids(self) -> set[str]:
+        return set()

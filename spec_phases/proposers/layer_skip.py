@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.spec_phases.paths import cache_dir, resolve_model_path
-from specserve.spec_phases.proposers.base import DraftRequest
+from specserve.spec_phases.proposers.base import DraftRequest, StatelessProposer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ CALIBRATION_TEXT = (
     "Rome is known for its ancient ruins, such as the Colosseum, and for Vatican City.")
 
 
-class LayerSkipProposer:
+class LayerSkipProposer(StatelessProposer):
     name = "layer_skip"
 
     def __init__(self, forward: RowForward, num_layers: int, skip_layers: tuple[int, ...]):
@@ -55,15 +55,6 @@ class LayerSkipProposer:
                 current[i] = tok
         return drafts
 
-    def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        pass
-
-    def release(self, request_ids: list[str]) -> None:
-        pass
-
-
-    def held_request_ids(self) -> set[str]:
-        return set()
 
 def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

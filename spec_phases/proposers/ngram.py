@@ -3,13 +3,12 @@ n tokens (n from prompt_lookup_max down to prompt_lookup_min) and propose what f
 from __future__ import annotations
 
 import numpy as np
-import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specserve.spec_phases.proposers.base import DraftRequest
+from specserve.spec_phases.proposers.base import DraftRequest, StatelessProposer
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     name = "ngram"
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
@@ -18,15 +17,6 @@ class NgramProposer:
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
         return [lookup(r.token_ids, k, self.min_n, self.max_n) if k > 0 else [] for r, k in zip(requests, max_lens)]
 
-    def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        pass
-
-    def release(self, request_ids: list[str]) -> None:
-        pass
-
-
-    def held_request_ids(self) -> set[str]:
-        return set()
 
 def lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     tokens = np.asarray(token_ids, dtype=np.int64)

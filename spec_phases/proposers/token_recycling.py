@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec_phases.proposers.base import DraftRequest
+from specserve.spec_phases.proposers.base import DraftRequest, StatelessProposer
 
 
-class TokenRecyclingProposer:
+class TokenRecyclingProposer(StatelessProposer):   # the table is shared, not per request
     name = "token_recycling"
 
     def __init__(self, vocab_size: int, top_k: int = 8, device: str | torch.device = "cpu"):
@@ -37,10 +37,3 @@ class TokenRecyclingProposer:
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         top = logits.topk(self.top_k, dim=-1).indices          # [rows, top_k]
         self.table[input_token_ids.to(self.table.device)] = top.to(self.table.device)
-
-    def release(self, request_ids: list[str]) -> None:
-        pass                                                   # the table is shared, not per request
-
-
-    def held_request_ids(self) -> set[str]:
-        return set()
