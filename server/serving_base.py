@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
+from starlette.responses import JSONResponse, Response
 
 from specserve.scheduler.messages import EngineRequest, ModelInfo
 from specserve.scheduler.sampling_params import ParamError, SamplingParams
@@ -227,6 +228,18 @@ async def open_stream(raw: Request, ctx: ServingContext, requests: list[EngineRe
     if first is not None:
         stream.unget(first)
     return stream
+
+
+async def respond(raw: Request, ctx: ServingContext, job, requests: list[EngineRequest], n: int,
+                  stream: bool):
+    """Stream the job's SSE events, or collect its whole JSON body (499 if the client left first)."""
+    if stream:
+        engine_stream = await open_stream(raw, ctx, requests, n)
+        return sse_response(job.events(engine_stream), ctx, engine_stream.close)
+    try:
+        return JSONResponse(await run_unless_disconnected(raw, job.collect(requests)))
+    except ClientDisconnected:
+        return Response(status_code=499)
 
 
 async def _next_or_none(stream):

@@ -4,17 +4,17 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from specserve.scheduler.messages import EngineRequest, TokenLogprob
 from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import ChatCompletionRequest, ChatMessage
-from specserve.server.serving_base import (ClientDisconnected, ServingContext, check_common_fields,
+from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            context_error, engine_request_id, error_event, logprob_value,
-                                           new_choice, open_stream, request_id_for,
-                                           run_unless_disconnected, sampling_params, served_model,
-                                           sse_data, sse_response, stream_error, usage_dict)
+                                           new_choice, request_id_for,
+                                           sampling_params, served_model,
+                                           sse_data, stream_error, usage_dict)
 
 NO_TEMPLATE = ("This model has no chat template; use /v1/completions or start the server with "
                "--chat-template.")
@@ -119,14 +119,7 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest, ctx:
                                  seed_offset=i)
         requests.append(EngineRequest(engine_request_id(request_id, i), prompt_ids, params))
         states.append(new_choice(ctx, body, i, 0))
-    job = ChatJob(ctx, body, model, request_id, prompt_ids, states)
-    if body.stream:
-        stream = await open_stream(raw, ctx, requests, body.n)
-        return sse_response(job.events(stream), ctx, stream.close)
-    try:
-        return JSONResponse(await run_unless_disconnected(raw, job.collect(requests)))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await respond(raw, ctx, ChatJob(ctx, body, model, request_id, prompt_ids, states), requests, body.n, body.stream)
 
 
 class ChatJob:

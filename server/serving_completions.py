@@ -4,17 +4,16 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from specserve.scheduler.messages import EngineRequest, TokenLogprob
 from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import CompletionRequest
-from specserve.server.serving_base import (ClientDisconnected, ServingContext, check_common_fields,
+from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            check_prompt_ids, context_error, engine_request_id,
-                                           error_event, logprob_value, new_choice, open_stream,
-                                           request_id_for, run_unless_disconnected, sampling_params,
-                                           served_model, sse_data, sse_response, stream_error,
+                                           error_event, logprob_value, new_choice, request_id_for, sampling_params,
+                                           served_model, sse_data, stream_error,
                                            usage_dict)
 
 
@@ -131,14 +130,7 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
             index = prompt_index * body.n + i
             requests.append(EngineRequest(engine_request_id(request_id, index), ids, params))
             states.append(new_choice(ctx, body, index, prompt_index))
-    job = CompletionJob(ctx, body, model, request_id, prompts, states)
-    if body.stream:
-        stream = await open_stream(raw, ctx, requests, body.n)
-        return sse_response(job.events(stream), ctx, stream.close)
-    try:
-        return JSONResponse(await run_unless_disconnected(raw, job.collect(requests)))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await respond(raw, ctx, CompletionJob(ctx, body, model, request_id, prompts, states), requests, body.n, body.stream)
 
 
 class CompletionJob:
