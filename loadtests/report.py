@@ -76,24 +76,11 @@ def markdown(results: dict) -> str:
         lines.append(f"| {row['label']} | {_fmt(t['ratio'])} ({_fmt(t['ours'], 1)} vs {_fmt(t['theirs'], 1)}) "
                      f"| {t['their_peer'] or '–'} | {_fmt(row['ttft']['ratio'])} | {_fmt(row['itl']['ratio'])} "
                      f"| {_fmt(row['e2e99']['ratio'])} | {_fmt(row['goodput']['ratio'])} |")
-    lines += ["", "### Output tokens/s per peer (completed / sent requests)", "",
-              "| cell | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
-    for label, by_peer in _by_cell(results["cells"]).items():
-        cols = []
-        for p in peers:
-            s = by_peer.get(p, {}).get("summary")
-            cols.append("–" if s is None else
-                        f"{_fmt(s['output_tokens_per_s'], 1)} ({s['num_completed']}/{s['num_requests']})")
-        lines.append(f"| {label} | " + " | ".join(cols) + " |")
-    lines += ["", "### Latency per peer: TTFT p50 / ITL p50 / E2E p99 (seconds)", "",
-              "| cell | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
-    for label, by_peer in _by_cell(results["cells"]).items():
-        cols = []
-        for p in peers:
-            s = by_peer.get(p, {}).get("summary")
-            cols.append("–" if s is None else
-                        f"{_fmt(s['ttft_s']['p50'])} / {_fmt(s['itl_s']['p50'], 3)} / {_fmt(s['e2e_s']['p99'])}")
-        lines.append(f"| {label} | " + " | ".join(cols) + " |")
+    lines += _peer_table(results, peers, "Output tokens/s per peer (completed / sent requests)",
+                         lambda s: f"{_fmt(s['output_tokens_per_s'], 1)} ({s['num_completed']}/{s['num_requests']})")
+    lines += _peer_table(results, peers, "Latency per peer: TTFT p50 / ITL p50 / E2E p99 (seconds)",
+                         lambda s: f"{_fmt(s['ttft_s']['p50'])} / {_fmt(s['itl_s']['p50'], 3)} / "
+                                   f"{_fmt(s['e2e_s']['p99'])}")
     spec = [c for c in results["cells"] if c.get("spec_decode") and c["spec_decode"]["num_drafts"]]
     if spec:
         lines += ["", "### Speculative decoding (from `/metrics` counter deltas)", "",
@@ -188,3 +175,12 @@ def write(results: dict, out_dir: Path) -> dict[str, Path]:
     except ImportError as exc:                     # matplotlib is a benchmark-only dependency
         paths["markdown"].write_text(markdown(results) + f"\n(no plots: {exc})\n")
     return paths
+
+
+def _peer_table(results: dict, peers: list[str], title: str, cell) -> list[str]:
+    """One row per cell, one column per peer: cell(summary), or a dash where the peer has none."""
+    lines = ["", f"### {title}", "", "| cell | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
+    for label, by_peer in _by_cell(results["cells"]).items():
+        summaries = [by_peer.get(p, {}).get("summary") for p in peers]
+        lines.append(f"| {label} | " + " | ".join("–" if s is None else cell(s) for s in summaries) + " |")
+    return lines

@@ -10,7 +10,9 @@ thread to its own process by changing only `server/engine_client.py`.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specserve.scheduler.sampling_params import SamplingParams
 from specserve.spec_phases.plan import TokenLogprob  # noqa: F401  (re-exported for the server)
@@ -70,16 +72,23 @@ class EngineOverloadedError(RuntimeError):
     """The bounded waiting queue is full (the server answers 503 with Retry-After)."""
 
 
-class EngineClientProtocol:
+class EngineClientProtocol(Protocol):
     """What the server may call on an engine (the real one is `scheduler.async_engine.AsyncEngine`;
-    tests may pass a fake with the same methods). All methods are called from the asyncio loop.
+    tests may pass a fake with the same methods). All methods are called from the asyncio loop."""
 
-    - `model_info: ModelInfo`
-    - `submit(request: EngineRequest) -> AsyncIterator[RequestOutput]`: raises EngineOverloadedError
-      (queue full), EngineDeadError, or ParamError (e.g. prompt too long) before yielding anything.
-      The iterator ends after the output with `finished=True`. If the consumer stops iterating early
-      (client gone), it must call `abort(request_id)`.
-    - `abort(request_id: str) -> None`: idempotent; the request's KV blocks are freed within one step.
-    - `is_dead: bool`
-    - `shutdown() -> None`
-    """
+    model_info: ModelInfo
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Raises EngineOverloadedError (queue full), EngineDeadError or ParamError (e.g. prompt too
+        long) before yielding anything. The iterator ends after the output with `finished=True`; a
+        consumer that stops early (client gone) must call `abort(request_id)`."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent; the request's KV blocks are freed within one engine step."""
+        ...
+
+    def shutdown(self) -> None: ...
