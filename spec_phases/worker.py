@@ -81,7 +81,7 @@ class Worker:
         if spec.method == "layer_skip":
             skip = spec.skip_layers
             if skip is None:
-                skip = default_skip_layers(model, self.model, None, spec.num_speculative_tokens)
+                skip = default_skip_layers(model, self.model, spec.num_speculative_tokens)
             logger.info("layer_skip drafter skips layers %s", list(skip))
             return LayerSkipProposer(self.runner.forward_rows, self.config.num_layers, tuple(skip))
         if spec.method == "lossy_kv":

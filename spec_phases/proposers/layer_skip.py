@@ -25,17 +25,6 @@ logger = logging.getLogger(__name__)
 # (token id, position, block ids) per row -> raw logits [rows, vocab]
 RowForward = Callable[[list[tuple[int, int, list[int]]], list[int]], torch.Tensor]
 
-CALIBRATION_TEXT = (
-    "The history of computing is a story of abstraction. Early machines were programmed by rewiring "
-    "panels; later, stored programs let the same hardware run many tasks. Compilers turned readable code "
-    "into machine instructions, and operating systems shared one computer among many users.\n\n"
-    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
-    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
-    "    return result\n\nQuestion: What is the capital of Italy?\nAnswer: The capital of Italy is Rome. "
-    "Rome is known for its ancient ruins, such as the Colosseum, and for Vatican City.")
-
-
 class LayerSkipProposer(StatelessProposer):
     name = "layer_skip"
 
@@ -98,7 +87,8 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
 
 @torch.inference_mode()
 def _own_generation(model, length: int = 160) -> list[int]:
-    """Without a tokenizer, calibrate on the model's own greedy continuation of its BOS token."""
+    """Calibration text without any tokenizer (spec_phases knows no text): the model's own greedy
+    continuation of its BOS token, the same for the engine and the calibration command."""
     dev = model.embed_tokens.weight.device
     ids = [model.config.bos_token_id if model.config.bos_token_id is not None else 1]
     for _ in range(length):
@@ -113,13 +103,12 @@ def _cache_file(model: str | None) -> "object":
     return cache_dir() / "layer_skip" / f"{path.stem}-{key}.json"
 
 
-def default_skip_layers(model: str | None, llama, tokenize: Callable[[str], list[int]] | None = None,
-                        k: int = 4) -> tuple[int, ...]:
+def default_skip_layers(model: str | None, llama, k: int = 4) -> tuple[int, ...]:
     """The calibrated skip set for `model` from the cache, calibrating (and caching) it if missing."""
     file = _cache_file(model)
     if file.exists():
         return tuple(json.loads(file.read_text())["skip_layers"])
-    token_ids = tokenize(CALIBRATION_TEXT) if tokenize else _own_generation(llama)
+    token_ids = _own_generation(llama)
     skip, report = calibrate(llama, token_ids, k)
     file.parent.mkdir(parents=True, exist_ok=True)
     file.write_text(json.dumps({"skip_layers": list(skip), **report}, indent=1))
@@ -131,28 +120,14 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("-k", type=int, default=4, help="draft length the speedup estimate assumes")
     args = ap.parse_args()
-    from transformers import AutoTokenizer  # noqa: F401  (only to fail early without transformers)
-
     from specserve.spec_phases.loader import load_model
     llama = load_model(args.model)
     file = _cache_file(args.model)
     if file.exists():
         file.unlink()
-    tok = _tokenizer(args.model)
-    skip = default_skip_layers(args.model, llama, tok, args.k)
+    skip = default_skip_layers(args.model, llama, args.k)
     print(json.dumps({"model": str(resolve_model_path(args.model)), "skip_layers": list(skip),
                       "cache": str(file)}))
-
-
-def _tokenizer(model: str | None) -> Callable[[str], list[int]]:
-    import os
-
-    from transformers import AutoTokenizer
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = resolve_model_path(model)
-    tok = (AutoTokenizer.from_pretrained(str(path)) if path.is_dir()
-           else AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
-    return tok.encode
 
 
 if __name__ == "__main__":
