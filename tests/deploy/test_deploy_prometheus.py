@@ -88,6 +88,7 @@ def stack(tmp_path_factory):
     config = (ROOT / "deploy/prometheus.yml").read_text()
     config = config.replace("/etc/prometheus/alerts.yml", str(ROOT / "deploy/alerts.yml"))
     config = config.replace("scrape_interval: 5s", "scrape_interval: 1s")
+    config = config.replace("evaluation_interval: 30s", "evaluation_interval: 1s")
     config = config.replace('["specserve:8000"]', f'["127.0.0.1:{api_port}"]')
     (tmp / "prometheus.yml").write_text(config)
     prom = subprocess.Popen(
@@ -176,8 +177,13 @@ def test_dashboard_variables_resolve_and_alert_rules_load(stack):
         values = httpx.get(f"{prom_url}/api/v1/label/{label}/values",
                            params={"match[]": "vllm:num_requests_running"}).json()["data"]
         assert want in values, (label, values)
-    groups = httpx.get(prom_url + "/api/v1/rules").json()["data"]["groups"]
-    rules = [r for g in groups for r in g["rules"]]
+    def rules() -> list[dict]:
+        groups = httpx.get(prom_url + "/api/v1/rules").json()["data"]["groups"]
+        return [r for g in groups for r in g["rules"]]
+
+    # a rule reads "unknown" until its group's first evaluation: wait for that, then every one must be ok
+    wait_for(lambda: rules() and all(r["health"] != "unknown" for r in rules()), "alert rules evaluated", 60)
+    rules = rules()
     assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
 
 
