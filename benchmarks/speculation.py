@@ -80,13 +80,16 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (<= 8)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--workloads", nargs="+", default=["code-edit", "chat"], choices=["code-edit", "chat"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tokenizer = load_tokenizer(None)
     rows = []
     for method in ["off"] + [m for m in args.methods if m != "off"]:
         spec = METHODS[method]
-        core = EngineCore(EngineConfig(kv_cache_memory_gb=0.5, speculative=SpeculativeConfig.from_json(spec)))
+        core = EngineCore(EngineConfig(kv_cache_memory_gb=0.5, device=args.device, dtype=args.dtype,
+                                       speculative=SpeculativeConfig.from_json(spec)))
         run(core, [[1, 2, 3]], 1, 4)                              # warm-up
         for wl in args.workloads:
             prompts = workload(tokenizer, wl)[:args.prompts]

@@ -43,9 +43,9 @@ def prompts_of(tok, num: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(num)]
 
 
-def run(prompts, new_tokens: int, spec, threads: int) -> dict:
+def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtype: str = "auto") -> dict:
     core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_batched_tokens=4096, num_threads=threads,
-                                   speculative=spec))
+                                   device=device, dtype=dtype, speculative=spec))
     for i, ids in enumerate(prompts):
         core.add_request(EngineRequest(f"b{i}", ids, SamplingParams(max_tokens=new_tokens, temperature=0,
                                                                    ignore_eos=True)))
@@ -130,12 +130,14 @@ def main() -> None:
     ap.add_argument("--capacity-context", type=int, default=4096)
     ap.add_argument("--budget-gb", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     tok = load_tokenizer(None)
     report = {"args": vars(args)}
     prompts = prompts_of(tok, args.concurrency, args.context)
-    plain = run(prompts, args.new_tokens, None, args.threads)
+    plain = run(prompts, args.new_tokens, None, args.threads, args.device, args.dtype)
     report["plain"] = {k: v for k, v in plain.items() if k not in ("outputs", "core")}
     print("plain", json.dumps(report["plain"]), flush=True)
     cap_ids = prompts_of(tok, 1, args.capacity_context)[0]
@@ -147,7 +149,7 @@ def main() -> None:
     for name in args.compressors.split(","):
         spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k, kv_compressor=name,
                                  kv_compressor_config=SETTINGS[name])
-        r = run(prompts, args.new_tokens, spec, args.threads)
+        r = run(prompts, args.new_tokens, spec, args.threads, args.device, args.dtype)
         row = {k: v for k, v in r.items() if k not in ("outputs", "core")}
         row["identical"] = r["outputs"] == plain["outputs"]
         row["speedup"] = row["tokens_per_s"] / report["plain"]["tokens_per_s"]

@@ -23,6 +23,15 @@ def _tracking_init(self, *args, **kwargs):
 
 engine_module.EngineCore.__init__ = _tracking_init
 
+# On a GPU machine `device="auto"` picks CUDA and `dtype="auto"` bf16; SPECSERVE_TEST_DTYPE=float32 makes
+# "auto" mean float32 there, so the token-identity tests run on CUDA at the precision they assume.
+if os.environ.get("SPECSERVE_TEST_DTYPE"):
+    from specserve.spec_phases import worker as _worker
+
+    _resolve_dtype = _worker.resolve_dtype
+    _worker.resolve_dtype = lambda dtype, device: _resolve_dtype(
+        os.environ["SPECSERVE_TEST_DTYPE"] if dtype == "auto" else dtype, device)
+
 
 @pytest.fixture(autouse=True)
 def kv_integrity():

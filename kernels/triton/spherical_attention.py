@@ -1,9 +1,12 @@
 """Attention from Spherical-KV codes (Triton): LUT-gather logits + online softmax over dense V.
 
 Keys are never rebuilt. The wrapper builds, per query head, LUT[j, c] = <q_j, C_j[c]>
-([num_q, num_heads, G, K], a tiny einsum); one program per (query, head) then streams the codes:
+([num_q, num_heads, G, K], a tiny einsum); one program per (query, head, split of the context) then
+streams its split's codes:
     logit_t = sm_scale / 255 * sum_j radius[t, j] * scale[page(t), j] * LUT[j, theta[t, j]]
-and accumulates softmax(logits) @ V flash-decoding style (running max m, sum l, acc).
+and accumulates softmax(logits) @ V flash-decoding style (running max m, sum l, acc). The splits'
+partial (m, l, acc) are merged exactly afterwards (`combine_splits`): with one program per (query,
+head) a decode step at long context would run 9 programs on a 132-SM GPU.
 """
 from __future__ import annotations
 
@@ -11,12 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.triton.splits import combine_splits, plan_splits
+
 
 @triton.jit
 def _attend_kernel(lut_ptr, theta_ptr, radius_ptr, scale_ptr, v_ptr, out_ptr, lse_ptr,
-                   T, NUM_PAGES, NUM_HEADS, GROUP, sm_scale,
+                   T, NUM_PAGES, NUM_HEADS, GROUP, SPLIT, sm_scale,
                    D: tl.constexpr, G: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr):
     pid = tl.program_id(0)                     # = query * NUM_HEADS + head
+    split = tl.program_id(1)                   # tokens [split * SPLIT, min(T, (split + 1) * SPLIT))
+    num_splits = tl.num_programs(1)
+    end = tl.minimum(T, (split + 1) * SPLIT)
     head = pid % NUM_HEADS
     kvh = head // GROUP
     offs_b = tl.arange(0, BT)
@@ -25,9 +33,9 @@ def _attend_kernel(lut_ptr, theta_ptr, radius_ptr, scale_ptr, v_ptr, out_ptr, ls
     m = tl.zeros([], tl.float32) - float("inf")
     l = tl.zeros([], tl.float32)
     acc = tl.zeros([D], tl.float32)
-    for start in range(0, T, BT):
+    for start in range(split * SPLIT, end, BT):
         t = start + offs_b                                                    # [BT]
-        valid = t < T
+        valid = t < end
         code_off = kvh * T * G + t[:, None] * G + offs_g[None, :]             # [BT, G]
         theta = tl.load(theta_ptr + code_off, mask=valid[:, None], other=0).to(tl.int32)
         rad = tl.load(radius_ptr + code_off, mask=valid[:, None], other=0).to(tl.float32)
@@ -44,8 +52,9 @@ def _attend_kernel(lut_ptr, theta_ptr, radius_ptr, scale_ptr, v_ptr, out_ptr, ls
         l = l * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * vb, axis=0)
         m = m_new
-    tl.store(out_ptr + pid * D + offs_d, acc / l)
-    tl.store(lse_ptr + pid, m + tl.log(l))
+    part = pid * num_splits + split
+    tl.store(out_ptr + part * D + offs_d, acc / l)
+    tl.store(lse_ptr + part, m + tl.log(l))
 
 
 def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tensor, scale: torch.Tensor,
@@ -59,10 +68,12 @@ def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tens
     qg = q.float().reshape(num_q, num_heads, num_groups, group)
     cb = codebook.float().repeat_interleave(gqa, dim=0)                       # [num_heads, G, K, g]
     lut = torch.einsum("qhgi,hgki->qhgk", qg, cb).contiguous()               # [num_q, num_heads, G, K]
-    out = torch.empty(num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(num_q, num_heads, dtype=torch.float32, device=q.device)
-    _attend_kernel[(num_q * num_heads,)](
+    block = 64
+    num_splits, split = plan_splits(num_tokens, num_q * num_heads, block)
+    out = torch.empty(num_q, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_q, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _attend_kernel[(num_q * num_heads, num_splits)](
         lut, theta.contiguous(), radius.contiguous(), scale.float().contiguous(), v.contiguous(), out, lse,
-        num_tokens, scale.shape[1], num_heads, gqa, sm_scale,
-        D=head_dim, G=num_groups, K=num_codes, P=page_size, BT=64)
-    return out, lse
+        num_tokens, scale.shape[1], num_heads, gqa, split, sm_scale,
+        D=head_dim, G=num_groups, K=num_codes, P=page_size, BT=block)
+    return combine_splits(out, lse)

@@ -1,0 +1,183 @@
+"""Compressed-KV attention and encode kernels: Triton vs the PyTorch reference vs dense attention
+(a benchmark, not a test; every timed variant is first checked against the reference).
+
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64) unless flags say otherwise. Per
+context length T and queries per sequence Q (1 = decode, 9 = a verify pass of 8 drafts):
+- `dense`: F.scaled_dot_product_attention over the full fp16/bf16 K and V (what the compressed
+  cache competes with),
+- `ref`: the PyTorch reference of the op, `triton`: the Triton kernel (CUDA only),
+plus the bytes each variant must read and the achieved bandwidth. Times are medians of CUDA-event
+timings (`triton.testing.do_bench`) on GPU, of perf_counter loops on CPU.
+
+    python benchmarks/kernels.py --contexts 1024 4096 16384 --queries 1 9 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import dispatch
+from specserve.kernels.reference.bitmap_encode import bitmap_encode as ref_bitmap_encode
+
+
+def bench(fn, device: str, reps: int) -> float:
+    """Median milliseconds of fn()."""
+    if device.startswith("cuda"):
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def spherical_inputs(heads: int, kv_heads: int, q: int, t: int, d: int, group: int, bits: int, page: int,
+                     device: str, dtype: torch.dtype):
+    g = torch.Generator(device="cpu").manual_seed(t * 31 + q)
+    num_groups, codes = d // group, 2 ** bits
+    cb = F.normalize(torch.randn(kv_heads, num_groups, codes, group, generator=g), dim=-1)
+    keys = torch.randn(kv_heads, t, d, generator=g) * (1 + torch.rand(kv_heads, t, 1, generator=g))
+    theta, radius, scale = dispatch.reference("spherical_encode")(keys, cb, page)
+    v = torch.randn(kv_heads, t, d, generator=g)
+    query = torch.randn(q, heads, d, generator=g)
+    to = dict(device=device)
+    return (query.to(**to), theta.to(**to), radius.to(**to), scale.to(**to), cb.to(**to),
+            v.to(device=device, dtype=dtype)), keys
+
+
+def bitmap_inputs(heads: int, kv_heads: int, q: int, t: int, d: int, sparsity: float, device: str):
+    g = torch.Generator(device="cpu").manual_seed(t * 17 + q)
+    nb = t // 64
+    keys, vals = torch.randn(kv_heads, t, d, generator=g), torch.randn(kv_heads, t, d, generator=g)
+    for x in (keys, vals):                     # per-token magnitude pruning, as Mustafar does
+        thresh = x.abs().quantile(sparsity, dim=-1, keepdim=True)
+        x[x.abs() < thresh] = 0
+    kb, ko, kv = ref_bitmap_encode(keys.reshape(kv_heads, nb, 64, d).transpose(2, 3).reshape(-1, 64))
+    vb, vo, vv = ref_bitmap_encode(vals.reshape(-1, 64))
+    args = (kb.view(kv_heads, nb, d), ko.view(kv_heads, nb, d), kv,
+            vb.view(kv_heads, t, d // 64), vo.view(kv_heads, t, d // 64), vv)
+    query = torch.randn(q, heads, d, generator=g)
+    return (query.to(device), *(a.to(device) for a in args)), keys, vals
+
+
+def dense_fn(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """query [Q, Hq, D]; k, v [H, T, D]: one sequence's decode/verify attention over dense KV."""
+    qb = query.transpose(0, 1)[None].to(k.dtype)
+    kb, vb = k[None], v[None]
+    return lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True)
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(x.numel() * x.element_size() for x in tensors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--queries", type=int, nargs="+", default=[1, 9])
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--sparsity", type=float, default=0.7)
+    ap.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    d, scale = args.head_dim, 1 / math.sqrt(args.head_dim)
+    rows = []
+    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}  torch {torch.__version__}")
+    for t in args.contexts:
+        for q in args.queries:
+            # ---- Spherical-KV tier T1 (group 16, 6-bit codes) ----
+            sph, keys = spherical_inputs(args.heads, args.kv_heads, q, t, d, 16, 6, 128, dev, dtype)
+            ref = dispatch.reference("spherical_attention")
+            out_ref, _ = ref(*sph, scale, 128)
+            k_dense = keys.to(device=dev, dtype=dtype)
+            v_dense = sph[5]
+            dense = dense_fn(sph[0], k_dense, v_dense, scale)
+            row = {"op": "spherical_attention", "T": t, "Q": q,
+                   "dense_ms": bench(dense, dev, args.reps), "ref_ms": bench(lambda: ref(*sph, scale, 128), dev,
+                                                                            args.reps),
+                   "dense_bytes": nbytes(k_dense, v_dense), "bytes": nbytes(*sph[1:4], v_dense)}
+            if cuda:
+                fast = dispatch.triton_kernel("spherical_attention")
+                out, _ = fast(*sph, scale, 128)
+                row["triton_rel_err"] = rel_err(out, out_ref)
+                row["triton_ms"] = bench(lambda: fast(*sph, scale, 128), dev, args.reps)
+            rows.append(row)
+            # ---- Mustafar bitmap sparsity ----
+            bm, keys, vals = bitmap_inputs(args.heads, args.kv_heads, q, t, d, args.sparsity, dev)
+            ref = dispatch.reference("bitmap_attention")
+            out_ref, _ = ref(*bm, scale)
+            k_dense, v_dense = keys.to(device=dev, dtype=dtype), vals.to(device=dev, dtype=dtype)
+            dense = dense_fn(bm[0], k_dense, v_dense, scale)
+            row = {"op": "bitmap_attention", "T": t, "Q": q,
+                   "dense_ms": bench(dense, dev, args.reps), "ref_ms": bench(lambda: ref(*bm, scale), dev, args.reps),
+                   "dense_bytes": nbytes(k_dense, v_dense), "bytes": nbytes(*bm[1:])}
+            if cuda:
+                fast = dispatch.triton_kernel("bitmap_attention")
+                out, _ = fast(*bm, scale)
+                row["triton_rel_err"] = rel_err(out, out_ref)
+                row["triton_ms"] = bench(lambda: fast(*bm, scale), dev, args.reps)
+            rows.append(row)
+        # ---- encoders: one layer's new pages for all KV heads ----
+        g = torch.Generator(device="cpu").manual_seed(t)
+        keys = torch.randn(args.kv_heads, t, d, generator=g).to(dev)
+        cb = F.normalize(torch.randn(args.kv_heads, d // 16, 64, 16, generator=g), dim=-1).to(dev)
+        ref = dispatch.reference("spherical_encode")
+        row = {"op": "spherical_encode", "T": t, "Q": 0, "ref_ms": bench(lambda: ref(keys, cb, 128), dev, args.reps),
+               "bytes": nbytes(keys)}
+        if cuda:
+            fast = dispatch.triton_kernel("spherical_encode")
+            a, b = ref(keys, cb, 128), fast(keys, cb, 128)
+            row["triton_theta_match"] = float((a[0] == b[0]).float().mean())
+            row["triton_ms"] = bench(lambda: fast(keys, cb, 128), dev, args.reps)
+        rows.append(row)
+        tiles = torch.randn(args.kv_heads * t * d // 64, 64, generator=g)
+        tiles[tiles.abs() < tiles.abs().quantile(args.sparsity, dim=-1, keepdim=True)] = 0
+        tiles = tiles.half().to(dev)
+        ref = dispatch.reference("bitmap_encode")
+        row = {"op": "bitmap_encode", "T": t, "Q": 0, "ref_ms": bench(lambda: ref(tiles), dev, args.reps),
+               "bytes": nbytes(tiles)}
+        if cuda:
+            fast = dispatch.triton_kernel("bitmap_encode")
+            row["triton_exact"] = all(torch.equal(x, y) for x, y in zip(ref(tiles), fast(tiles)))
+            row["triton_ms"] = bench(lambda: fast(tiles), dev, args.reps)
+        rows.append(row)
+
+    print(f"{'op':20} {'T':>6} {'Q':>2} {'dense ms':>9} {'ref ms':>9} {'triton ms':>9} "
+          f"{'tri/dense':>9} {'ref/tri':>8} {'bytes/dense':>11} {'tri GB/s':>8} {'check':>10}")
+    for r in rows:
+        tri = r.get("triton_ms")
+        check = r.get("triton_rel_err", r.get("triton_theta_match", r.get("triton_exact", "")))
+        fmt = lambda x, f="9.3f": format(x, f) if isinstance(x, (int, float)) else format("-", ">9")  # noqa: E731
+        print(f"{r['op']:20} {r['T']:>6} {r['Q']:>2} {fmt(r.get('dense_ms'))} {fmt(r['ref_ms'])} {fmt(tri)} "
+              f"{fmt(tri / r['dense_ms'] if tri and r.get('dense_ms') else None)} "
+              f"{fmt(r['ref_ms'] / tri if tri else None, '8.2f')} "
+              f"{fmt(r['bytes'] / r['dense_bytes'] if r.get('dense_bytes') else None, '11.3f')} "
+              f"{fmt(r['bytes'] / tri / 1e6 if tri else None, '8.1f')} {str(check)[:10]:>10}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
