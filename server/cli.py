@@ -11,9 +11,10 @@ import logging
 import sys
 from pathlib import Path
 
+from specserve.kv_cache.compress.registry import COMPRESSORS as KV_COMPRESSORS
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.sampling_params import MAX_LOGPROBS
-from specserve.server.settings import VERSION, ServerSettings, api_key_from_env
+from specserve.server.settings import VERSION, ServerSettings, api_key_from_env, apply_kv_draft_flags
 
 logger = logging.getLogger("specserve.server")
 ENGINE_FLAG_SKIP = {"model", "speculative"}
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None, help="a Jinja template, inline or a file path")
     serve.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS)
     serve.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": \"ngram\"}'")
+    serve.add_argument("--kv-draft-compressor", choices=KV_COMPRESSORS, default=None,
+                       help="lossy_kv (VeriCache): the drafting cache's compressor (default: mustafar)")
+    serve.add_argument("--kv-draft-compressor-config", default=None,
+                       help="lossy_kv: compressor settings as JSON, e.g. '{\"sparsity\": 0.7}' (docs/vericache.md)")
     serve.add_argument("--enable-force-include-usage", action="store_true")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true")
     serve.add_argument("--per-request-spec-decode-metrics", choices=["summary"], default=None)
@@ -75,6 +80,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative = SpeculativeConfig.from_json(args.speculative_config)
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"specserve: bad --speculative-config: {exc}") from None
+    try:
+        speculative = apply_kv_draft_flags(speculative, args.speculative_config,
+                                           getattr(args, "kv_draft_compressor", None),
+                                           getattr(args, "kv_draft_compressor_config", None))
+    except ValueError as exc:
+        raise SystemExit(f"specserve: {exc}") from None
     try:
         return EngineConfig(model=args.model, speculative=speculative, **values)
     except (ValueError, TypeError) as exc:

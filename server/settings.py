@@ -1,9 +1,12 @@
 """Server-side settings (the HTTP edge); engine settings live in `scheduler.config.EngineConfig`."""
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from specserve.kv_cache.compress import registry as kv_compressors
+from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.sampling_params import MAX_LOGPROBS
 
 VERSION = "0.1.0"
@@ -49,3 +52,66 @@ class ServerSettings:
 def api_key_from_env() -> str | None:
     """`SPECSERVE_API_KEY`, or vLLM's `VLLM_API_KEY` for drop-in use (openai-api.md §9)."""
     return os.environ.get("SPECSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
+def apply_kv_draft_flags(speculative: SpeculativeConfig | None, speculative_json: str | None,
+                         compressor: str | None, compressor_config: str | None) -> SpeculativeConfig | None:
+    """`--kv-draft-compressor` / `--kv-draft-compressor-config` onto the parsed `--speculative-config`
+    (VeriCache's drafting cache). Raises ValueError naming the flag at fault.
+
+    The flags set `kv_compressor` / `kv_compressor_config` (the config object as a whole). A flag and
+    the same key inside `--speculative-config` may both be given only with equal values: conflicting
+    values are refused, never silently overridden. The resulting compressor name and setting keys are
+    checked for every lossy_kv config, flags or not, so a typo fails here and not after model load.
+    """
+    settings = None
+    if compressor_config is not None:
+        try:
+            settings = json.loads(compressor_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-draft-compressor-config is not valid JSON: {exc}") from None
+        if not isinstance(settings, dict):
+            raise ValueError("--kv-draft-compressor-config must be a JSON object, e.g. '{\"sparsity\": 0.7}'")
+    flags = [f for f, v in (("--kv-draft-compressor", compressor), ("--kv-draft-compressor-config", settings))
+             if v is not None]
+    if flags and (speculative is None or speculative.method != "lossy_kv"):
+        got = "no --speculative-config" if speculative is None else f"method {speculative.method!r}"
+        verb = "requires" if len(flags) == 1 else "require"
+        raise ValueError(f"{' and '.join(flags)} {verb} --speculative-config with \"method\": \"lossy_kv\" "
+                         f"(got {got})")
+    if speculative is None or speculative.method != "lossy_kv":
+        return speculative
+    given = _json_keys(speculative_json)
+    defaults = SpeculativeConfig(method="lossy_kv")
+    for flag, key, value in (("--kv-draft-compressor", "kv_compressor", compressor),
+                             ("--kv-draft-compressor-config", "kv_compressor_config", settings)):
+        current = getattr(speculative, key)
+        explicit = key in given or current != getattr(defaults, key)
+        if value is not None and explicit and current != value:
+            raise ValueError(f"{flag} {json.dumps(value)} conflicts with \"{key}\": "
+                             f"{json.dumps(current)} in --speculative-config; give one")
+    if compressor is not None:
+        speculative = replace(speculative, kv_compressor=compressor)
+    if settings is not None:
+        speculative = replace(speculative, kv_compressor_config=settings)
+    name_src = "--kv-draft-compressor" if compressor is not None else "--speculative-config \"kv_compressor\""
+    cfg_src = ("--kv-draft-compressor-config" if settings is not None
+               else "--speculative-config \"kv_compressor_config\"")
+    if speculative.kv_compressor not in kv_compressors.COMPRESSORS:
+        raise ValueError(f"{name_src}: unknown compressor {speculative.kv_compressor!r}; "
+                         f"one of {list(kv_compressors.COMPRESSORS)}")
+    try:
+        kv_compressors.check_settings(speculative.kv_compressor, speculative.kv_compressor_config)
+    except ValueError as exc:
+        raise ValueError(f"{cfg_src}: {exc}") from None
+    return speculative
+
+
+def _json_keys(text: str | None) -> set[str]:
+    """Keys given explicitly in --speculative-config. Text that is not a JSON object yields none; then
+    only values that differ from the defaults count as given."""
+    try:
+        data = json.loads(text) if text else {}
+    except (TypeError, json.JSONDecodeError):
+        return set()
+    return set(data) if isinstance(data, dict) else set()

@@ -26,13 +26,13 @@ from specserve.kv_cache.compress.base import (
     dense_attention,
     merge_attention,
 )
+from specserve.kv_cache.compress.registry import COMPRESSORS
 from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.proposers.base import DraftRequest
 
 logger = logging.getLogger(__name__)
 
-COMPRESSORS = ("window", "quant", "spherical", "mustafar")
 _LAYOUT = {f.name for f in fields(CompressorConfig)} - {"num_layers", "num_kv_heads", "head_dim"}
 
 
