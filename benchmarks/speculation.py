@@ -90,10 +90,10 @@ def main() -> None:
         spec = METHODS[method]
         core = EngineCore(EngineConfig(kv_cache_memory_gb=0.5, device=args.device, dtype=args.dtype,
                                        speculative=SpeculativeConfig.from_json(spec)))
-        run(core, [[1, 2, 3]], 1, 4)                              # warm-up
         for wl in args.workloads:
             prompts = workload(tokenizer, wl)[:args.prompts]
             for batch in args.batch:
+                run(core, prompts[:batch], batch, 16)              # warm-up: these shapes, GPU clocks up
                 r = run(core, prompts, batch, args.max_tokens)
                 rows.append({"workload": wl, "batch": batch, "method": method, **r})
                 print(json.dumps(rows[-1]), flush=True)

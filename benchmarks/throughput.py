@@ -22,14 +22,17 @@ from specserve.scheduler.messages import EngineRequest
 from specserve.scheduler.sampling_params import SamplingParams
 
 
-def copy_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Best of `repeats` copies of a large buffer: bytes read + written per second."""
-    src = torch.ones(num_bytes // 4)
+def copy_bandwidth(device: str = "cpu", num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Best of `repeats` copies of a large buffer on `device`: bytes read + written per second."""
+    src = torch.ones(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
+        sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+        sync()
         t = time.perf_counter()
         dst.copy_(src)
+        sync()
         best = min(best, time.perf_counter() - t)
     return 2 * num_bytes / best
 
@@ -72,8 +75,8 @@ def main() -> None:
     args = ap.parse_args()
     core = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                    kv_cache_memory_gb=2.0, max_num_seqs=max(args.concurrency)))
-    run(core, 2, 16, 4)                                            # warm-up
-    copy_bw = copy_bandwidth()
+    run(core, max(args.concurrency), args.prompt_len, 16)         # warm-up: every batch shape, GPU clocks up
+    copy_bw = copy_bandwidth(core.worker.device)
     results = [run(core, c, args.prompt_len, args.output_len) for c in args.concurrency]
     env = {"machine": platform.machine(), "processor": platform.processor() or "?", "cpus": os.cpu_count(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": core.worker.device,

@@ -6,6 +6,7 @@ compressed cache for drafting later. So one model serves every phase (prefill, d
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,16 +49,71 @@ class Attention(Protocol):
         ...
 
 
+def rms_norm(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight_f32).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight_f32: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add, then RMSNorm: -> (x + delta, norm(x + delta))."""
+    x = x + delta
+    return x, rms_norm(x, weight_f32, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim] -> x rotated (queries and keys go through in one call)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# The elementwise stages of a layer. Eager, each is several kernel launches: on a GPU a 135M-parameter
+# model spends its decode step launching kernels, not computing. SPECSERVE_COMPILE=1 fuses each stage
+# into one generated kernel with torch.compile (same math; shapes dynamic, so one graph per stage serves
+# every layer and batch). Measured in docs/BENCHMARKS.md; off by default.
+ELEMENTWISE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
+_compiled = False
+
+
+def compile_elementwise() -> None:
+    global _compiled
+    if not _compiled:
+        for name, fn in list(ELEMENTWISE.items()):
+            ELEMENTWISE[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _compiled = True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._weight_f32: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return ELEMENTWISE["rms_norm"](x, self._float_weight(), self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x + delta, norm(x + delta)); delta None: (x, norm(x))."""
+        if delta is None:
+            return x, self(x)
+        return ELEMENTWISE["add_rms_norm"](x, delta, self._float_weight(), self.eps)
+
+    def _float_weight(self) -> torch.Tensor:
+        """The weight in float32, cast once (not once per call: a kernel launch per layer on GPU)."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        key = (w.data_ptr(), w._version)
+        if self._weight_f32 is None or self._weight_f32[0] != key:
+            self._weight_f32 = (key, w.detach().float())
+        return self._weight_f32[1]
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,15 +126,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)   # [max_position, head_dim/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)           # [num_tokens, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:                                      # [num_tokens, heads, head_dim]
-            x1, x2 = x.float().chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            out.append(rotated.to(x.dtype))
-        return out
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_tokens, 1, head_dim/2] for this step's positions: gathered once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
 
 
 class DecoderLayer(nn.Module):
@@ -95,25 +146,29 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: Attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; delta: the previous layer's MLP output, not yet added (so the add
+        fuses with this layer's norm). Returns (residual stream, this layer's MLP output)."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        x, h = self.input_layernorm.add_forward(x, delta)
+        qkv = self.qkv_proj(h)
+        # q and k sit side by side in qkv: rotate them as one [num_tokens, heads + kv_heads, D] tensor
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                       self.head_dim)
+        q, k = ELEMENTWISE["rope"](qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         o = attn(self.layer_idx, q, k, v)                 # [num_tokens, num_heads, head_dim]
-        x = x + self.o_proj(o.reshape(num_tokens, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x, h = self.post_attention_layernorm.add_forward(x, self.o_proj(o.reshape(num_tokens, self.q_size)))
+        return x, self.down_proj(ELEMENTWISE["silu_mul"](self.gate_up_proj(h)))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        if os.environ.get("SPECSERVE_COMPILE") == "1":
+            compile_elementwise()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -125,10 +180,11 @@ class LlamaModel(nn.Module):
                 layers: list[int] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] (packed over requests). Returns the final-norm hidden
         states [num_tokens, hidden]. `layers` runs only those layers (self-speculation skips some)."""
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
+        rope = self.rope.table(positions)
         for i in (range(len(self.layers)) if layers is None else layers):
-            x = self.layers[i](x, positions, self.rope, attn)
-        return self.norm(x)
+            x, delta = self.layers[i](x, delta, rope, attn)
+        return self.norm.add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
