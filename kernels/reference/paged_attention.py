@@ -28,6 +28,7 @@ class PagedAttentionMetadata:
     block_size: int
     device: torch.device | str = "cpu"
     _groups: list | None = field(default=None, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)     # per-step tensors other implementations build
 
     def groups(self) -> list[tuple]:
         """(row_index [B, Q] or None, query slice, key slots [B, L], mask [B, 1, Q, L] or None)."""
@@ -78,20 +79,29 @@ def _build_groups(meta: PagedAttentionMetadata) -> list[tuple]:
     return groups
 
 
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One request's prefill chunk q [Q, num_heads, D] over its context's slots [1, L] (causal; `mask`
+    when the chunk follows earlier context). -> [Q, num_heads, D]."""
+    k = k_cache[slots].transpose(1, 2)                          # [1, num_kv_heads, L, head_dim]
+    v = v_cache[slots].transpose(1, 2)
+    qb = q.transpose(0, 1)[None]                                # [1, num_heads, Q, head_dim]
+    o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (one
     layer). Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
     for rows, where, slots, mask in meta.groups():
-        k = k_cache[slots].transpose(1, 2)                      # [B, num_kv_heads, L, head_dim]
-        v = v_cache[slots].transpose(1, 2)
         if rows is None:                                        # one prefill chunk
-            qb = q[where].transpose(0, 1)[None]                 # [1, num_heads, Q, head_dim]
-            o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                               is_causal=mask is None, scale=scale, enable_gqa=True)
-            out[where] = o[0].transpose(0, 1)
+            out[where] = chunk_attention(q[where], k_cache, v_cache, slots, mask, scale)
         else:                                                   # padded short queries
+            k = k_cache[slots].transpose(1, 2)                  # [B, num_kv_heads, L, head_dim]
+            v = v_cache[slots].transpose(1, 2)
             qb = q[rows].transpose(1, 2)                        # [B, num_heads, Q, head_dim]
             o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                                scale=scale, enable_gqa=True)
