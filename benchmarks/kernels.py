@@ -80,6 +80,21 @@ def dense_fn(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True)
 
 
+def paged_inputs(batch: int, q: int, t: int, heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
+    """A batch of `batch` requests with `t` tokens of context each, `q` new query rows each, in a paged
+    cache of 16-token blocks scattered at random."""
+    from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+    g = torch.Generator(device="cpu").manual_seed(batch * t + q)
+    bs, per = 16, -(-t // 16)
+    perm = torch.randperm(batch * per, generator=g).tolist()
+    tables = [perm[b * per:(b + 1) * per] for b in range(batch)]
+    k = torch.randn(batch * per * bs, kv_heads, d, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(batch * per * bs, kv_heads, d, generator=g).to(device=device, dtype=dtype)
+    query = torch.randn(batch * q, heads, d, generator=g).to(device=device, dtype=dtype)
+    meta = lambda: PagedAttentionMetadata([b * q for b in range(batch + 1)], [t] * batch, tables, bs, device)  # noqa: E731
+    return query, k, v, meta
+
+
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(x.numel() * x.element_size() for x in tensors)
 
@@ -93,6 +108,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--sparsity", type=float, default=0.7)
+    ap.add_argument("--batch", type=int, default=16, help="requests in the paged-attention rows")
     ap.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -137,6 +153,21 @@ def main() -> None:
                 out, _ = fast(*bm, scale)
                 row["triton_rel_err"] = rel_err(out, out_ref)
                 row["triton_ms"] = bench(lambda: fast(*bm, scale), dev, args.reps)
+            rows.append(row)
+        # ---- paged attention over a batch of requests (one layer) ----
+        for q in args.queries:
+            query, kc, vc, meta = paged_inputs(args.batch, q, t, args.heads, args.kv_heads, d, dev, dtype)
+            ref = dispatch.reference("paged_attention")
+            out_ref = ref(query, kc, vc, meta(), scale)
+            m_ref = meta()
+            row = {"op": f"paged_attention_b{args.batch}", "T": t, "Q": q,
+                   "ref_ms": bench(lambda: ref(query, kc, vc, m_ref, scale), dev, args.reps),
+                   "bytes": nbytes(kc, vc)}
+            if cuda:
+                fast = dispatch.triton_kernel("paged_attention")
+                row["triton_rel_err"] = rel_err(fast(query, kc, vc, meta(), scale), out_ref)
+                m_fast = meta()
+                row["triton_ms"] = bench(lambda: fast(query, kc, vc, m_fast, scale), dev, args.reps)
             rows.append(row)
         # ---- encoders: one layer's new pages for all KV heads ----
         g = torch.Generator(device="cpu").manual_seed(t)
