@@ -2,12 +2,14 @@
 
     acceptance  each request keeps p_i = P(draft i accepted | drafts before it accepted), one EMA per
                 position, starting from the engine-wide estimate; a step that drafted k and accepted
-                a observes positions 0..min(a, k-1): accepted for i < a, rejected at i = a.
+                a observes positions 0..min(a, k-1): accepted for i < a, rejected at i = a. Positions
+                it never reached read as its deepest observed one (optimism that explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
     cost        T(step) = c0 + c1 * tokens + c2 * max_k   fitted online by least squares on
                 measured steps (c2: sequential draft passes; ~0 for n-gram and token recycling)
     allocation  start every k_r at 0; repeatedly give one more draft to the request whose next draft
                 has the highest acceptance probability, keeping it only while sum_r E_r / T rises.
+    probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays live.
 Under load c1 * tokens dominates, every extra draft lowers goodput and k falls to 0 by itself: no
 batch-size threshold, so no cliff.
 """
@@ -34,40 +36,90 @@ class CostModel:
             self.fit()
 
     def fit(self) -> None:
-        """Least squares on the regressors that varied; the others keep their prior value."""
+        """Non-negative least squares over the regressors that varied (the others keep their value).
+
+        Exact NNLS by enumeration (three coefficients): every subset of the free columns that keeps
+        the intercept is solved, solutions with a negative coefficient are discarded, the smallest
+        residual wins and, on a tie, the smaller subset. Clamping an unconstrained solution is wrong
+        when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly, and
+        a split like c1 = 9 ms, c2 = -8.7 ms clamped to c2 = 0 prices each draft token 30x too high.
+        """
         data = np.array(self.samples)
         x, y = data[:, :3], data[:, 3]
         free = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
         fixed = [j for j in range(3) if j not in free]
-        coef, *_ = np.linalg.lstsq(x[:, free], y - x[:, fixed] @ self.coef[fixed], rcond=None)
-        self.coef[free] = np.maximum(coef, np.array([1e-6, 1e-7, 0.0])[free])   # never negative
+        target = y - x[:, fixed] @ self.coef[fixed]
+        best: tuple[float, int, list[int], np.ndarray] | None = None
+        for mask in range(1 << (len(free) - 1)):
+            cols = [0] + [j for b, j in enumerate(free[1:]) if mask >> b & 1]
+            coef, *_ = np.linalg.lstsq(x[:, cols], target, rcond=None)
+            if (coef[1:] < 0).any():
+                continue
+            resid = float(np.sum((x[:, cols] @ coef - target) ** 2))
+            key = (round(resid, 12), len(cols))
+            if best is None or key < (best[0], best[1]):
+                best = (key[0], key[1], cols, coef)
+        self.coef[[j for j in free if j]] = 0.0
+        if best is not None:
+            self.coef[best[2]] = best[3]
+        self.coef[0] = max(self.coef[0], 1e-6)
 
 
 class DraftLengthController:
-    def __init__(self, k_max: int, ema: float = 0.3, prior: float = 0.6, cost: CostModel | None = None):
-        self.k_max, self.ema = k_max, ema
+    def __init__(self, k_max: int, ema: float = 0.3, prior: float = 0.6, cost: CostModel | None = None,
+                 probe_every: int = 8):
+        self.k_max, self.ema, self.probe_every = k_max, ema, probe_every
+        self.idle: dict[str, int] = {}                                   # steps in a row given k = 0
+        self.depth: dict[str, int] = {}                                  # positions observed so far
         self.prior = np.full(k_max, prior)                               # engine-wide p_i
         self.accept: dict[str, np.ndarray] = {}
         self.cost = cost or CostModel()
 
     def probs(self, request_id: str) -> np.ndarray:
-        return self.accept.get(request_id, self.prior)
+        """Positions this request has never reached take its deepest observed estimate: a frozen
+        prior there would cap k at the depth already tried (a request accepting 99% at position 0
+        would never be offered position 1 while the prior says 0.6)."""
+        p = self.accept.get(request_id)
+        if p is None:
+            return self.prior
+        depth = self.depth.get(request_id, self.k_max)
+        if depth < self.k_max:
+            p = p.copy()
+            p[depth:] = p[depth - 1]
+        return p
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
             return
         p = self.accept.setdefault(request_id, self.prior.copy())
         seen = min(num_accepted + 1, num_drafted)
+        self.depth[request_id] = max(self.depth.get(request_id, 0), seen)
         hits = (np.arange(seen) < num_accepted).astype(float)
         p[:seen] += self.ema * (hits - p[:seen])
         self.prior[:seen] += 0.05 * (hits - self.prior[:seen])
 
     def release(self, request_id: str) -> None:
         self.accept.pop(request_id, None)
+        self.idle.pop(request_id, None)
+        self.depth.pop(request_id, None)
 
     def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int) -> list[int]:
-        """Draft length per request. caps[i] bounds request i; num_other_tokens: prefill tokens and
-        the one token every decoding request computes anyway."""
+        """Draft length per request (see the module docstring). caps[i] bounds request i;
+        num_other_tokens: prefill tokens and the one token every decoding request computes anyway.
+        A request held at k = 0 for `probe_every` steps drafts one token: without it an estimate
+        that fell low would never be observed again, and a request whose text turned repetitive
+        would never be drafted for."""
+        ks = self._allocate(request_ids, caps, num_other_tokens)
+        for i, r in enumerate(request_ids):
+            if ks[i] or min(caps[i], self.k_max) < 1:
+                self.idle[r] = 0
+                continue
+            self.idle[r] = self.idle.get(r, 0) + 1
+            if self.idle[r] >= self.probe_every:
+                ks[i], self.idle[r] = 1, 0
+        return ks
+
+    def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int) -> list[int]:
         ks = [0] * len(request_ids)
         probs = [self.probs(r) for r in request_ids]
         chain = [1.0] * len(request_ids)                 # P(all drafts so far accepted)

@@ -66,3 +66,37 @@ def test_cost_model_recovers_a_linear_step_time():
         tokens, k = int(rng.integers(1, 200)), int(rng.integers(0, 8))
         model.observe(tokens, k, 0.01 + 0.0005 * tokens + 0.003 * k)
     assert np.allclose(model.coef, [0.01, 0.0005, 0.003], rtol=1e-3)
+
+
+def test_collinear_batch_one_samples_do_not_inflate_the_token_price():
+    """Batch 1, n-gram drafts: tokens = 1 + max_k in every sample. The fit must stay non-negative and
+    predictive (a clamped unconstrained split once priced a draft token 30x too high: k fell to 0)."""
+    model = CostModel(c2=0.001)
+    rng = np.random.default_rng(1)
+    for _ in range(64):
+        k = int(rng.integers(0, 9))
+        model.observe(1 + k, k, 0.026 + 0.0003 * (1 + k) + rng.normal(0, 0.0005))
+    assert (model.coef >= 0).all()
+    assert abs(model.predict(9, 8) - model.predict(1, 0) - 0.0024) < 0.002
+    ctl = DraftLengthController(8, cost=model)
+    teach(ctl, "r", 0.9)
+    assert ctl.choose(["r"], [8], 1)[0] >= 6
+
+
+def test_a_request_held_at_zero_is_probed_and_recovers():
+    ctl = controller(c0=0.02, c1=0.004)
+    teach(ctl, "r", 0.0)
+    ks = [ctl.choose(["r"], [8], 1)[0] for _ in range(3 * ctl.probe_every)]
+    assert ks.count(1) == 3 and ks.count(0) == len(ks) - 3        # one probe every probe_every steps
+    for _ in range(20):                                           # the text turned repetitive
+        k = max(ctl.choose(["r"], [8], 1)[0], 0)
+        ctl.observe("r", k, k)
+    assert ctl.choose(["r"], [8], 1)[0] >= 4
+
+
+def test_unreached_positions_read_as_the_deepest_observed_one():
+    ctl = controller()
+    for _ in range(10):
+        ctl.observe("r", 1, 1)                                    # only ever drafted one, always accepted
+    assert ctl.probs("r")[1:].min() > 0.9
+    assert ctl.choose(["r"], [8], 1)[0] >= 4
