@@ -1,0 +1,138 @@
+"""FASER phase management under open-loop bursty load (a benchmark, not a test; one run, side by side).
+
+A mixed workload (code-edit prompts that n-gram drafting predicts well, chat prompts it predicts badly)
+arrives in bursts at a low, a medium and a high rate. Each configuration serves the same arrivals on
+the embedded model:
+    off            speculation off
+    k=2, k=4, k=8  n-gram drafting with a fixed draft length
+    faser          the goodput controller picks k per request each step (k_max 8)
+    faser+prune    the controller plus verification in frontiers of 2 positions (early pruning)
+Reported per rate: output tokens/s (tokens / makespan), inter-token latency as a streaming client sees
+it (the gap between a request's successive outputs; one output may carry several tokens) p50/p99, and
+the ratios the issue asks for: faser vs spec off and vs the best fixed k.
+
+    python benchmarks/faser.py --rates 0.1 0.4 2 --requests 8 16 32 --max-tokens 48 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from speculation import workload  # noqa: E402
+
+from specserve.scheduler.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from specserve.scheduler.engine import EngineCore  # noqa: E402
+from specserve.scheduler.messages import EngineRequest  # noqa: E402
+from specserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+from specserve.server.tokenizer import load_tokenizer  # noqa: E402
+
+NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+CONFIGS = {
+    "off": None,
+    "k=2": {**NGRAM, "num_speculative_tokens": 2},
+    "k=4": {**NGRAM, "num_speculative_tokens": 4},
+    "k=8": {**NGRAM, "num_speculative_tokens": 8},
+    "faser": {**NGRAM, "num_speculative_tokens": 8, "adaptive": True},
+    "faser+prune": {**NGRAM, "num_speculative_tokens": 8, "adaptive": True, "frontier_size": 2},
+}
+
+
+def bursty_arrivals(num: int, rate: float, seed: int, max_burst: int = 4) -> list[float]:
+    """Burst start times are Poisson; each burst brings 1..max_burst requests at once (mean rate kept)."""
+    rng = random.Random(seed)
+    mean_burst = (1 + max_burst) / 2
+    times, t = [], 0.0
+    while len(times) < num:
+        t += rng.expovariate(rate / mean_burst)
+        times.extend([t] * rng.randint(1, max_burst))
+    return times[:num]
+
+
+def serve(core: EngineCore, prompts: list[list[int]], arrivals: list[float], max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    stamps: dict[str, list[float]] = {}
+    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
+    nxt, tokens, start = 0, 0, time.perf_counter()
+    drafted = accepted = 0
+    while nxt < len(order) or core.has_unfinished():
+        now = time.perf_counter() - start
+        while nxt < len(order) and arrivals[order[nxt]] <= now:
+            i = order[nxt]
+            core.add_request(EngineRequest(f"q{i}", prompts[i % len(prompts)], params))
+            stamps[f"q{i}"] = [start + arrivals[i]]
+            nxt += 1
+        if not core.has_unfinished():
+            time.sleep(max(0.0, arrivals[order[nxt]] - now))
+            continue
+        outs = core.step()
+        t = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids:
+                stamps[o.request_id].append(t)
+                tokens += len(o.new_token_ids)
+        drafted += core.scheduler.stats.num_draft_tokens
+        accepted += core.scheduler.stats.num_accepted_tokens
+    makespan = time.perf_counter() - start - min(arrivals)
+    core.check_integrity()
+    gaps = sorted(b - a for s in stamps.values() for a, b in zip(s[1:], s[2:]))   # after the first token
+    pick = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3 if gaps else None  # noqa: E731
+    return {"tokens_per_s": tokens / makespan, "itl_p50_ms": pick(0.5), "itl_p99_ms": pick(0.99),
+            "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", type=float, nargs=3, default=[0.1, 0.4, 2.0], help="low, medium, high req/s")
+    ap.add_argument("--requests", type=int, nargs=3, default=[8, 16, 32], help="requests at each rate")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    tok = load_tokenizer(None)
+    code, chat = workload(tok, "code-edit"), workload(tok, "chat")
+    prompts = [p for pair in zip(code, chat) for p in pair]            # alternate good and bad acceptors
+    rows = []
+    for name in args.configs:
+        spec = SpeculativeConfig.from_json(CONFIGS[name])
+        core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_seqs=64, device=args.device,
+                                       dtype=args.dtype, speculative=spec))
+        serve(core, prompts[:4], [0.0] * 4, 16)                           # warm-up
+        for level, rate, num in zip(("low", "medium", "high"), args.rates, args.requests):
+            r = serve(core, prompts, bursty_arrivals(num, rate, args.seed), args.max_tokens)
+            rows.append({"config": name, "load": level, "rate": rate, "requests": num, **r})
+            print(json.dumps(rows[-1]), flush=True)
+        del core
+    print("\n| load | config | tok/s | ITL p50 ms | ITL p99 ms | acceptance |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        print(f"| {r['load']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['itl_p50_ms']:.0f} | "
+              f"{r['itl_p99_ms']:.0f} | {acc} |")
+    for level in ("low", "medium", "high"):
+        at = {r["config"]: r for r in rows if r["load"] == level}
+        fixed = [at[c] for c in ("k=2", "k=4", "k=8") if c in at]
+        if "faser" not in at or not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["tokens_per_s"])
+        f = at["faser"]
+        line = (f"{level}: faser {f['tokens_per_s'] / best['tokens_per_s']:.2f}x the tok/s of the best fixed "
+                f"{best['config']}, p99 ITL {best['itl_p99_ms'] / f['itl_p99_ms']:.2f}x lower")
+        if "off" in at:
+            line += f"; {f['tokens_per_s'] / at['off']['tokens_per_s']:.2f}x spec off"
+        print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
