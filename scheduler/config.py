@@ -17,6 +17,9 @@ class SpeculativeConfig:
     skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
     recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
     adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
+    frontier_size: int = 0                          # FASER early pruning: verify drafts in frontiers of
+                                                    # this many positions; a request whose drafts were
+                                                    # rejected skips the later ones. 0: one verify pass
     kv_compressor: str = "mustafar"                 # lossy_kv: the drafting cache's compressor
     kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings (JSON)
     full_kv_in_host: bool | None = None             # lossy_kv: None -> host pool on CUDA, device on CPU
@@ -29,6 +32,9 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be in [0, 32]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        size = self.frontier_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 32:
+            raise ValueError(f"frontier_size must be an integer in [0, 32] (0: verify in one pass), got {size!r}")
 
     @classmethod
     def from_json(cls, text: str | dict | None) -> SpeculativeConfig | None:

@@ -40,7 +40,8 @@ class EngineCore:
         spec = config.speculative
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cfg.eos_token_ids, spec.num_speculative_tokens if spec else 0,
-                                   adaptive=bool(spec and spec.adaptive))
+                                   adaptive=bool(spec and spec.adaptive),
+                                   frontier_size=spec.frontier_size if spec else 0)
         path = resolve_model_path(None if config.model == TINY_RANDOM else config.model)
         name = TINY_RANDOM if config.model == TINY_RANDOM else (
             path.name if path.is_dir() else Path(path).stem)

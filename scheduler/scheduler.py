@@ -31,6 +31,8 @@ class StepStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)
+    num_pruned_tokens: int = 0           # draft tokens never computed: an earlier frontier rejected
+    num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
     finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
     step_time_s: float = 0.0
 
@@ -38,9 +40,10 @@ class StepStats:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], num_speculative_tokens: int = 0,
-                 adaptive: bool = False):
+                 adaptive: bool = False, frontier_size: int = 0):
         self.kv = kv
         self.num_speculative_tokens = num_speculative_tokens
+        self.frontier_size = frontier_size
         self.controller = DraftLengthController(num_speculative_tokens) if adaptive and num_speculative_tokens else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -185,7 +188,7 @@ class Scheduler:
                 output_token_ids=req.output_token_ids,
                 want_prompt_logprobs=(req.want_prompt_logprobs and req.num_output_tokens == 0
                                       and start < req.num_prompt_tokens)))
-        return StepPlan(out)
+        return StepPlan(out, frontier_size=self.frontier_size)
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -205,6 +208,7 @@ class Scheduler:
             req.num_computed_tokens += num_accepted          # verified drafts; rejected ones roll back
             if sampled.num_drafted:
                 self._count_spec(req, sampled.num_drafted, num_accepted)
+                self.stats.num_pruned_tokens += sampled.num_pruned
             if self.controller is not None and sreq.num_draft_tokens:
                 self.controller.observe(req.request_id, sampled.num_drafted, num_accepted)
             new_tokens = []
@@ -224,6 +228,7 @@ class Scheduler:
         self.stats.num_running, self.stats.num_waiting = len(self.running), len(self.waiting)
         self.stats.kv_usage = self.kv.usage()
         self.stats.step_time_s = result.step_time_s
+        self.stats.num_frontiers = result.num_frontiers
         if self.controller is not None:
             drafted = [s.num_drafted for s in result.sampled.values()]
             self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """Raw (pre-temperature, pre-penalty) log-probability of one position, as vLLM reports it."""
@@ -40,6 +39,7 @@ class ScheduledRequest:
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     requests: list[ScheduledRequest]
+    frontier_size: int = 0          # > 0: verify drafts in chunks of this many positions (early pruning)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +52,9 @@ class StepPlan:
 @dataclass(slots=True)
 class SampledTokens:
     token_ids: list[int]                        # accepted drafts + exactly one bonus/recovered token
-    num_drafted: int = 0                        # drafts this step verified (0 .. num_draft_tokens)
+    num_drafted: int = 0                        # drafts proposed for verification (0 .. num_draft_tokens)
+    num_pruned: int = 0                         # of those, drafts the target never computed: an earlier
+                                                # frontier already rejected (always 0 without frontiers)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
@@ -61,3 +63,4 @@ class StepResult:
     sampled: dict[str, SampledTokens]
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per prefill chunk
     step_time_s: float = 0.0
+    num_frontiers: int = 1                      # forward passes the step ran (verification frontiers)

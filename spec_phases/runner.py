@@ -1,7 +1,9 @@
 """The runner: turns a StepPlan into tensors, runs one forward over the packed batch, samples.
 
 The only place (with the model) that touches the device. One forward serves prefill chunks, decodes
-and verify rows alike; the acceptance op then turns each request's rows into its new tokens.
+and verify rows alike; the acceptance op then turns each request's rows into its new tokens. With
+verification frontiers (FASER early pruning, `plan.frontier_size`), drafts are verified a chunk at a
+time and only requests whose drafts all passed pay for the next forward (`Verification`).
 """
 from __future__ import annotations
 
@@ -48,15 +50,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Draft, then verify. With `plan.frontier_size` f > 0 the verify phase runs in frontiers: the
+        first forward computes every request's new tokens plus its first f drafts, each later one the
+        next f drafts of only the requests whose drafts all passed so far. Output is identical to one
+        verify pass (prefix acceptance; randomness drawn up front), with less compute after rejections."""
         start = time.perf_counter()
         reqs = plan.requests
         drafts = self._propose(reqs)                      # draft phase
-        token_lists = [r.token_ids + d for r, d in zip(reqs, drafts)]
+        size = plan.frontier_size
+        first = [d[:size] if size else d for d in drafts]
+        token_lists = [r.token_ids + d for r, d in zip(reqs, first)]
         starts = [r.num_computed_tokens for r in reqs]
         hidden = self.model(*self._inputs(token_lists, starts, [r.block_ids for r in reqs]))   # verify phase
-        result = StepResult(sampled={})
-        self._sample(reqs, drafts, hidden, result)
-        self._prompt_logprobs(reqs, drafts, hidden, result)
+        result = StepResult(sampled={}, num_frontiers=1)
+        self._prompt_logprobs(reqs, first, hidden, result)
+        verify = Verification(self, reqs, drafts)         # draws the step's randomness now
+        pending = verify.advance(hidden, _first_spans(reqs, first, verify))
+        while pending:                                    # later frontiers: survivors only
+            chunks = [v.drafts[v.computed:v.computed + size] for v in pending]
+            hidden = self.model(*self._inputs(
+                chunks, [v.req.num_computed_tokens + v.req.num_new_tokens + v.computed for v in pending],
+                [v.req.block_ids for v in pending]))
+            result.num_frontiers += 1
+            offsets = [0]
+            for c in chunks:
+                offsets.append(offsets[-1] + len(c))
+            pending = verify.advance(hidden, [(v, off, len(c)) for v, off, c in zip(pending, offsets, chunks)])
+        verify.finish(result)
         result.step_time_s = time.perf_counter() - start
         return result
 
@@ -113,37 +133,6 @@ class ModelRunner:
             self.generators[r.request_id] = gen
         return gen
 
-    def _sample(self, reqs: list[ScheduledRequest], drafts: list[list[int]], hidden: torch.Tensor,
-                result: StepResult) -> None:
-        """Rows [last token, d_1..d_k] of each finishing request -> accepted drafts + one token."""
-        row_ids, rows, inputs, owners, end = [], [], [], [], 0
-        for r, d in zip(reqs, drafts):
-            end += r.num_new_tokens + len(d)
-            if not r.sample:
-                continue
-            k, gen = len(d), self._generator(r)
-            for i in range(k + 1):
-                history = r.output_token_ids + d[:i] if i else r.output_token_ids
-                rows.append(SampleRow(r.params, r.prompt_token_ids, history, gen))
-                row_ids.append(end - k - 1 + i)
-                inputs.append(d[i - 1] if i else r.token_ids[-1])
-            owners.append((r, len(rows) - k - 1, d))
-        if not rows:
-            return
-        raw = self.model.compute_logits(hidden[torch.tensor(row_ids, device=hidden.device)])
-        if self.proposer is not None:
-            self.proposer.observe(torch.tensor(inputs), raw)
-        want_logprobs = any(r.params.logprobs is not None for r, _, _ in owners)
-        logits = self.sampler.process(raw.clone() if want_logprobs else raw, rows)
-        accepted = accept(self.sampler, logits, rows, owners)
-        for (r, first, d), tokens in zip(owners, accepted):
-            out = SampledTokens(tokens, num_drafted=len(d))
-            if r.params.logprobs is not None:
-                sl = slice(first, first + len(tokens))
-                out.logprobs = Sampler.logprobs(raw[sl], torch.tensor(tokens, device=raw.device),
-                                                [r.params.logprobs] * len(tokens))
-            result.sampled[r.request_id] = out
-
     def _prompt_logprobs(self, reqs: list[ScheduledRequest], drafts: list[list[int]], hidden: torch.Tensor,
                          result: StepResult) -> None:
         """Row i of a prompt chunk starting at c scores prompt token c + i + 1."""
@@ -163,46 +152,152 @@ class ModelRunner:
                 raw, targets, [r.params.prompt_logprobs] * len(targets))
 
 
-def accept(sampler: Sampler, logits: torch.Tensor, rows: list[SampleRow],
-           owners: list[tuple[ScheduledRequest, int, list[int]]]) -> list[list[int]]:
-    """Per request: accepted drafts + one target token. Greedy requests keep the longest prefix that
-    matches the target argmax; sampled ones go through lossless rejection sampling (one-hot drafts)."""
-    argmax = logits.argmax(dim=-1).tolist()
-    out: list[list[int] | None] = [None] * len(owners)
-    sampled = []
-    for j, (r, first, d) in enumerate(owners):
-        if r.params.greedy:
-            a = 0
-            while a < len(d) and d[a] == argmax[first + a]:
-                a += 1
-            out[j] = argmax[first:first + a + 1]
+def _first_spans(reqs: list[ScheduledRequest], first: list[list[int]],
+                 verify: Verification) -> list[tuple[_Verifying, int, int]]:
+    """Rows of the first forward each sampling request verifies: [last token, its first drafts]."""
+    spans, end, states = [], 0, iter(verify.states)
+    for r, d in zip(reqs, first):
+        end += r.num_new_tokens + len(d)
+        if r.sample:
+            spans.append((next(states), end - len(d) - 1, len(d) + 1))
+    return spans
+
+
+class _Verifying:
+    """One sampling request's verification. Row i is the target's distribution after the last token
+    and drafts[:i]: it verifies drafts[i] (i < k) or gives the bonus token (i == k)."""
+
+    def __init__(self, req: ScheduledRequest, drafts: list[int], generator: torch.Generator | None):
+        self.req, self.drafts, self.generator = req, drafts, generator
+        self.greedy = req.params.greedy
+        self.computed = 0                 # drafts the target has computed: rows 0..computed exist
+        self.verified = 0                 # drafts[:verified] are accepted
+        self.raw: list[torch.Tensor] = []      # raw logits per row, kept when logprobs are asked for
+        self.argmax: list[int] = []             # of the processed logits (greedy)
+        self.probs: list[torch.Tensor] = []     # target distribution per row (sampled)
+        self.uniforms: torch.Tensor | None = None
+        self.noise: torch.Tensor | None = None
+        self.tokens: list[int] | None = None    # accepted drafts + one token, once decided
+
+    @property
+    def k(self) -> int:
+        return len(self.drafts)
+
+    def row(self, i: int) -> SampleRow:
+        r = self.req
+        return SampleRow(r.params, r.prompt_token_ids, r.output_token_ids + self.drafts[:i] if i else
+                         r.output_token_ids, self.generator)
+
+
+class Verification:
+    """Acceptance over one or more verify forwards (frontiers), identical to a single pass.
+
+    Greedy requests keep the longest prefix of drafts that matches the target argmax; sampled ones go
+    through lossless rejection sampling (one-hot drafts). Every uniform and the stop-row noise of a
+    request are drawn before the first forward, in the order a single pass draws them, so a seeded
+    request's output does not depend on the frontier size. After each forward a request is decided when
+    a draft was rejected or its bonus row exists; otherwise its next frontier is computed."""
+
+    def __init__(self, runner: ModelRunner, reqs: list[ScheduledRequest], drafts: list[list[int]]):
+        self.runner, self.sampler = runner, runner.sampler
+        self.states = [_Verifying(r, d, runner._generator(r)) for r, d in zip(reqs, drafts) if r.sample]
+        sampled = [v for v in self.states if not v.greedy]
+        self.plain = not any(v.drafts for v in sampled)     # no sampled drafts: plain sampling
+        if self.plain:
+            return
+        dev, vocab = runner.device, runner.model.config.vocab_size
+        for v in sampled:
+            gen = v.generator or self.sampler.generator
+            v.uniforms = 1.0 - torch.rand(v.k, generator=gen, device=dev)          # (0, 1]
+            v.noise = torch.empty(vocab, device=dev).exponential_(generator=gen)
+
+    def advance(self, hidden: torch.Tensor, spans: list[tuple[_Verifying, int, int]]) -> list[_Verifying]:
+        """spans: (request, first hidden row, rows) of the rows this forward computed. Returns the
+        requests that need their next frontier."""
+        if not spans:
+            return []
+        idx = [first + j for _, first, n in spans for j in range(n)]
+        raw = self.runner.model.compute_logits(hidden[torch.tensor(idx, device=hidden.device)])
+        rows, inputs = [], []
+        for v, _, n in spans:
+            for i in range(len(v.argmax), len(v.argmax) + n):     # rows so far .. + n
+                rows.append(v.row(i))
+                inputs.append(v.drafts[i - 1] if i else v.req.token_ids[-1])
+        if self.runner.proposer is not None:              # raw logits of every computed row, in order
+            self.runner.proposer.observe(torch.tensor(inputs), raw)
+        want_logprobs = any(v.req.params.logprobs is not None for v, _, _ in spans)
+        logits = self.sampler.process(raw.clone() if want_logprobs else raw, rows)
+        argmax = logits.argmax(dim=-1).tolist()
+        at, sampled, plain = 0, [], []
+        for v, _, n in spans:
+            sl = slice(at, at + n)
+            at += n
+            if v.req.params.logprobs is not None:
+                v.raw.append(raw[sl])                     # unprocessed: cloned before process()
+            v.argmax.extend(argmax[sl])
+            v.computed = len(v.argmax) - 1
+            if v.greedy:
+                self._greedy(v)
+            elif self.plain:
+                plain.append((v, logits[sl], rows[sl]))
+            else:
+                v.probs.append(self.sampler.probs(logits[sl], rows[sl]))
+                sampled.append(v)
+        if plain:                                         # k = 0 everywhere: decided by the first forward
+            tokens = self.sampler.sample(torch.cat([lg for _, lg, _ in plain]),
+                                         [row for _, _, rs in plain for row in rs]).tolist()
+            for (v, _, _), tok in zip(plain, tokens):
+                v.tokens = [tok]
+        if sampled:
+            self._reject(sampled)
+        return [v for v, _, _ in spans if v.tokens is None]
+
+    @staticmethod
+    def _reachable(v: _Verifying) -> int:
+        """Drafts whose verify row exists: one past the computed drafts (its row is the last one)."""
+        return min(v.k, v.computed + 1)
+
+    def _greedy(self, v: _Verifying) -> None:
+        hi, a = self._reachable(v), v.verified
+        while a < hi and v.drafts[a] == v.argmax[a]:
+            a += 1
+        if a < hi or v.computed == v.k:                   # a rejection, or the bonus row is there
+            v.tokens = v.drafts[:a] + [v.argmax[a]]
         else:
-            sampled.append(j)
-    if not sampled:
-        return out
-    if not any(owners[j][2] for j in sampled):            # no drafts: plain sampling
-        idx = [owners[j][1] for j in sampled]
-        tokens = sampler.sample(logits[idx], [rows[i] for i in idx]).tolist()
-        for j, tok in zip(sampled, tokens):
-            out[j] = [tok]
-        return out
-    k_max = max(len(owners[j][2]) for j in sampled)
-    vocab, dev = logits.shape[1], logits.device
-    target = torch.zeros(len(sampled), k_max + 1, vocab, device=dev)
-    draft_ids = torch.zeros(len(sampled), k_max, dtype=torch.long, device=dev)
-    uniforms = torch.ones(len(sampled), k_max, device=dev)
-    noise = torch.empty(len(sampled), vocab, device=dev)
-    for b, j in enumerate(sampled):
-        r, first, d = owners[j]
-        idx = list(range(first, first + len(d) + 1))
-        target[b, :len(idx)] = sampler.probs(logits[idx], [rows[i] for i in idx])
-        draft_ids[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-        gen = rows[first].generator or sampler.generator
-        uniforms[b, :len(d)] = 1.0 - torch.rand(len(d), generator=gen, device=dev)   # (0, 1]
-        noise[b] = torch.empty(vocab, device=dev).exponential_(generator=gen)
-    num_drafts = torch.tensor([len(owners[j][2]) for j in sampled], device=dev)
-    tokens, num_accepted = get_op("rejection_sample", str(dev))(target, draft_ids, num_drafts, None,
-                                                                uniforms, noise)
-    for b, j in enumerate(sampled):
-        out[j] = tokens[b, :int(num_accepted[b]) + 1].tolist()
-    return out
+            v.verified = a
+
+    def _reject(self, states: list[_Verifying]) -> None:
+        """Rejection sampling over the drafts each request can verify now, [verified, reachable).
+        Rows past a rejection never matter, so a frontier sees exactly what a single pass sees; a
+        missing stop row (all accepted, more drafts to come) is zero and its token is discarded."""
+        spans = [(v.verified, self._reachable(v)) for v in states]
+        width = max(hi - lo for lo, hi in spans)
+        dev, vocab = self.runner.device, self.runner.model.config.vocab_size
+        target = torch.zeros(len(states), width + 1, vocab, device=dev)
+        draft_ids = torch.zeros(len(states), width, dtype=torch.long, device=dev)
+        uniforms = torch.ones(len(states), width, device=dev)
+        for b, (v, (lo, hi)) in enumerate(zip(states, spans)):
+            probs = torch.cat(v.probs)[lo:hi + 1]         # rows lo..hi, or lo..hi-1 if hi is not computed
+            target[b, :len(probs)] = probs
+            draft_ids[b, :hi - lo] = torch.tensor(v.drafts[lo:hi], dtype=torch.long)
+            uniforms[b, :hi - lo] = v.uniforms[lo:hi]
+        num_drafts = torch.tensor([hi - lo for lo, hi in spans], device=dev)
+        noise = torch.stack([v.noise for v in states])
+        tokens, num_accepted = get_op("rejection_sample", str(dev))(target, draft_ids, num_drafts, None,
+                                                                    uniforms, noise)
+        for b, (v, (lo, hi)) in enumerate(zip(states, spans)):
+            a = int(num_accepted[b])
+            if a < hi - lo or v.computed == v.k:
+                v.tokens = v.drafts[:lo] + tokens[b, :a + 1].tolist()
+            else:
+                v.verified = hi
+
+    def finish(self, result: StepResult) -> None:
+        """Tokens, counts and logprobs into the result."""
+        for v in self.states:
+            out = SampledTokens(v.tokens, num_drafted=v.k, num_pruned=v.k - v.computed)
+            if v.req.params.logprobs is not None:
+                n, raw = len(v.tokens), torch.cat(v.raw)
+                out.logprobs = Sampler.logprobs(raw[:n], torch.tensor(v.tokens, device=raw.device),
+                                                [v.req.params.logprobs] * n)
+            result.sampled[v.req.request_id] = out

@@ -9,6 +9,12 @@ Every emitted token is then distributed exactly as the target samples. The token
 drawn by the exponential race argmax(w / E), E ~ Exp(1), which samples w / sum(w) without normalising.
 The caller draws `uniforms` and `noise` for every request whatever happens, so a seeded request
 consumes the same randomness in any batch.
+
+Chunks (verification frontiers): calling this on positions [lo, hi) of a request whose drafts before
+lo were all accepted, with target rows lo..hi, uniforms[lo:hi] and the same noise, decides exactly
+what one call over all positions decides: acceptance is a prefix, and rows after the first rejection
+never influence the result. A missing stop row (hi not computed yet) may be zeros when the caller
+discards the stop token of a chunk that was accepted in full.
 """
 from __future__ import annotations
 
