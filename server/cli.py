@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="or SPECSERVE_API_KEY / VLLM_API_KEY")
     serve.add_argument("--chat-template", default=None, help="a Jinja template, inline or a file path")
     serve.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS)
-    serve.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": \"ngram\"}'")
+    serve.add_argument("--speculative-config", default=None,
+                       help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                            "\"adaptive\": true, \"frontier_size\": 2}' (scheduler/config.py: SpeculativeConfig)")
     serve.add_argument("--kv-draft-compressor", choices=KV_COMPRESSORS, default=None,
                        help="lossy_kv (VeriCache): the drafting cache's compressor (default: mustafar)")
     serve.add_argument("--kv-draft-compressor-config", default=None,

@@ -181,8 +181,12 @@ class EngineMetrics:
         self.spec_draft_len = Histogram("specserve:spec_decode_draft_len", "Draft length (k) chosen per request "
                                         "and step.", extra, buckets=DRAFT_LEN_BUCKETS,
                                         registry=registry).labels(**base, **by)
-        self.spec_pruned_rows = Counter("specserve:spec_decode_pruned_rows", "Draft rows pruned by early exit.",
-                                        extra, registry=registry).labels(**base, **by)
+        self.spec_pruned_tokens = Counter("specserve:spec_decode_pruned_tokens", "Draft tokens the target never "
+                                          "computed: an earlier verification frontier rejected (FASER early "
+                                          "pruning).", extra, registry=registry).labels(**base, **by)
+        self.spec_frontiers = Counter("specserve:spec_decode_frontiers", "Verify forwards (frontiers) run in "
+                                      "steps that carried drafts; one per such step without frontiers.",
+                                      extra, registry=registry).labels(**base, **by)
 
     def ensure_position(self, pos: int) -> None:
         """A per-request k above the configured one should not happen; grow the children if it does."""

@@ -103,7 +103,8 @@ class StepRecorder:
 
     def _record_spec(self, stats: StepStats) -> None:
         """Worked example: one request drafts 4 and 2 are accepted → drafts +1, draft tokens +4,
-        accepted +2, accepted_per_pos{0,1} +1, draft_tokens_per_pos{0,1,2,3} +1."""
+        accepted +2, accepted_per_pos{0,1} +1, draft_tokens_per_pos{0,1,2,3} +1. With frontiers of 2
+        the third draft's rejection is seen after the first forward: pruned tokens +2, frontiers +1."""
         m, t = self.metrics, self.totals
         m.spec_drafts.inc(stats.num_drafts)
         m.spec_draft_tokens.inc(stats.num_draft_tokens)
@@ -111,6 +112,8 @@ class StepRecorder:
         m.spec_drafts_by.inc(stats.num_drafts)
         m.spec_draft_tokens_by.inc(stats.num_draft_tokens)
         m.spec_accepted_by.inc(stats.num_accepted_tokens)
+        m.spec_pruned_tokens.inc(stats.num_pruned_tokens)
+        m.spec_frontiers.inc(stats.num_frontiers)
         t.num_drafts += stats.num_drafts
         t.num_draft_tokens += stats.num_draft_tokens
         t.num_accepted_tokens += stats.num_accepted_tokens
