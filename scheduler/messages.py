@@ -30,7 +30,8 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class SpecStats:
-    """Cumulative speculative-decoding counters of one request (vLLM's definitions)."""
+    """Cumulative speculative-decoding counters of one request (vLLM's definitions). Every output of
+    a request that speculation is on for carries it (zeros until its first draft); None otherwise."""
     num_drafts: int = 0                  # verify steps that carried at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0         # bonus/recovered tokens are not counted

@@ -268,11 +268,12 @@ class Scheduler:
         prompt_logprobs = None
         if first and req.want_prompt_logprobs:
             prompt_logprobs = [None] + list(req.prompt_logprobs)
+        speculating = self.num_speculative_tokens > 0 and req.params.num_speculative_tokens != 0
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_tokens, finished=req.status.is_finished,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, new_logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             spec=SpecStats(req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens,
-                           tuple(req.accepted_per_pos)) if req.num_drafts else None,
+                           tuple(req.accepted_per_pos)) if speculating else None,
             error=error)
