@@ -97,8 +97,9 @@ def panels_specserve() -> list[dict]:
         series("KV bytes per token", [(f"max by(pool, kv_compressor)(specserve:kv_bytes_per_token{{{SEL}}})",
                                        "{{pool}} / {{kv_compressor}}")], "decbytes"),
         series("Preemptions/s", [(rate("vllm:num_preemptions_total"), "preemptions")], "ops"),
-        series("Pruned draft rows/s, VeriCache swap",
-               [(rate("specserve:spec_decode_pruned_rows_total"), "pruned rows/s"),
+        series("Pruned draft tokens/s, frontiers/s, VeriCache swap",
+               [(rate("specserve:spec_decode_pruned_tokens_total"), "pruned draft tokens/s"),
+                (rate("specserve:spec_decode_frontiers_total"), "verify frontiers/s"),
                 (rate("specserve:full_kv_swap_bytes_total"), "swap bytes/s"),
                 (rate("specserve:verify_rounds_total"), "verify rounds/s")], "short"),
     ]
