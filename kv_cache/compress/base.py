@@ -15,6 +15,13 @@ A sequence's KV, per layer, is three regions in position order:
   for formats that dropped the tokens.
 
 Subclasses implement four hooks: `_compress_page`, `_attend_pages`, `_decode_page`, `page_bytes`.
+
+Batched drafting (VeriCache's draft loop) reads the pages of many sequences at once: `draft_pages`
+returns a per-round, query-independent `PagesBatch` over one layer of several states, and its
+`attend(q, num_rows)` answers for the first `num_rows` states in one call. The default prepares each
+state once per round (`_prepare_pages`, e.g. concatenating its pages) and loops; a compressor whose
+format batches (quant) overrides `draft_pages`. Attention over the dense regions (sinks, tail, the
+drafts' own k/v) is the caller's, batched with `batched_attention`, merged by lse as usual.
 Shapes: keys/values `[num_tokens, num_kv_heads, head_dim]`; queries `[num_q, num_heads, head_dim]`
 with `num_heads % num_kv_heads == 0` (query head h reads kv head `h // (num_heads // num_kv_heads)`).
 """
@@ -114,6 +121,49 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     return out, lse
 
 
+def batched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per sequence over that sequence's padded keys, all sequences in one call (fp32).
+
+    q [R, num_heads, D]; k, v [R, num_kv_heads, n, D] (head-major: two batched matmuls, no copies of
+    strided views); valid [R, n] bool (None: all keys visible).
+    -> (out [R, num_heads, D], lse [R, num_heads]); a row that sees nothing gets out 0, lse -inf.
+    """
+    num_rows, num_heads, d = q.shape
+    num_kv_heads, n = k.shape[1], k.shape[2]
+    if n == 0:
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((num_rows, num_heads), -math.inf,
+                                                                      dtype=torch.float32)
+    qg = q.float().reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, d)   # head h -> kv h // group
+    logits = torch.matmul(qg, k.float().transpose(-1, -2)) * sm_scale     # [R, kv_heads, group, n]
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, None, :], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)                                 # [R, kv_heads, group]
+    probs = torch.exp(logits - lse[..., None].clamp_min(-1e30)).nan_to_num(0.0)
+    out = torch.matmul(probs, v.float())                                  # [R, kv_heads, group, D]
+    return out.reshape(num_rows, num_heads, d), lse.reshape(num_rows, num_heads)
+
+
+class PagesBatch:
+    """Attention over the compressed pages of one layer of several sequences, built once per draft
+    round. Default: each sequence's prepared pages attended one at a time."""
+
+    def __init__(self, comp: Compressor, layer: int, prepared: list[Any]):
+        self.comp, self.layer, self.prepared = comp, layer, prepared      # None: a state with no pages
+
+    def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_rows, num_heads, D]: row i queries state i (the first num_rows states)."""
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        lse = q.new_full(q.shape[:2], -math.inf, dtype=torch.float32)
+        for i in range(num_rows):
+            if self.prepared[i] is None:
+                continue
+            part = self.comp._attend_prepared(self.layer, q[i:i + 1], self.prepared[i])
+            if part is not None:
+                out[i], lse[i] = part[0][0], part[1][0]
+        return out, lse
+
+
 class Compressor(ABC):
     """Base of every KV compressor. Holds no per-sequence data: state lives in `SequenceState`.
 
@@ -205,6 +255,21 @@ class Compressor(ABC):
             k_pos = torch.arange(ls.tail_start, ls.num_tokens, device=q_positions.device)
         parts.append(dense_attention(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions, k_pos))
         return merge_attention(parts)
+
+    def draft_pages(self, layer: int, states: list[LayerState]) -> PagesBatch | None:
+        """A query-independent view of the pages of `states` (one layer) for a draft round, or None
+        when no state has pages. The states must not change while the view is in use."""
+        if not any(ls.pages for ls in states):
+            return None
+        return PagesBatch(self, layer, [self._prepare_pages(layer, ls) if ls.pages else None for ls in states])
+
+    def _prepare_pages(self, layer: int, ls: LayerState) -> Any:
+        """Per-round, query-independent work on one state's pages (default: none)."""
+        return ls
+
+    def _attend_prepared(self, layer: int, q: torch.Tensor, prepared: Any
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._attend_pages(layer, q, prepared)
 
     def truncate(self, state: SequenceState, num_tokens: int) -> None:
         """Keep the first num_tokens tokens of every layer (roll back rejected drafts)."""

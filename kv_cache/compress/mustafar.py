@@ -71,9 +71,12 @@ class MustafarCompressor(Compressor):
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
-        pages = state.pages
+        return self._attend_prepared(layer, q, self._prepare_pages(layer, state))
+
+    def _prepare_pages(self, layer: int, state: LayerState) -> dict[str, torch.Tensor]:
+        """All pages of a layer as one bitmap-sparse cache (offsets rebased): once per draft round."""
         k_shift, v_shift, parts = 0, 0, {name: [] for name in ("kb", "ko", "kv", "vb", "vo", "vv")}
-        for pg in pages:                                             # concatenate, rebasing offsets
+        for pg in state.pages:
             parts["kb"].append(pg.k_bitmaps)
             parts["ko"].append(pg.k_offsets + k_shift)
             parts["kv"].append(pg.k_values)
@@ -82,7 +85,9 @@ class MustafarCompressor(Compressor):
             parts["vv"].append(pg.v_values)
             k_shift += pg.k_values.numel()
             v_shift += pg.v_values.numel()
-        cat = {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1) for name, ts in parts.items()}
+        return {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1) for name, ts in parts.items()}
+
+    def _attend_prepared(self, layer: int, q: torch.Tensor, cat: dict[str, torch.Tensor]):
         attend = get_op("bitmap_attention", str(q.device))
         return attend(q, cat["kb"], cat["ko"], cat["kv"], cat["vb"], cat["vo"], cat["vv"], self.sm_scale)
 

@@ -5,15 +5,19 @@ Within one page of P tokens and one kv head:
   per-channel outliers, so channels get their own range);
 - values [P, D]: one (scale, zero) pair per token.
 Asymmetric min/max quantization, codes in [0, 2^bits - 1], scale and zero stored as fp16, codes
-bit-packed (bits in {2, 4, 8}). Attention dequantizes the pages and runs dense attention.
+bit-packed (bits in {2, 4, 8}). Attention dequantizes the pages and runs dense attention. For a draft
+round the pages of all sequences are stacked (still packed, padded to the longest) once; each draft
+step attends one layer for all sequences in one batched call straight from the codes (the scales and
+zeros fold into the query and the probabilities: only the codes are widened, never dequantized).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from specserve.kv_cache.compress.base import Compressor, CompressorConfig, LayerState, dense_attention
+from specserve.kv_cache.compress.base import Compressor, CompressorConfig, LayerState, PagesBatch, dense_attention
 
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -32,11 +36,12 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of pack_bits: uint8 [..., m] -> uint8 [..., m * 8 // bits]."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
+    """Inverse of pack_bits: uint8 [..., m] -> uint8 [..., m * 8 // bits] (scalar shifts on uint8)."""
+    if bits == 8:
+        return packed.clone()
+    mask = (1 << bits) - 1
+    codes = torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,6 +99,11 @@ class QuantCompressor(Compressor):
         v = torch.cat([d[1] for d in decoded])
         return dense_attention(q, k, v, self.sm_scale)
 
+    def draft_pages(self, layer: int, states: list[LayerState]) -> QuantPagesBatch | None:
+        if not any(ls.pages for ls in states):
+            return None
+        return QuantPagesBatch(self, states)
+
     def page_bytes(self, page: QuantPage) -> int:
         return sum(t.numel() * t.element_size() for t in
                    (page.k_packed, page.k_scale, page.k_zero, page.v_packed, page.v_scale, page.v_zero))
@@ -104,3 +114,52 @@ class QuantCompressor(Compressor):
         key = h * d * self.key_bits / 8 + 2 * h * d * 2 / p        # codes + per-page channel scale/zero
         value = h * d * self.value_bits / 8 + 2 * h * 2             # codes + per-token scale/zero
         return key + value
+
+
+class QuantPagesBatch(PagesBatch):
+    """One layer's pages of several sequences, stacked once per round, still packed, head-major and
+    padded to the most pages: [B, H, max_pages, P or 1, ...]. Each attend dequantizes the first rows
+    (one layer, all their pages) and runs one batched attention."""
+
+    FIELDS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero")
+
+    def __init__(self, comp: QuantCompressor, states: list[LayerState]):
+        self.comp = comp
+        num_pages = [len(ls.pages) for ls in states]
+        most, p = max(num_pages), comp.config.page_size
+        proto = next(ls.pages[0] for ls in states if ls.pages)
+        self.stacked = {}
+        for name in self.FIELDS:
+            like = getattr(proto, name)                                     # [P or 1, H, last]
+            rows, heads, last = like.shape
+            buf = like.new_zeros((len(states), heads, most, rows, last))
+            for i, ls in enumerate(states):
+                if ls.pages:
+                    buf[i, :, :len(ls.pages)] = torch.stack([getattr(pg, name) for pg in ls.pages], dim=1
+                                                            ).transpose(0, 2)      # [H, NP, P, last]
+            self.stacked[name] = buf
+        counts = torch.tensor(num_pages, device=proto.k_packed.device)
+        self.valid = torch.arange(most * p, device=counts.device)[None, :] < (counts * p)[:, None]  # [B, T]
+
+    def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention straight from the codes: scales and zeros fold into the query (keys: per page
+        and channel) and into the probabilities (values: per token), so only the codes are widened:
+            logit = (q * s_k) . c_k + q . z_k,     out = (p * s_v) @ c_v + p @ z_v."""
+        c, st = self.comp, {name: t[:num_rows] for name, t in self.stacked.items()}
+        rows, heads, most, page = st["k_packed"].shape[:4]
+        num_heads, d = q.shape[1:]
+        group, t = num_heads // heads, most * page
+        qg = q.float().reshape(rows, heads, 1, group, d)
+        k_codes = unpack_bits(st["k_packed"], c.key_bits).float()                # [R, H, NP, P, D]
+        k_scale, k_zero = st["k_scale"].float(), st["k_zero"].float()            # [R, H, NP, 1, D]
+        logits = torch.matmul(qg * k_scale, k_codes.transpose(-1, -2))           # [R, H, NP, g, P]
+        logits = logits + torch.matmul(qg, k_zero.transpose(-1, -2))             # + q . z per page
+        logits = logits.transpose(2, 3).reshape(rows, heads, group, t) * c.sm_scale
+        logits = logits.masked_fill(~self.valid[:num_rows, None, None, :], -math.inf)
+        lse = torch.logsumexp(logits, dim=-1)                                    # [R, H, g]
+        probs = torch.exp(logits - lse[..., None].clamp_min(-1e30)).nan_to_num(0.0)
+        v_codes = unpack_bits(st["v_packed"], c.value_bits).float().reshape(rows, heads, t, d)
+        v_scale = st["v_scale"].float().reshape(rows, heads, 1, t)
+        v_zero = st["v_zero"].float().reshape(rows, heads, t, 1)
+        out = torch.matmul(probs * v_scale, v_codes) + torch.matmul(probs, v_zero)   # [R, H, g, D]
+        return out.reshape(rows, num_heads, d), lse.reshape(rows, num_heads)

@@ -97,10 +97,7 @@ class SphericalCompressor(Compressor):
 
     def _values(self, page: SphericalPage) -> torch.Tensor:
         """-> [H, P, D] float32."""
-        if self.value_bits == 16:
-            return page.v.float()
-        packed, s, z = page.v
-        return dequantize(unpack_bits(packed, self.value_bits), s, z)
+        return self._dense_values(page.v)
 
     def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> SphericalPage:
         page = SphericalPage(tier=self.tier, layer=layer)
@@ -121,8 +118,11 @@ class SphericalCompressor(Compressor):
         return k.transpose(0, 1), self._values(page).transpose(0, 1)
 
     def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
-        parts = []
-        attend = get_op("spherical_attention", str(q.device))
+        return self._attend_prepared(layer, q, self._prepare_pages(layer, state))
+
+    def _prepare_pages(self, layer: int, state: LayerState) -> list[tuple]:
+        """Per tier, the pages' codes and (still packed) values concatenated: once per draft round."""
+        prepared = []
         for tier in TIERS:
             pages = [p for p in state.pages if p.tier == tier]
             if not pages:
@@ -130,10 +130,26 @@ class SphericalCompressor(Compressor):
             theta = torch.cat([p.theta for p in pages], dim=1)               # [H, T, G]
             radius = torch.cat([p.radius for p in pages], dim=1)
             scale = torch.cat([p.scale for p in pages], dim=1)               # [H, T / P, G]
-            v = torch.cat([self._values(p) for p in pages], dim=1)           # [H, T, D]
-            parts.append(attend(q, theta, radius, scale, self.codebooks[tier][layer], v,
-                                self.sm_scale, self.config.page_size))
+            if self.value_bits == 16:
+                v = torch.cat([p.v for p in pages], dim=1)                   # [H, T, D] fp16
+            else:
+                v = tuple(torch.cat([p.v[i] for p in pages], dim=1) for i in range(3))
+            prepared.append((tier, theta, radius, scale, v))
+        return prepared
+
+    def _attend_prepared(self, layer: int, q: torch.Tensor, prepared: list[tuple]):
+        attend = get_op("spherical_attention", str(q.device))
+        parts = [attend(q, theta, radius, scale, self.codebooks[tier][layer], self._dense_values(v),
+                        self.sm_scale, self.config.page_size)
+                 for tier, theta, radius, scale, v in prepared]
         return merge_attention(parts) if parts else None
+
+    def _dense_values(self, v) -> torch.Tensor:
+        """Values as stored (fp16, or packed codes + per-token scale/zero) -> [H, T, D] float32."""
+        if self.value_bits == 16:
+            return v.float()
+        packed, s, z = v
+        return dequantize(unpack_bits(packed, self.value_bits), s, z)
 
     # ---- accounting ----------------------------------------------------------------------------
     def _page_bits(self, tier: int) -> int:

@@ -4,10 +4,14 @@ Per request a compressor `SequenceState` mirrors the *verified* prefix of the fu
 `propose` first syncs it (encode the full-cache K/V of positions [verified, num_computed_tokens) read
 from `KVStorage` through the block table: prefill chunks, accepted drafts and bonus tokens all arrive
 by this one path), then runs the whole model greedily for `max_len` tokens. The draft tokens' own K/V
-never enter the compressed state: they live in a small dense per-round scratch, and attention merges
-`compressor.attend(state)` with attention over the scratch exactly by log-sum-exp. So a rejected draft
+never enter the compressed state: they live in a small dense per-round scratch. So a rejected draft
 costs nothing to undo (the scratch is dropped), no page is ever compressed from unverified K/V, and
 `truncate` is needed only after preemption (then the state is rebuilt from the recomputed cache).
+
+Drafting is batched across requests: one model forward per draft position for every request still
+drafting, and per layer two attention calls for all of them: the compressor's `PagesBatch` over the
+compressed pages, and one padded dense attention over each request's sinks + dense tail + scratch,
+merged exactly by log-sum-exp (the same math as `compressor.attend(state)` merged with the scratch).
 
 The verify pass reads and writes only the full cache, so output is identical to plain decoding.
 """
@@ -23,6 +27,7 @@ from specserve.kv_cache.compress.base import (
     Compressor,
     CompressorConfig,
     SequenceState,
+    batched_attention,
     dense_attention,
     merge_attention,
 )
@@ -126,25 +131,48 @@ def spherical_codebooks(model, num_tokens: int = 512, iters: int = 20) -> dict[i
 
 # ---- the drafter --------------------------------------------------------------------------------
 class DraftAttention:
-    """One draft step: row i is request i's newest token. Its k/v join that request's dense scratch;
-    attention = compressed verified prefix (+) scratch, merged exactly by lse. Linear layers run
-    batched over all rows; only this loop is per request."""
+    """The attention of one draft round, batched over its requests. Row i of every forward is request
+    i's newest token; requests are ordered by draft length, longest first, so the rows still drafting
+    at step t are always the first ones (views, no gathers).
 
-    def __init__(self, comp: Compressor, states: list[SequenceState],
-                 scratch: list[list[tuple[torch.Tensor, torch.Tensor] | None]]):
-        self.comp, self.states, self.scratch = comp, states, scratch
+    Per layer, built on first use and kept for the round: the compressor's `PagesBatch` over the
+    requests' compressed pages, and a dense fp32 buffer [B, kv_heads, max_dense + max_len, D] holding
+    each request's sinks + dense tail (padded to the longest) followed by the round's scratch: the
+    k/v of the drafts themselves, written at column max_dense + step. Attention = pages (+) dense,
+    merged by lse; the scratch is dropped with the object."""
+
+    def __init__(self, comp: Compressor, states: list[SequenceState], max_len: int):
+        self.comp, self.states, self.max_len = comp, states, max_len
+        self.step = 0
+        self.layers: list[tuple | None] = [None] * len(states[0].layers) if states else []
+
+    def _build(self, layer: int, like: torch.Tensor) -> tuple:
+        lss = [s.layers[layer] for s in self.states]
+        lens = [ls.sink_k.shape[0] + ls.tail_k.shape[0] for ls in lss]
+        width = max(lens)
+        num_kv_heads, head_dim = like.shape[1:]
+        shape = (len(lss), num_kv_heads, width + self.max_len, head_dim)     # head-major
+        k = torch.zeros(shape, dtype=torch.float32, device=like.device)
+        v = torch.zeros_like(k)
+        for i, ls in enumerate(lss):
+            n = ls.sink_k.shape[0]
+            k[i, :, :n], v[i, :, :n] = ls.sink_k.transpose(0, 1), ls.sink_v.transpose(0, 1)
+            k[i, :, n:lens[i]], v[i, :, n:lens[i]] = ls.tail_k.transpose(0, 1), ls.tail_v.transpose(0, 1)
+        cols = torch.arange(width + self.max_len, device=k.device)
+        valid = (cols[None, :] < torch.tensor(lens, device=k.device)[:, None]) | (cols[None, :] >= width)
+        return k, v, valid, width, self.comp.draft_pages(layer, lss)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for row, (state, scratch) in enumerate(zip(self.states, self.scratch)):
-            prev = scratch[layer]
-            sk = k[row:row + 1] if prev is None else torch.cat([prev[0], k[row:row + 1]])
-            sv = v[row:row + 1] if prev is None else torch.cat([prev[1], v[row:row + 1]])
-            scratch[layer] = (sk, sv)
-            qi = q[row:row + 1]
-            parts = [self.comp.attend(state, layer, qi), dense_attention(qi, sk, sv, self.comp.sm_scale)]
-            outs.append(merge_attention(parts)[0])
-        return torch.cat(outs).to(q.dtype)
+        if self.layers[layer] is None:
+            self.layers[layer] = self._build(layer, k)
+        dk, dv, valid, width, pages = self.layers[layer]
+        rows, col = q.shape[0], width + self.step
+        dk[:rows, :, col], dv[:rows, :, col] = k, v
+        dense = batched_attention(q, dk[:rows, :, :col + 1], dv[:rows, :, :col + 1], self.comp.sm_scale,
+                                  valid[:rows, :col + 1])
+        if pages is None:
+            return dense[0].to(q.dtype)
+        return merge_attention([pages.attend(q, rows), dense])[0].to(q.dtype)
 
 
 class LossyKVProposer:
@@ -198,23 +226,27 @@ class LossyKVProposer:
         t1 = time.perf_counter()
         self.encode_s += t1 - t0
         drafts: list[list[int]] = [[] for _ in requests]
-        num_layers = self.model.config.num_layers
-        scratch = [[None] * num_layers for _ in requests]
-        current = [r.token_ids[-1] for r in requests]
-        dev = self.device
-        for step in range(max(max_lens, default=0)):
-            active = [i for i, n in enumerate(max_lens) if n > step]
-            attn = DraftAttention(self.comp, [states[i] for i in active], [scratch[i] for i in active])
-            ids = torch.tensor([current[i] for i in active], device=dev)
-            pos = torch.tensor([requests[i].num_computed_tokens + step for i in active], device=dev)
-            tokens = self.model.compute_logits(self.model(ids, pos, attn)).argmax(-1).tolist()
-            for i, tok in zip(active, tokens):
-                drafts[i].append(tok)
-                current[i] = tok
-            self.num_draft_steps += 1
+        order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
+        if order:
+            num_steps = max_lens[order[0]]
+            attn = self._attention([states[i] for i in order], num_steps)
+            dev = self.device
+            current = torch.tensor([requests[i].token_ids[-1] for i in order], device=dev)
+            start = torch.tensor([requests[i].num_computed_tokens for i in order], device=dev)
+            for step in range(num_steps):
+                rows = sum(1 for i in order if max_lens[i] > step)        # a prefix: sorted by length
+                attn.step = step
+                hidden = self.model(current[:rows], start[:rows] + step, attn)
+                current = self.model.compute_logits(hidden).argmax(-1)
+                for i, tok in zip(order, current.tolist()):
+                    drafts[i].append(tok)
+                self.num_draft_steps += 1
         self.num_rounds += 1
         self.draft_s += time.perf_counter() - t1
         return drafts
+
+    def _attention(self, states: list[SequenceState], max_len: int) -> DraftAttention:
+        return DraftAttention(self.comp, states, max_len)
 
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         pass

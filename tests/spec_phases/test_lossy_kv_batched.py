@@ -1,0 +1,115 @@
+"""The lossy_kv drafter's batched attention equals the per-request algorithm it replaced: for every
+compressor, `compressor.attend(state)` merged with dense attention over the round's scratch, one
+request at a time. Checked per attention call (random states with and without pages, ragged rows)
+and end to end (the drafts `propose` returns on the tiny model)."""
+import pytest
+import torch
+from specserve.kv_cache.compress.base import dense_attention, merge_attention
+from specserve.kv_cache.storage import KVStorage
+from specserve.spec_phases import loader
+from specserve.spec_phases.model import ModelConfig
+from specserve.spec_phases.proposers.base import DraftRequest
+from specserve.spec_phases.proposers.lossy_kv import DraftAttention, LossyKVProposer, build_compressor
+
+SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
+COMPRESSORS = {                                   # name -> (kv_compressor, config, tiny head_dim)
+    "window": ("window", SMALL_PAGES, 16),
+    "quant": ("quant", {**SMALL_PAGES, "key_bits": 4, "value_bits": 2}, 16),
+    "spherical": ("spherical", {**SMALL_PAGES, "tier": 1, "value_bits": 4, "calib_tokens": 128}, 16),
+    "mustafar": ("mustafar", {"num_sink": 4, "window": 8, "page_size": 64, "sparsity": 0.7}, 64),
+}
+
+
+def tiny_d64() -> ModelConfig:
+    """The tiny model with head_dim 64 (Mustafar's tiles need head_dim % 64 == 0)."""
+    return ModelConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=64, max_position=4096, bos_token_id=1, eos_token_ids=(2,))
+
+
+class PerRequestAttention:
+    """The drafter's attention before batching (kept here as the reference)."""
+
+    def __init__(self, comp, states, max_len):
+        self.comp, self.states = comp, states
+        self.scratch = [[None] * len(s.layers) for s in states]
+        self.step = 0
+
+    def __call__(self, layer, q, k, v):
+        outs = []
+        for row in range(q.shape[0]):
+            state, scratch = self.states[row], self.scratch[row]
+            prev = scratch[layer]
+            sk = k[row:row + 1] if prev is None else torch.cat([prev[0], k[row:row + 1]])
+            sv = v[row:row + 1] if prev is None else torch.cat([prev[1], v[row:row + 1]])
+            scratch[layer] = (sk, sv)
+            qi = q[row:row + 1]
+            parts = [self.comp.attend(state, layer, qi), dense_attention(qi, sk, sv, self.comp.sm_scale)]
+            outs.append(merge_attention(parts)[0])
+        return torch.cat(outs).to(q.dtype)
+
+
+def model_for(name):
+    head_dim = COMPRESSORS[name][2]
+    return loader.build_random_model(tiny_d64()) if head_dim == 64 else loader.load_model("tiny-random")
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_batched_attention_equals_the_per_request_reference(name):
+    torch.manual_seed(0)
+    model = model_for(name)
+    cfg = model.config
+    comp = build_compressor(name, model, COMPRESSORS[name][1])
+    page = comp.config.page_size
+    # one state deep into pages, one with a single page, one still all dense (no pages at all)
+    lengths = [comp.config.num_sink + comp.config.window + 3 * page + 5,
+               comp.config.num_sink + comp.config.window + page + 1, 7]
+    states = []
+    for n in lengths:
+        state = comp.new_state(torch.float16)
+        for layer in range(cfg.num_layers):
+            comp.encode(state, layer, torch.randn(n, cfg.num_kv_heads, cfg.head_dim),
+                        torch.randn(n, cfg.num_kv_heads, cfg.head_dim))
+        states.append(state)
+    assert [len(s.layers[0].pages) > 0 for s in states] == [True, True, False]
+    rows_per_step = [3, 3, 2, 1]                          # ragged: requests stop drafting one by one
+    new, ref = DraftAttention(comp, states, len(rows_per_step)), PerRequestAttention(comp, states, 4)
+    for step, rows in enumerate(rows_per_step):
+        new.step = ref.step = step
+        for layer in range(cfg.num_layers):
+            q = torch.randn(rows, cfg.num_heads, cfg.head_dim)
+            k = torch.randn(rows, cfg.num_kv_heads, cfg.head_dim)
+            v = torch.randn(rows, cfg.num_kv_heads, cfg.head_dim)
+            got, want = new(layer, q, k, v), ref(layer, q, k, v)
+            assert got.shape == want.shape == q.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class ReferenceProposer(LossyKVProposer):
+    def _attention(self, states, max_len):
+        return PerRequestAttention(self.comp, states, max_len)
+
+
+@pytest.mark.parametrize("name", ["window", "quant", "mustafar"])
+def test_propose_drafts_the_same_tokens_as_the_per_request_path(name):
+    torch.manual_seed(0)
+    model = model_for(name)
+    cfg = model.config
+    bs, num_blocks = 16, 64
+    storage = KVStorage(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    storage.k.normal_()
+    storage.v.normal_()
+    sizes = [150, 97, 60, 131]
+    reqs, first = [], 0
+    for i, n in enumerate(sizes):
+        blocks = list(range(first, first + -(-(n + 8) // bs)))[::-1]     # scattered order
+        first += len(blocks)
+        tokens = [(11 * j + 7 * i) % 500 + 3 for j in range(n + 1)]
+        reqs.append(DraftRequest(f"r{i}", tokens, n, blocks))
+    max_lens = [3, 6, 0, 6]                                # ragged, one request not drafting
+    settings = COMPRESSORS[name][1]
+    new = LossyKVProposer(model, storage, name, dict(settings))
+    ref = ReferenceProposer(model, storage, name, dict(settings))
+    got, want = new.propose(reqs, max_lens), ref.propose(reqs, max_lens)
+    assert [len(d) for d in got] == max_lens
+    assert got == want
+    assert new.num_draft_steps == ref.num_draft_steps == 6
