@@ -54,6 +54,7 @@ class Worker:
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget is too small for one block")
         self.block_size = block_size
+        self.kv_cache_memory_gb = kv_cache_memory_gb
         shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if speculative is not None and speculative.method == "lossy_kv" and self._full_kv_in_host(speculative):
             self.storage = HostKVPool(*shape)          # VeriCache: the device keeps the compressed cache
@@ -86,7 +87,10 @@ class Worker:
             return LayerSkipProposer(self.runner.forward_rows, self.config.num_layers, tuple(skip))
         if spec.method == "lossy_kv":
             from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
-            return LossyKVProposer(self.model, self.storage, spec.kv_compressor, dict(spec.kv_compressor_config))
+            # with the full cache in the host pool the device KV budget holds only the compressed caches
+            capacity = int(self.kv_cache_memory_gb * 2**30) if isinstance(self.storage, HostKVPool) else None
+            return LossyKVProposer(self.model, self.storage, spec.kv_compressor, dict(spec.kv_compressor_config),
+                                   capacity_bytes=capacity)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -104,6 +108,19 @@ class Worker:
         if self.runner.proposer is not None:
             held |= self.runner.proposer.held_request_ids()
         return held
+
+    def draft_cache_usage(self) -> dict | None:
+        """VeriCache's compressed (device) pool: bytes used by the held drafting caches, the capacity
+        (None when not budgeted) and bytes per token per pool; None without the lossy_kv drafter."""
+        proposer = self.runner.proposer
+        return proposer.bytes_used() if hasattr(proposer, "seq_bytes") else None
+
+    def draft_cache_bytes_for(self, num_tokens: int) -> int | None:
+        """Compressed bytes one request's drafting cache will take at num_tokens tokens (None without
+        the lossy_kv drafter): with `draft_cache_usage()["capacity_bytes"]`, enough to admit by
+        device memory."""
+        proposer = self.runner.proposer
+        return proposer.seq_bytes(num_tokens) if hasattr(proposer, "seq_bytes") else None
 
     @property
     def weight_bytes(self) -> int:

@@ -293,6 +293,21 @@ class Compressor(ABC):
             keep = num_tokens - ls.tail_start
             ls.tail_k, ls.tail_v = ls.tail_k[:keep], ls.tail_v[:keep]
 
+    def nominal_page_bytes(self) -> int:
+        """Bytes of one page (one layer) at the steady-state rate `bytes_per_token`."""
+        return round(self.bytes_per_token() * self.config.page_size)
+
+    def predict_state_bytes(self, num_tokens: int) -> int:
+        """`state_bytes` of a sequence of num_tokens tokens, known before encoding them (for admission
+        by compressed bytes): the region split depends only on the count. Exact when every page has
+        its nominal size (window, quant; mustafar when kept entries are non-zero; spherical before
+        RDR downgrades)."""
+        c = self.config
+        sinks = min(num_tokens, c.num_sink)
+        pages = max(0, (num_tokens - sinks - c.window) // c.page_size)
+        dense = num_tokens - pages * c.page_size
+        return c.num_layers * (dense * c.dense_bytes_per_token() + pages * self.nominal_page_bytes())
+
     def state_bytes(self, state: SequenceState) -> int:
         """Actual bytes held: dense sinks and tail at fp16 plus every page in its packed format."""
         c = self.config

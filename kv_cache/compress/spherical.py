@@ -171,6 +171,9 @@ class SphericalCompressor(Compressor):
     def bytes_per_token(self) -> float:
         return self._page_bits(self.tier) / 8 / self.config.page_size
 
+    def nominal_page_bytes(self) -> int:
+        return self._page_bits(self.tier) // 8
+
     # ---- retention -----------------------------------------------------------------------------
     def set_retention(self, budget_bits: float | None = None, state: SequenceState | None = None) -> None:
         """Set the rate-distortion budget (bits per token per layer over compressed pages) and, given

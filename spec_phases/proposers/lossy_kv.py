@@ -178,8 +178,12 @@ class DraftAttention:
 class LossyKVProposer:
     name = "lossy_kv"
 
-    def __init__(self, model, storage: KVStorage | HostKVPool, compressor: str = "mustafar", settings: dict | None = None):
+    def __init__(self, model, storage: KVStorage | HostKVPool, compressor: str = "mustafar",
+                 settings: dict | None = None, capacity_bytes: int | None = None):
+        """capacity_bytes: the device memory the compressed caches may use (None: not budgeted, e.g.
+        when the full cache is device-resident too); reported by `bytes_used`, enforced by no one yet."""
         self.model, self.storage = model, storage
+        self.capacity_bytes = capacity_bytes
         self.comp = build_compressor(compressor, model, settings or {})
         self.compressor_name = compressor
         self.states: dict[str, SequenceState] = {}
@@ -260,15 +264,27 @@ class LossyKVProposer:
 
     # -- accounting --------------------------------------------------------------------------------
     def bytes_used(self) -> dict[str, float]:
-        """Bytes per pool for the tokens the drafter holds: the compressed (draft) pool as packed,
-        the full pool as the paged cache stores those same tokens (storage dtype, all layers)."""
+        """Bytes per pool for the tokens the drafter holds: the compressed (draft, device) pool as
+        packed, the full pool as the paged cache stores those same tokens (storage dtype, all layers).
+        Per token, all layers: the measured compressed average, the steady-state rate of compressed
+        pages, the dense rate of sinks and window, and the full pool's rate."""
         tokens = sum(s.num_tokens for s in self.states.values())
         compressed = sum(self.comp.state_bytes(s) for s in self.states.values())
-        s = self.storage
-        full_per_token = 2 * s.k.shape[0] * s.k.shape[2] * s.k.shape[3] * s.k.element_size()
+        k = self.storage.k                                   # [layers, slots, kv_heads, head_dim]
+        full_per_token = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+        layers = self.comp.config.num_layers
         return {"num_tokens": tokens, "compressed_bytes": compressed, "full_bytes": tokens * full_per_token,
                 "compressed_bytes_per_token": compressed / tokens if tokens else 0.0,
-                "full_bytes_per_token": float(full_per_token)}
+                "compressed_page_bytes_per_token": self.comp.bytes_per_token() * layers,
+                "dense_bytes_per_token": float(self.comp.config.dense_bytes_per_token() * layers),
+                "full_bytes_per_token": float(full_per_token),
+                "capacity_bytes": self.capacity_bytes}
+
+    def seq_bytes(self, num_tokens: int) -> int:
+        """Compressed (device) bytes of one request's drafting cache once it holds num_tokens tokens,
+        all layers, known in advance (see `Compressor.predict_state_bytes`): what admission by device
+        memory needs per request."""
+        return self.comp.predict_state_bytes(num_tokens)
 
     def stats(self) -> dict[str, float]:
         return {"compressor": self.comp.name, "num_rounds": self.num_rounds,

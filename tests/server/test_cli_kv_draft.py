@@ -3,7 +3,6 @@ SpeculativeConfig's kv_compressor / kv_compressor_config, refused with a message
 import json
 
 import pytest
-
 from specserve.server.cli import build_parser, engine_config
 
 LOSSY = '{"method": "lossy_kv", "num_speculative_tokens": 16}'

@@ -3,7 +3,6 @@ import inspect
 from dataclasses import fields
 
 import pytest
-
 from specserve.kv_cache.compress.base import CompressorConfig
 from specserve.kv_cache.compress.mustafar import MustafarCompressor
 from specserve.kv_cache.compress.quant import QuantCompressor

@@ -1,0 +1,57 @@
+"""VeriCache accounting the scheduler can admit by: compressed (device) bytes used by the drafting
+caches, their capacity, the predicted bytes of a request at n tokens, bytes per token per pool."""
+from dataclasses import replace
+
+import pytest
+from specserve.scheduler.config import SpeculativeConfig
+from specserve.scheduler.messages import EngineRequest
+from specserve.scheduler.sampling_params import SamplingParams
+
+SPEC = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=4, kv_compressor="quant",
+                         kv_compressor_config={"num_sink": 4, "window": 8, "page_size": 8, "key_bits": 4,
+                                               "value_bits": 2})
+
+
+def run(core, num=3, max_tokens=10):
+    for i in range(num):
+        core.add_request(EngineRequest(f"a{i}", [(5 * j + i) % 400 + 3 for j in range(40 + 17 * i)],
+                                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+    seen = []
+    while core.has_unfinished():
+        core.step()
+        usage = core.worker.draft_cache_usage()
+        prop = core.worker.runner.proposer
+        if prop.states:
+            predicted = sum(core.worker.draft_cache_bytes_for(s.num_tokens) for s in prop.states.values())
+            seen.append((usage, predicted))
+    return seen
+
+
+def test_used_bytes_equal_the_prediction_and_undercut_the_full_pool(make_engine):
+    core = make_engine(speculative=SPEC, num_threads=1)
+    seen = run(core)
+    assert seen
+    cfg = core.worker.config
+    for usage, predicted in seen:
+        assert usage["compressed_bytes"] == predicted > 0
+        assert usage["compressed_bytes"] < usage["full_bytes"]
+        assert usage["full_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
+        assert usage["dense_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        assert 0 < usage["compressed_page_bytes_per_token"] < usage["dense_bytes_per_token"]
+        assert usage["capacity_bytes"] is None                 # full cache device-resident: not budgeted
+    # a long request's cache grows by the page rate, not the dense rate
+    w = core.worker
+    grow = w.draft_cache_bytes_for(1000 + 800) - w.draft_cache_bytes_for(1000)
+    assert grow == pytest.approx(800 * seen[0][0]["compressed_page_bytes_per_token"])
+    core.step()
+    assert core.worker.draft_cache_usage()["compressed_bytes"] == 0      # released with the requests
+
+
+def test_capacity_is_the_device_budget_when_the_full_cache_is_in_host_memory(make_engine):
+    core = make_engine(speculative=replace(SPEC, full_kv_in_host=True), num_threads=1, kv_cache_memory_gb=0.03)
+    assert core.worker.draft_cache_usage()["capacity_bytes"] == int(0.03 * 2**30)
+
+
+def test_no_drafting_cache_without_lossy_kv(make_engine):
+    core = make_engine(speculative=SpeculativeConfig(method="ngram"))
+    assert core.worker.draft_cache_usage() is None and core.worker.draft_cache_bytes_for(100) is None
