@@ -18,9 +18,10 @@ Subclasses implement four hooks: `_compress_page`, `_attend_pages`, `_decode_pag
 
 Batched drafting (VeriCache's draft loop) reads the pages of many sequences at once: `draft_pages`
 returns a per-round, query-independent `PagesBatch` over one layer of several states, and its
-`attend(q, num_rows)` answers for the first `num_rows` states in one call. The default prepares each
-state once per round (`_prepare_pages`, e.g. concatenating its pages) and loops; a compressor whose
-format batches (quant) overrides `draft_pages`. Attention over the dense regions (sinks, tail, the
+`attend(q, num_rows)` answers for the first `num_rows` states in one call. The default decodes the
+pages once per round on CPU (batched dense attention), elsewhere prepares each state once per round
+(`_prepare_pages`, e.g. concatenating its pages) and loops; a compressor whose format batches (quant)
+overrides `draft_pages`. Attention over the dense regions (sinks, tail, the
 drafts' own k/v) is the caller's, batched with `batched_attention`, merged by lse as usual.
 Shapes: keys/values `[num_tokens, num_kv_heads, head_dim]`; queries `[num_q, num_heads, head_dim]`
 with `num_heads % num_kv_heads == 0` (query head h reads kv head `h // (num_heads // num_kv_heads)`).
@@ -164,6 +165,18 @@ class PagesBatch:
         return out, lse
 
 
+class DecodedPagesBatch(PagesBatch):
+    """Pages decoded to dense fp32 once per round, padded head-major [B, H, T, D]: one batched
+    attention per step."""
+
+    def __init__(self, comp: Compressor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
+        self.comp, self.k, self.v, self.valid = comp, k, v, valid
+
+    def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batched_attention(q, self.k[:num_rows], self.v[:num_rows], self.comp.sm_scale,
+                                 self.valid[:num_rows])
+
+
 class Compressor(ABC):
     """Base of every KV compressor. Holds no per-sequence data: state lives in `SequenceState`.
 
@@ -256,12 +269,42 @@ class Compressor(ABC):
         parts.append(dense_attention(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions, k_pos))
         return merge_attention(parts)
 
+    # CPU drafting decodes the round's pages once (see draft_pages) while all layers' decoded pages of
+    # the round fit in this many bytes; past it, pages are attended per request as on the GPU.
+    draft_decode_limit_bytes = 256 * 2**20
+
     def draft_pages(self, layer: int, states: list[LayerState]) -> PagesBatch | None:
         """A query-independent view of the pages of `states` (one layer) for a draft round, or None
-        when no state has pages. The states must not change while the view is in use."""
+        when no state has pages. The states must not change while the view is in use.
+
+        On CPU the reference attention ops rebuild dense K/V from the pages on every call, so the
+        pages are decoded once for the round instead (transient fp32, bounded by
+        `draft_decode_limit_bytes`) and attended in one batched call per step. Otherwise (a GPU,
+        whose kernels read the compressed format) each state's pages are prepared once and attended
+        per request."""
         if not any(ls.pages for ls in states):
             return None
+        c = self.config
+        num_tokens = sum(len(ls.pages) for ls in states) * c.page_size
+        decoded = num_tokens * c.num_kv_heads * c.head_dim * 2 * 4 * c.num_layers
+        if states[0].tail_k.device.type == "cpu" and decoded <= self.draft_decode_limit_bytes:
+            return self._decoded_pages(states)
         return PagesBatch(self, layer, [self._prepare_pages(layer, ls) if ls.pages else None for ls in states])
+
+    def _decoded_pages(self, states: list[LayerState]) -> DecodedPagesBatch | None:
+        dense = [[d for d in map(self._decode_page, ls.pages) if d is not None] for ls in states]
+        lens = [sum(d[0].shape[0] for d in ds) for ds in dense]
+        if not any(lens):
+            return None                                               # every page was dropped
+        c, dev = self.config, states[0].tail_k.device
+        k = torch.zeros(len(states), c.num_kv_heads, max(lens), c.head_dim, dtype=torch.float32, device=dev)
+        v = torch.zeros_like(k)
+        for i, ds in enumerate(dense):
+            if ds:
+                k[i, :, :lens[i]] = torch.cat([d[0] for d in ds]).transpose(0, 1)
+                v[i, :, :lens[i]] = torch.cat([d[1] for d in ds]).transpose(0, 1)
+        valid = torch.arange(max(lens), device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+        return DecodedPagesBatch(self, k, v, valid)
 
     def _prepare_pages(self, layer: int, ls: LayerState) -> Any:
         """Per-round, query-independent work on one state's pages (default: none)."""

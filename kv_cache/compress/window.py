@@ -22,6 +22,9 @@ class WindowCompressor(Compressor):
     def _decode_page(self, page: None) -> None:
         return None
 
+    def draft_pages(self, layer: int, states: list[LayerState]) -> None:
+        return None                                   # nothing kept to attend
+
     def page_bytes(self, page: None) -> int:
         return 0
 

@@ -53,12 +53,17 @@ def model_for(name):
     return loader.build_random_model(tiny_d64()) if head_dim == 64 else loader.load_model("tiny-random")
 
 
+@pytest.mark.parametrize("per_request", [False, True], ids=["default", "per-request-pages"])
 @pytest.mark.parametrize("name", list(COMPRESSORS))
-def test_batched_attention_equals_the_per_request_reference(name):
+def test_batched_attention_equals_the_per_request_reference(name, per_request):
+    """per_request: pages attended request by request (the GPU path) instead of the CPU's pages
+    decoded once per round; quant and window batch their own way either way."""
     torch.manual_seed(0)
     model = model_for(name)
     cfg = model.config
     comp = build_compressor(name, model, COMPRESSORS[name][1])
+    if per_request:
+        comp.draft_decode_limit_bytes = 0
     page = comp.config.page_size
     # one state deep into pages, one with a single page, one still all dense (no pages at all)
     lengths = [comp.config.num_sink + comp.config.window + 3 * page + 5,
@@ -82,6 +87,10 @@ def test_batched_attention_equals_the_per_request_reference(name):
             got, want = new(layer, q, k, v), ref(layer, q, k, v)
             assert got.shape == want.shape == q.shape
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kinds = {type(view[4]).__name__ for view in new.layers}
+    expected = {"window": "NoneType", "quant": "QuantPagesBatch"}.get(
+        name, "PagesBatch" if per_request else "DecodedPagesBatch")
+    assert kinds == {expected}
 
 
 class ReferenceProposer(LossyKVProposer):
