@@ -113,12 +113,12 @@ def spherical_codebooks(model, num_tokens: int = 512, iters: int = 20) -> dict[i
     key = hashlib.sha256(f"{cfg}:{num_tokens}:{iters}:{CALIB_VERSION}".encode()
                          + probe.numpy().tobytes()).hexdigest()[:16]
     path = cache_dir() / "spherical" / f"lossy_kv-{key}.pt"
-    if path.exists():
-        return torch.load(path)
+    dev = model.embed_tokens.weight.device
+    if path.exists():                   # on the model's device, wherever the cache was written
+        return {t: b.to(dev) for t, b in torch.load(path, map_location=dev).items()}
     tiers = {t: s for t, s in TIERS.items() if cfg.head_dim % s.group == 0}
     start = time.perf_counter()
     books = calibrate(own_keys(model, num_tokens), iters=iters, tiers=tiers)
-    dev = model.embed_tokens.weight.device
     books = {t: b.to(dev) for t, b in books.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{id(books)}")

@@ -15,7 +15,8 @@ SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
 COMPRESSORS = {                                   # name -> (kv_compressor, config, tiny head_dim)
     "window": ("window", SMALL_PAGES, 16),
     "quant": ("quant", {**SMALL_PAGES, "key_bits": 4, "value_bits": 2}, 16),
-    "spherical": ("spherical", {**SMALL_PAGES, "tier": 1, "value_bits": 4, "calib_tokens": 128}, 16),
+    "spherical": ("spherical", {"num_sink": 4, "window": 8, "page_size": 16, "tier": 1, "value_bits": 4,
+                                "calib_tokens": 128}, 16),        # Triton's spherical encode needs pages >= 16
     "mustafar": ("mustafar", {"num_sink": 4, "window": 8, "page_size": 64, "sparsity": 0.7}, 64),
 }
 
@@ -53,13 +54,17 @@ def model_for(name):
     return loader.build_random_model(tiny_d64()) if head_dim == 64 else loader.load_model("tiny-random")
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])   # the GPU path where there is one
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_request", [False, True], ids=["default", "per-request-pages"])
 @pytest.mark.parametrize("name", list(COMPRESSORS))
-def test_batched_attention_equals_the_per_request_reference(name, per_request):
+def test_batched_attention_equals_the_per_request_reference(name, per_request, device):
     """per_request: pages attended request by request (the GPU path) instead of the CPU's pages
     decoded once per round; quant and window batch their own way either way."""
     torch.manual_seed(0)
-    model = model_for(name)
+    model = model_for(name).to(device)
     cfg = model.config
     comp = build_compressor(name, model, COMPRESSORS[name][1])
     if per_request:
@@ -70,10 +75,10 @@ def test_batched_attention_equals_the_per_request_reference(name, per_request):
                comp.config.num_sink + comp.config.window + page + 1, 7]
     states = []
     for n in lengths:
-        state = comp.new_state(torch.float16)
+        state = comp.new_state(torch.float16, device)
         for layer in range(cfg.num_layers):
-            comp.encode(state, layer, torch.randn(n, cfg.num_kv_heads, cfg.head_dim),
-                        torch.randn(n, cfg.num_kv_heads, cfg.head_dim))
+            comp.encode(state, layer, torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=device),
+                        torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=device))
         states.append(state)
     assert [len(s.layers[0].pages) > 0 for s in states] == [True, True, False]
     rows_per_step = [3, 3, 2, 1]                          # ragged: requests stop drafting one by one
@@ -81,15 +86,16 @@ def test_batched_attention_equals_the_per_request_reference(name, per_request):
     for step, rows in enumerate(rows_per_step):
         new.step = ref.step = step
         for layer in range(cfg.num_layers):
-            q = torch.randn(rows, cfg.num_heads, cfg.head_dim)
-            k = torch.randn(rows, cfg.num_kv_heads, cfg.head_dim)
-            v = torch.randn(rows, cfg.num_kv_heads, cfg.head_dim)
+            q = torch.randn(rows, cfg.num_heads, cfg.head_dim, device=device)
+            k = torch.randn(rows, cfg.num_kv_heads, cfg.head_dim, device=device)
+            v = torch.randn(rows, cfg.num_kv_heads, cfg.head_dim, device=device)
             got, want = new(layer, q, k, v), ref(layer, q, k, v)
             assert got.shape == want.shape == q.shape
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     kinds = {type(view[4]).__name__ for view in new.layers}
+    decoded = device == "cpu" and not per_request
     expected = {"window": "NoneType", "quant": "QuantPagesBatch"}.get(
-        name, "PagesBatch" if per_request else "DecodedPagesBatch")
+        name, "DecodedPagesBatch" if decoded else "PagesBatch")
     assert kinds == {expected}
 
 
