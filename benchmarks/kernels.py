@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.7)
     ap.add_argument("--batch", type=int, default=16, help="requests in the paged-attention rows")
     ap.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
+    ap.add_argument("--ops", nargs="+", default=["compressed", "paged", "encode"],
+                    choices=["compressed", "paged", "encode"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = args.device
@@ -121,7 +123,7 @@ def main() -> None:
     rows = []
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}  torch {torch.__version__}")
     for t in args.contexts:
-        for q in args.queries:
+        for q in args.queries if "compressed" in args.ops else []:
             # ---- Spherical-KV tier T1 (group 16, 6-bit codes) ----
             sph, keys = spherical_inputs(args.heads, args.kv_heads, q, t, d, 16, 6, 128, dev, dtype)
             ref = dispatch.reference("spherical_attention")
@@ -155,7 +157,7 @@ def main() -> None:
                 row["triton_ms"] = bench(lambda: fast(*bm, scale), dev, args.reps)
             rows.append(row)
         # ---- paged attention over a batch of requests (one layer) ----
-        for q in args.queries:
+        for q in args.queries if "paged" in args.ops else []:
             query, kc, vc, meta = paged_inputs(args.batch, q, t, args.heads, args.kv_heads, d, dev, dtype)
             ref = dispatch.reference("paged_attention")
             out_ref = ref(query, kc, vc, meta(), scale)
@@ -170,6 +172,8 @@ def main() -> None:
                 row["triton_ms"] = bench(lambda: fast(query, kc, vc, m_fast, scale), dev, args.reps)
             rows.append(row)
         # ---- encoders: one layer's new pages for all KV heads ----
+        if "encode" not in args.ops:
+            continue
         g = torch.Generator(device="cpu").manual_seed(t)
         keys = torch.randn(args.kv_heads, t, d, generator=g).to(dev)
         cb = F.normalize(torch.randn(args.kv_heads, d // 16, 64, 16, generator=g), dim=-1).to(dev)
