@@ -84,7 +84,7 @@ def capacity(model, ids: list[int], budget_gb: float, chunk: int = 512) -> list[
     rows = [{"name": "full-fp16", "bytes_per_seq": full, "seqs": int(budget_gb * 2**30 // full)}]
     for name, settings in SETTINGS.items():
         comp = build_compressor(name, model, settings)
-        state = comp.new_state(torch.float16)
+        state = comp.new_state(torch.float16, str(dev))
         for layer in range(cfg.num_layers):
             comp.encode(state, layer, torch.cat(cache.k[layer]), torch.cat(cache.v[layer]))
         b = comp.state_bytes(state)

@@ -6,7 +6,6 @@ compressed cache for drafting later. So one model serves every phase (prefill, d
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,7 +61,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight_f32: torch.Tensor,
     return x, rms_norm(x, weight_f32, eps)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, heads, head_dim] -> x rotated (queries and keys go through in one call)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -73,22 +72,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# The elementwise stages of a layer. Eager, each is several kernel launches: on a GPU a 135M-parameter
-# model spends its decode step launching kernels, not computing. SPECSERVE_COMPILE=1 fuses each stage
-# into one generated kernel with torch.compile (same math; shapes dynamic, so one graph per stage serves
-# every layer and batch). Measured in docs/BENCHMARKS.md; off by default.
-ELEMENTWISE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
-_compiled = False
-
-
-def compile_elementwise() -> None:
-    global _compiled
-    if not _compiled:
-        for name, fn in list(ELEMENTWISE.items()):
-            ELEMENTWISE[name] = torch.compile(fn, dynamic=True, fullgraph=True)
-        _compiled = True
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -97,13 +80,13 @@ class RMSNorm(nn.Module):
         self._weight_f32: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ELEMENTWISE["rms_norm"](x, self._float_weight(), self.eps)
+        return rms_norm(x, self._float_weight(), self.eps)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (x + delta, norm(x + delta)); delta None: (x, norm(x))."""
         if delta is None:
             return x, self(x)
-        return ELEMENTWISE["add_rms_norm"](x, delta, self._float_weight(), self.eps)
+        return add_rms_norm(x, delta, self._float_weight(), self.eps)
 
     def _float_weight(self) -> torch.Tensor:
         """The weight in float32, cast once (not once per call: a kernel launch per layer on GPU)."""
@@ -156,19 +139,17 @@ class DecoderLayer(nn.Module):
         # q and k sit side by side in qkv: rotate them as one [num_tokens, heads + kv_heads, D] tensor
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
-        q, k = ELEMENTWISE["rope"](qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         o = attn(self.layer_idx, q, k, v)                 # [num_tokens, num_heads, head_dim]
         x, h = self.post_attention_layernorm.add_forward(x, self.o_proj(o.reshape(num_tokens, self.q_size)))
-        return x, self.down_proj(ELEMENTWISE["silu_mul"](self.gate_up_proj(h)))
+        return x, self.down_proj(silu_mul(self.gate_up_proj(h)))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        if os.environ.get("SPECSERVE_COMPILE") == "1":
-            compile_elementwise()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
