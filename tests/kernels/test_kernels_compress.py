@@ -100,5 +100,8 @@ def case_bitmap_attention():
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    globals()[f"case_{sys.argv[1]}"]()
+    from specserve.kernels.triton import splits
+    for min_split in (splits.MIN_SPLIT_TOKENS, 64):    # one split at these sizes, then several merged
+        splits.MIN_SPLIT_TOKENS = min_split
+        globals()[f"case_{sys.argv[1]}"]()
     print(f"ok {sys.argv[1]}")

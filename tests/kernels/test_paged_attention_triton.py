@@ -13,13 +13,17 @@ import torch
 from specserve.kernels import dispatch
 from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
 
+from specserve.kernels.triton import splits
+
 fast, ref = dispatch.get_op("paged_attention", "cpu"), dispatch.reference("paged_attention")
 assert fast.__module__ == "specserve.kernels.triton.paged_attention", fast.__module__
-for block_size, heads, kv_heads, dim, shapes, dtype in [
+cases = [
         # (context length, new queries): decodes, verify rows, prefill chunks (first and later), block edges
         (4, 4, 2, 16, [(9, 1), (13, 4), (20, 20), (37, 17), (16, 1), (17, 3)], torch.float32),
         (16, 6, 2, 32, [(300, 1), (150, 9), (64, 1), (65, 2), (1, 1)], torch.float32),
-        (16, 3, 3, 64, [(200, 5), (33, 33), (90, 1)], torch.bfloat16)]:
+        (16, 3, 3, 64, [(200, 5), (33, 33), (90, 1)], torch.bfloat16)]
+for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for m in (1024, 64) for c in cases]:
+    splits.MIN_SPLIT_TOKENS = min_split          # one split at these sizes, then several merged
     torch.manual_seed(block_size + dim)
     num_blocks = sum(-(-n // block_size) for n, _ in shapes) + 3
     k_cache = torch.randn(num_blocks * block_size, kv_heads, dim).to(dtype)
