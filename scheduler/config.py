@@ -57,7 +57,10 @@ class EngineConfig:
     dtype: str = "auto"                 # auto -> float32 on cpu, bfloat16 on cuda
     max_model_len: int | None = None    # None: the model's context length
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0     # KV budget; num_blocks is derived from it
+    kv_cache_memory_gb: float = 1.0     # device KV budget; num_blocks is derived from it. lossy_kv with
+                                        # the full cache in host memory: the compressed drafting caches
+    host_kv_cache_memory_gb: float | None = None   # lossy_kv + full_kv_in_host: sizes the full-KV host
+                                        # pool (None: kv_cache_memory_gb, as before)
     num_kv_blocks: int | None = None    # overrides the budget (tests force preemption with it)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -77,3 +80,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
+        if self.host_kv_cache_memory_gb is not None:
+            spec = self.speculative
+            if not self.host_kv_cache_memory_gb > 0:
+                raise ValueError(f"host_kv_cache_memory_gb must be positive, got {self.host_kv_cache_memory_gb}")
+            if spec is None or spec.method != "lossy_kv" or spec.full_kv_in_host is False:
+                raise ValueError("host_kv_cache_memory_gb sizes the full-KV host pool of lossy_kv "
+                                 "(--speculative-config '{\"method\": \"lossy_kv\"}', full_kv_in_host not false)")

@@ -41,7 +41,11 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 class Worker:
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory_gb: float = 1.0, num_kv_blocks: int | None = None, seed: int = 0,
-                 num_threads: int | None = None, tiny_seed: int = 0, speculative=None):
+                 num_threads: int | None = None, tiny_seed: int = 0, speculative=None,
+                 host_kv_cache_memory_gb: float | None = None):
+        """kv_cache_memory_gb budgets the device KV: the full cache, or with lossy_kv keeping the full
+        cache in a HostKVPool, the compressed drafting caches; that host pool is then sized from
+        host_kv_cache_memory_gb (None: kv_cache_memory_gb). num_kv_blocks sizes the full cache."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(device)
@@ -49,14 +53,21 @@ class Worker:
         torch.manual_seed(seed)
         self.model = load_model(model, self.dtype, self.device, tiny_seed=tiny_seed)
         cfg = self.config = self.model.config
+        in_host = speculative is not None and speculative.method == "lossy_kv" and self._full_kv_in_host(speculative)
+        if host_kv_cache_memory_gb is not None and not in_host:
+            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the full cache in "
+                             "host memory; on a CPU host set \"full_kv_in_host\": true in --speculative-config")
+        full_budget_gb = host_kv_cache_memory_gb if host_kv_cache_memory_gb is not None else kv_cache_memory_gb
         self.num_blocks = num_kv_blocks or num_blocks_for_budget(
-            kv_cache_memory_gb * 2**30, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            full_budget_gb * 2**30, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget is too small for one block")
         self.block_size = block_size
         self.kv_cache_memory_gb = kv_cache_memory_gb
         shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        if speculative is not None and speculative.method == "lossy_kv" and self._full_kv_in_host(speculative):
+        self._swap_seen = (0, 0, 0)                    # pool h2d, pool d2h, drafter tokens encoded
+        self.last_swap_bytes = (0, 0)                  # (host->device, device->host) of the last step
+        if in_host:
             self.storage = HostKVPool(*shape)          # VeriCache: the device keeps the compressed cache
         else:
             self.storage = KVStorage(*shape, self.device)
@@ -94,13 +105,35 @@ class Worker:
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.runner.execute(plan)
+        result = self.runner.execute(plan)
+        self.last_swap_bytes = self._swap_delta()
+        return result
+
+    def _swap_delta(self) -> tuple[int, int]:
+        """Full-cache bytes moved since the last call, with the full cache in a HostKVPool (else 0, 0):
+        host->device = the verify pass's staging (`HostKVPool.bytes_h2d`) plus the drafter's sync reads
+        of newly verified tokens (tokens encoded x full bytes per token); device->host = write-back."""
+        storage = self.storage
+        if not isinstance(storage, HostKVPool):
+            return 0, 0
+        encoded = getattr(self.runner.proposer, "num_encoded_tokens", 0)
+        h2d, d2h, seen_encoded = self._swap_seen
+        self._swap_seen = (storage.bytes_h2d, storage.bytes_d2h, encoded)
+        return (storage.bytes_h2d - h2d + (encoded - seen_encoded) * storage.bytes_per_token,
+                storage.bytes_d2h - d2h)
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.runner.generators.pop(request_id, None)
         if self.runner.proposer is not None:
             self.runner.proposer.release(request_ids)
+
+    def release_drafts(self, request_ids: list[str]) -> None:
+        """Drop the drafting caches of preempted requests (recompute preemption frees their compressed
+        bytes too; their sampling generators stay, so seeded sampling resumes where it was)."""
+        proposer = self.runner.proposer
+        if hasattr(proposer, "seq_bytes") and request_ids:           # lossy_kv only
+            proposer.release(request_ids)
 
     def held_request_ids(self) -> set[str]:
         """Requests the worker keeps per-request state for (sampling generators, drafter caches)."""
