@@ -21,19 +21,45 @@ from specserve.spec_phases.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+def max_draft_len(bytes_for, capacity: int, limit: int) -> int:
+    """The longest context n <= limit whose compressed cache fits `capacity` on its own, the bytes
+    taken as the peak over every length up to n (not monotonic: pages replace dense tokens)."""
+    peak = 0
+    for n in range(1, limit + 1):
+        peak = max(peak, bytes_for(n))
+        if peak > capacity:
+            return n - 1
+    return limit
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.async_owner = None                   # the AsyncEngine driving this core, if any
         self.worker = Worker(config.model, config.device, config.dtype, config.block_size,
                              config.kv_cache_memory_gb, config.num_kv_blocks, config.seed, config.num_threads,
-                             config.tiny_random_seed, config.speculative)
+                             config.tiny_random_seed, config.speculative,
+                             host_kv_cache_memory_gb=config.host_kv_cache_memory_gb)
         cfg = self.worker.config
         max_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         capacity = self.worker.num_blocks * config.block_size
         if max_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, capacity)
             max_len = capacity
+        # VeriCache with the full cache in host memory: the device budget holds the compressed drafting
+        # caches, and the scheduler admits and preempts by their bytes too
+        usage = self.worker.draft_cache_usage()
+        draft_capacity = usage["capacity_bytes"] if usage is not None else None
+        draft_bytes_for = self.worker.draft_cache_bytes_for if draft_capacity is not None else None
+        if draft_bytes_for is not None:
+            fits = max_draft_len(draft_bytes_for, draft_capacity, max_len)
+            if fits < 1:
+                raise ValueError(f"kv_cache_memory_gb ({config.kv_cache_memory_gb}) is too small for one "
+                                 f"token's compressed drafting cache")
+            if fits < max_len:
+                logger.warning("max_model_len %d exceeds the compressed drafting cache (%d tokens in %d bytes); "
+                               "capping it", max_len, fits, draft_capacity)
+                max_len = fits
         self.max_model_len = max_len
         pool = BlockPool(self.worker.num_blocks, config.block_size, config.enable_prefix_caching, name="full")
         self.kv = KVCacheManager([pool])
@@ -41,7 +67,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                    cfg.eos_token_ids, spec.num_speculative_tokens if spec else 0,
                                    adaptive=bool(spec and spec.adaptive),
-                                   frontier_size=spec.frontier_size if spec else 0)
+                                   frontier_size=spec.frontier_size if spec else 0,
+                                   draft_bytes_for=draft_bytes_for, draft_capacity=draft_capacity)
         path = resolve_model_path(None if config.model == TINY_RANDOM else config.model)
         name = TINY_RANDOM if config.model == TINY_RANDOM else (
             path.name if path.is_dir() else Path(path).stem)
@@ -82,6 +109,7 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.worker.release_drafts(self.scheduler.take_preempted_ids())   # preempted: compressed cache too
         if plan.is_empty():
             return []
         try:
@@ -90,7 +118,7 @@ class EngineCore:
             logger.exception("step failed; failing its %d requests", len(plan.requests))
             outputs = self.scheduler.fail([r.request_id for r in plan.requests], f"engine step failed: {exc}")
         else:
-            outputs = self.scheduler.commit(plan, result)
+            outputs = self.scheduler.commit(plan, result, swap_bytes=self.worker.last_swap_bytes)
         self.worker.release(self.scheduler.take_finished_ids())   # per-request device state, now
         return outputs
 
@@ -105,6 +133,11 @@ class EngineCore:
     def check_integrity(self) -> None:
         """Every pool balances; drafter state (the compressed cache) is held only for live requests."""
         self.kv.check_integrity()
+        self.scheduler.check_integrity()
+        usage = self.worker.draft_cache_usage()
+        if self.scheduler.draft_capacity is not None and usage["compressed_bytes"] > self.scheduler.reserved_total:
+            raise AssertionError(f"drafting caches hold {usage['compressed_bytes']} compressed bytes, more than "
+                                 f"the {self.scheduler.reserved_total} reserved")
         if not self.has_unfinished() and self.kv.num_requests_holding_blocks():
             raise AssertionError("idle engine still has requests holding KV blocks")
         stale = self.worker.held_request_ids() - set(self.scheduler.requests)

@@ -6,6 +6,7 @@ It covers prefill chunks, prefix hits, resuming after preemption and verify rows
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.kv_cache.manager import KVCacheManager
@@ -35,13 +36,27 @@ class StepStats:
     num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
     finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
     step_time_s: float = 0.0
+    draft_cache_reserved_bytes: int = 0  # lossy_kv: compressed (device) bytes reserved by running requests
+    swap_bytes_h2d: int = 0              # lossy_kv with the full cache in host memory: bytes moved this step
+    swap_bytes_d2h: int = 0
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], num_speculative_tokens: int = 0,
-                 adaptive: bool = False, frontier_size: int = 0):
+                 adaptive: bool = False, frontier_size: int = 0,
+                 draft_bytes_for: Callable[[int], int] | None = None, draft_capacity: int | None = None):
+        """draft_bytes_for(n) / draft_capacity (VeriCache, both or neither): the device bytes one
+        request's compressed drafting cache takes at n tokens, and the device budget for all of them.
+        Requests are then admitted and preempted by those bytes as well as by KV blocks."""
+        if (draft_bytes_for is None) != (draft_capacity is None):
+            raise ValueError("draft_bytes_for and draft_capacity go together")
         self.kv = kv
+        self.draft_bytes_for = draft_bytes_for
+        self.draft_capacity = draft_capacity
+        self.reserved: dict[str, int] = {}           # request id -> compressed bytes reserved (running only)
+        self.reserved_total = 0
+        self._preempted_ids: list[str] = []
         self.num_speculative_tokens = num_speculative_tokens
         self.frontier_size = frontier_size
         self.controller = DraftLengthController(num_speculative_tokens) if adaptive and num_speculative_tokens else None
@@ -83,6 +98,11 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return finished
 
+    def take_preempted_ids(self) -> list[str]:
+        """Requests preempted since the last call: the engine drops their drafting caches."""
+        preempted, self._preempted_ids = self._preempted_ids, []
+        return preempted
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -102,7 +122,9 @@ class Scheduler:
             req = self.running[i]
             num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # shorten drafts, not rows
             num_new = min(req.num_tokens - req.num_computed_tokens, budget - num_drafts) + num_drafts
-            while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+            total = req.num_computed_tokens + num_new
+            while (not self._reserve(req, total)
+                   or self.kv.allocate(req.request_id, total) is None):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -150,7 +172,10 @@ class Scheduler:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+            total = req.num_computed_tokens + num_new
+            if (not self._reserve(req, total)
+                    or self.kv.allocate(req.request_id, total) is None):
+                self._unreserve(req)
                 self.kv.free(req.request_id)                   # release prefix hits; retry next step
                 req.num_computed_tokens = 0
                 break
@@ -161,10 +186,49 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    # -- compressed (device) bytes: VeriCache's drafting caches ----------------------------------
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Reserve the compressed bytes `req`'s drafting cache may hold while it computes up to
+        num_tokens tokens; False, changing nothing, if they do not fit next to the others'.
+
+        The cache holds the verified prefix, whose size is not monotonic in the token count (a page
+        forming replaces dense tokens with packed ones), so the reservation is the maximum of the
+        request's previous one and the predicted bytes at its current and at its new length: it
+        covers whatever the cache holds now, during this step and after it commits."""
+        if self.draft_bytes_for is None:
+            return True
+        old = self.reserved.get(req.request_id, 0)
+        need = max(old, self.draft_bytes_for(req.num_computed_tokens), self.draft_bytes_for(num_tokens))
+        if self.reserved_total - old + need > self.draft_capacity:
+            return False
+        self.reserved[req.request_id] = need
+        self.reserved_total += need - old
+        return True
+
+    def _unreserve(self, req: Request) -> None:
+        self.reserved_total -= self.reserved.pop(req.request_id, 0)
+
+    def check_integrity(self) -> None:
+        """Compressed-byte reservations: held by running requests only, summed correctly, in budget."""
+        if self.draft_bytes_for is None:
+            if self.reserved or self.reserved_total:
+                raise AssertionError("draft-cache reservations without a draft-cache budget")
+            return
+        running = {r.request_id for r in self.running}
+        if set(self.reserved) != running:
+            raise AssertionError(f"reservations {sorted(self.reserved)[:5]} do not match the running requests "
+                                 f"{sorted(running)[:5]}")
+        if self.reserved_total != sum(self.reserved.values()):
+            raise AssertionError(f"reserved total {self.reserved_total} != sum {sum(self.reserved.values())}")
+        if self.reserved_total > self.draft_capacity:
+            raise AssertionError(f"reserved {self.reserved_total} bytes > capacity {self.draft_capacity}")
+
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the KV, keep the tokens, go back to the head of the queue."""
         self.running.remove(req)
         self.kv.free(req.request_id)
+        self._unreserve(req)
+        self._preempted_ids.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -191,7 +255,8 @@ class Scheduler:
         return StepPlan(out, frontier_size=self.frontier_size)
 
     # -- commit ------------------------------------------------------------------------------
-    def commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def commit(self, plan: StepPlan, result: StepResult, swap_bytes: tuple[int, int] = (0, 0)) -> list[RequestOutput]:
+        """swap_bytes: (host->device, device->host) full-cache bytes the step moved (VeriCache)."""
         outputs = []
         for sreq in plan.requests:
             req = self.requests.get(sreq.request_id)
@@ -227,6 +292,8 @@ class Scheduler:
             outputs.append(self._output(req, new_tokens, logprobs))
         self.stats.num_running, self.stats.num_waiting = len(self.running), len(self.waiting)
         self.stats.kv_usage = self.kv.usage()
+        self.stats.draft_cache_reserved_bytes = self.reserved_total
+        self.stats.swap_bytes_h2d, self.stats.swap_bytes_d2h = swap_bytes
         self.stats.step_time_s = result.step_time_s
         self.stats.num_frontiers = result.num_frontiers
         if self.controller is not None:
@@ -257,6 +324,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        self._unreserve(req)
         self.requests.pop(req.request_id, None)
         if self.controller is not None:
             self.controller.release(req.request_id)

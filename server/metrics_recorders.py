@@ -86,6 +86,8 @@ class StepRecorder:
             self._record_prefix(stats.prefix_cache_queries, stats.prefix_cache_hits)
         if stats.num_drafts and m.spec_enabled:
             self._record_spec(stats)
+        if stats.swap_bytes_h2d:                   # VeriCache: full-cache bytes brought to the device
+            m.swap_bytes.inc(stats.swap_bytes_h2d)
         if stats.num_prompt_tokens and self.running is not None:
             self._note_scheduled(now - stats.step_time_s)
         if self.log_interval_s is not None and now - self._last_log_time >= self.log_interval_s:
