@@ -43,6 +43,10 @@ METHODS = {
     "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                        "prompt_lookup_min": 2, "adaptive": True},
+    "ngram-frontier": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2, "frontier_size": 2},
+    "ngram-frontier-overlap": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                               "prompt_lookup_min": 2, "frontier_size": 2, "overlap_draft": True},
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 4},
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
 }

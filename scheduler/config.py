@@ -17,6 +17,9 @@ class SpeculativeConfig:
     skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
     recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
     adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
+    overlap_draft: bool = False                     # FASER overlap: with frontiers, draft the next step of
+                                                    # requests the first frontier decided on a thread
+                                                    # (n-gram only; measured: no gain, docs/BENCHMARKS.md)
     frontier_size: int = 0                          # FASER early pruning: verify drafts in frontiers of
                                                     # this many positions; a request whose drafts were
                                                     # rejected skips the later ones. 0: one verify pass
@@ -32,6 +35,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be in [0, 32]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.overlap_draft and (self.method != "ngram" or not self.frontier_size):
+            raise ValueError("overlap_draft needs method ngram (a stateless drafter) and frontier_size > 0")
         size = self.frontier_size
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 32:
             raise ValueError(f"frontier_size must be an integer in [0, 32] (0: verify in one pass), got {size!r}")

@@ -8,6 +8,7 @@ time and only requests whose drafts all passed pay for the next forward (`Verifi
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -17,7 +18,7 @@ from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import LlamaModel
 from specserve.spec_phases.plan import SampledTokens, ScheduledRequest, StepPlan, StepResult
-from specserve.spec_phases.proposers.base import DraftRequest, Proposer
+from specserve.spec_phases.proposers.base import DraftRequest, Proposer, StatelessProposer
 from specserve.spec_phases.sampler import SampleRow, Sampler
 
 
@@ -47,6 +48,15 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, eos_token_ids, self.device, seed)
         self.generators: dict[str, torch.Generator] = {}
         self.proposer: Proposer | None = None
+        # FASER overlap (off unless the worker turns it on): while later verification frontiers run,
+        # a worker thread drafts the next step for the requests the first frontier already decided.
+        # Only for stateless drafters (their drafts depend on the tokens alone, so a precomputed draft
+        # is the draft); `overlap_max_len` is the longest draft any later step may ask for.
+        self.overlap_drafts = False
+        self.overlap_max_len = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._early: Future | None = None             # -> {request_id: (num tokens, drafts)}
+        self.num_drafted_ahead = 0                    # requests whose drafts came from the thread
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -66,6 +76,8 @@ class ModelRunner:
         self._prompt_logprobs(reqs, first, hidden, result)
         verify = Verification(self, reqs, drafts)         # draws the step's randomness now
         pending = verify.advance(hidden, _first_spans(reqs, first, verify))
+        if pending:
+            self._draft_ahead([v for v in verify.states if v.tokens is not None])
         while pending:                                    # later frontiers: survivors only
             chunks = [v.drafts[v.computed:v.computed + size] for v in pending]
             hidden = self.model(*self._inputs(
@@ -80,10 +92,36 @@ class ModelRunner:
         result.step_time_s = time.perf_counter() - start
         return result
 
+    def _draft_ahead(self, decided: list[_Verifying]) -> None:
+        """Overlap: next step's drafts of the requests decided by the first frontier, on a thread."""
+        if not (self.overlap_drafts and decided and isinstance(self.proposer, StatelessProposer)):
+            return
+        asks = [DraftRequest(v.req.request_id, v.req.prompt_token_ids + v.req.output_token_ids + v.tokens,
+                             0, []) for v in decided]
+        proposer, max_len = self.proposer, self.overlap_max_len
+
+        def draft() -> dict[str, tuple[int, list[int]]]:
+            out = proposer.propose(asks, [max_len] * len(asks))
+            return {a.request_id: (len(a.token_ids), d) for a, d in zip(asks, out)}
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-draft")
+        self._early = self._pool.submit(draft)
+
     def _propose(self, reqs: list[ScheduledRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in reqs]
+        early = self._early.result() if self._early is not None else {}
+        self._early = None                                # drafted ahead: valid for this step only
         wanted = [i for i, r in enumerate(reqs) if r.sample and r.num_draft_tokens > 0]
         if self.proposer is None or not wanted:
+            return drafts
+        ahead = [i for i in wanted if early.get(reqs[i].request_id, (-1,))[0]
+                 == len(reqs[i].prompt_token_ids) + len(reqs[i].output_token_ids)]
+        for i in ahead:
+            drafts[i] = early[reqs[i].request_id][1][:reqs[i].num_draft_tokens]
+        self.num_drafted_ahead += len(ahead)
+        wanted = [i for i in wanted if i not in set(ahead)]
+        if not wanted:
             return drafts
         asks = [DraftRequest(reqs[i].request_id, reqs[i].prompt_token_ids + reqs[i].output_token_ids,
                              reqs[i].num_computed_tokens, reqs[i].block_ids) for i in wanted]

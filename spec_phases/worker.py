@@ -73,6 +73,8 @@ class Worker:
             self.storage = KVStorage(*shape, self.device)
         self.runner = ModelRunner(self.model, self.storage, cfg.eos_token_ids, seed)
         self.runner.proposer = self._proposer(model, speculative)
+        if speculative is not None and speculative.overlap_draft:
+            self.runner.overlap_drafts, self.runner.overlap_max_len = True, speculative.num_speculative_tokens
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, block_size,
                     self.storage.nbytes / 2**20, self.dtype, self.device)
 

@@ -1,0 +1,74 @@
+"""FASER overlap: with frontiers on, a worker thread drafts the next step for the requests the first
+frontier decided. The drafts it hands over are the drafts (stateless drafter): output identical."""
+from specserve.scheduler.config import SpeculativeConfig
+from specserve.scheduler.messages import EngineRequest
+from specserve.scheduler.sampling_params import SamplingParams
+
+
+def prompts():
+    loop = [11, 12, 13, 14, 15] * 4                     # repetitive: n-gram drafts get accepted
+    return [loop, [7, 8, 9, 10] * 3 + [7], [(13 * j) % 900 + 3 for j in range(17)], [5] * 9,
+            [(3 * j) % 50 + 3 for j in range(33)], loop[::-1], [42] * 16, [400, 401, 402]]
+
+
+def generate(make_engine, overlap: bool, seeded: bool) -> tuple[dict, int]:
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_max=3, frontier_size=2)
+    core = make_engine(speculative=spec)
+    runner = core.worker.runner
+    runner.overlap_drafts, runner.overlap_max_len = overlap, 6
+    for i, p in enumerate(prompts()):
+        params = (SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True) if seeded and i % 2
+                  else SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        core.add_request(EngineRequest(f"r{i}", p, params))
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out, runner.num_drafted_ahead
+
+
+def test_overlapped_drafts_give_identical_output(make_engine):
+    for seeded in (False, True):
+        plain, ahead_off = generate(make_engine, overlap=False, seeded=seeded)
+        overlapped, ahead_on = generate(make_engine, overlap=True, seeded=seeded)
+        assert overlapped == plain
+        assert ahead_off == 0
+        if not seeded:
+            assert ahead_on > 0                           # the thread's drafts were used
+
+
+def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_engine):
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, frontier_size=1)
+    prompt = [11, 12, 13, 14, 15] * 4
+
+    class Ready:                                          # stands in for the thread's future
+        def __init__(self, value):
+            self.value = value
+
+        def result(self):
+            return self.value
+
+    for length, used in ((10**6, 0), (len(prompt) + 1, 1)):
+        core = make_engine(speculative=spec)
+        runner = core.worker.runner
+        runner.overlap_drafts, runner.overlap_max_len = True, 4
+        core.add_request(EngineRequest("r0", prompt, SamplingParams(max_tokens=8, temperature=0)))
+        core.step()                                       # the prefill: one token, no drafts
+        runner._early = Ready({"r0": (length, [99, 98, 97, 96])})
+        core.step()                                       # drafts for prompt + 1 token
+        assert runner.num_drafted_ahead == used
+        assert not isinstance(runner._early, Ready)      # valid for one step only
+
+
+def test_the_flag_reaches_the_runner_and_bad_combinations_are_refused(make_engine):
+    import pytest
+    spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 5, "frontier_size": 2, '
+                                       '"overlap_draft": true}')
+    runner = make_engine(speculative=spec).worker.runner
+    assert runner.overlap_drafts and runner.overlap_max_len == 5
+    assert not make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=5,
+                                                         frontier_size=2)).worker.runner.overlap_drafts
+    for bad in ('{"method": "ngram", "num_speculative_tokens": 5, "overlap_draft": true}',
+                '{"method": "layer_skip", "num_speculative_tokens": 3, "frontier_size": 1, "overlap_draft": true}'):
+        with pytest.raises(ValueError, match="overlap_draft"):
+            SpeculativeConfig.from_json(bad)
