@@ -181,7 +181,8 @@ class LossyKVProposer:
     def __init__(self, model, storage: KVStorage | HostKVPool, compressor: str = "mustafar",
                  settings: dict | None = None, capacity_bytes: int | None = None):
         """capacity_bytes: the device memory the compressed caches may use (None: not budgeted, e.g.
-        when the full cache is device-resident too); reported by `bytes_used`, enforced by no one yet."""
+        when the full cache is device-resident too); reported by `bytes_used` and enforced by the
+        scheduler, which reserves `seq_bytes` per running request against it (docs/vericache.md)."""
         self.model, self.storage = model, storage
         self.capacity_bytes = capacity_bytes
         self.comp = build_compressor(compressor, model, settings or {})
