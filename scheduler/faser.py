@@ -5,8 +5,9 @@
                 a observes positions 0..min(a, k-1): accepted for i < a, rejected at i = a. Positions
                 it never reached read as its deepest observed one (optimism that explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
-    cost        T(step) = c0 + c1 * tokens + c2 * max_k   fitted online by least squares on
-                measured steps (c2: sequential draft passes; ~0 for n-gram and token recycling)
+    cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap   fitted online (non-negative
+                least squares) on measured steps (c2: sequential draft passes, ~0 for n-gram and
+                token recycling; c3: VeriCache's host -> device bytes, predicted from the last step)
     allocation  start every k_r at 0; repeatedly give one more draft to the request whose next draft
                 has the highest acceptance probability, keeping it only while sum_r E_r / T rises.
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays live.
@@ -21,33 +22,36 @@ import numpy as np
 
 
 class CostModel:
-    """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len, refitted from recent steps."""
+    """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len + c3 * swap_bytes, refitted from recent
+    steps. swap_bytes: full-KV bytes staged host -> device for verification (VeriCache); 0 elsewhere.
+    A step's swap does not depend on its draft lengths, but it raises the price of the step they
+    share, which makes drafts worth more: the controller sees it through the goodput ratio."""
 
-    def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, window: int = 256):
-        self.coef = np.array([c0, c1, c2])
-        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+    def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0, window: int = 256):
+        self.coef = np.array([c0, c1, c2, c3])
+        self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
 
-    def predict(self, num_tokens: int, max_draft_len: int) -> float:
-        return float(self.coef @ np.array([1.0, num_tokens, max_draft_len]))
+    def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0) -> float:
+        return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes]))
 
-    def observe(self, num_tokens: int, max_draft_len: int, seconds: float) -> None:
-        self.samples.append((1.0, float(num_tokens), float(max_draft_len), seconds))
+    def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0) -> None:
+        self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes), seconds))
         if len(self.samples) >= 8 and len(self.samples) % 4 == 0:
             self.fit()
 
     def fit(self) -> None:
         """Non-negative least squares over the regressors that varied (the others keep their value).
 
-        Exact NNLS by enumeration (three coefficients): every subset of the free columns that keeps
+        Exact NNLS by enumeration (four coefficients): every subset of the free columns that keeps
         the intercept is solved, solutions with a negative coefficient are discarded, the smallest
         residual wins and, on a tie, the smaller subset. Clamping an unconstrained solution is wrong
         when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly, and
         a split like c1 = 9 ms, c2 = -8.7 ms clamped to c2 = 0 prices each draft token 30x too high.
         """
         data = np.array(self.samples)
-        x, y = data[:, :3], data[:, 3]
-        free = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
-        fixed = [j for j in range(3) if j not in free]
+        x, y = data[:, :4], data[:, 4]
+        free = [0] + [j for j in (1, 2, 3) if np.ptp(x[:, j]) > 0]
+        fixed = [j for j in range(4) if j not in free]
         target = y - x[:, fixed] @ self.coef[fixed]
         best: tuple[float, int, list[int], np.ndarray] | None = None
         for mask in range(1 << (len(free) - 1)):
@@ -103,13 +107,14 @@ class DraftLengthController:
         self.idle.pop(request_id, None)
         self.depth.pop(request_id, None)
 
-    def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int) -> list[int]:
+    def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
+               swap_bytes: int = 0) -> list[int]:
         """Draft length per request (see the module docstring). caps[i] bounds request i;
         num_other_tokens: prefill tokens and the one token every decoding request computes anyway.
         A request held at k = 0 for `probe_every` steps drafts one token: without it an estimate
         that fell low would never be observed again, and a request whose text turned repetitive
         would never be drafted for."""
-        ks = self._allocate(request_ids, caps, num_other_tokens)
+        ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes)
         for i, r in enumerate(request_ids):
             if ks[i] or min(caps[i], self.k_max) < 1:
                 self.idle[r] = 0
@@ -119,13 +124,14 @@ class DraftLengthController:
                 ks[i], self.idle[r] = 1, 0
         return ks
 
-    def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int) -> list[int]:
+    def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
+                  swap_bytes: int = 0) -> list[int]:
         ks = [0] * len(request_ids)
         probs = [self.probs(r) for r in request_ids]
         chain = [1.0] * len(request_ids)                 # P(all drafts so far accepted)
         value = float(len(request_ids))                  # sum of E_r(0) = 1 each
         tokens, max_k = num_other_tokens, 0
-        best = value / self.cost.predict(tokens, max_k)
+        best = value / self.cost.predict(tokens, max_k, swap_bytes)
         while True:
             gains = [chain[i] * probs[i][ks[i]] if ks[i] < min(caps[i], self.k_max) else -1.0
                      for i in range(len(ks))]
@@ -133,7 +139,7 @@ class DraftLengthController:
             if not gains or gains[i] <= 0:
                 return ks
             new_max = max(max_k, ks[i] + 1)
-            goodput = (value + gains[i]) / self.cost.predict(tokens + 1, new_max)
+            goodput = (value + gains[i]) / self.cost.predict(tokens + 1, new_max, swap_bytes)
             if goodput <= best:
                 return ks
             best, value, tokens, max_k = goodput, value + gains[i], tokens + 1, new_max

@@ -57,6 +57,7 @@ class Scheduler:
         self.reserved: dict[str, int] = {}           # request id -> compressed bytes reserved (running only)
         self.reserved_total = 0
         self._preempted_ids: list[str] = []
+        self.last_swap_h2d = 0                       # full-KV bytes the last step staged (FASER cost)
         self.num_speculative_tokens = num_speculative_tokens
         self.frontier_size = frontier_size
         self.controller = DraftLengthController(num_speculative_tokens) if adaptive and num_speculative_tokens else None
@@ -158,7 +159,8 @@ class Scheduler:
         ids = list(caps)
         other = len(self.running) + sum(min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
                                         for r in self.running if r.request_id not in caps) - len(ids)
-        ks = self.controller.choose(ids, [caps[i] for i in ids], max(other, 0) + len(ids))
+        ks = self.controller.choose(ids, [caps[i] for i in ids], max(other, 0) + len(ids),
+                                    swap_bytes=self.last_swap_h2d)   # the last step's: contexts move slowly
         return dict(zip(ids, ks))
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> int:
@@ -294,12 +296,13 @@ class Scheduler:
         self.stats.kv_usage = self.kv.usage()
         self.stats.draft_cache_reserved_bytes = self.reserved_total
         self.stats.swap_bytes_h2d, self.stats.swap_bytes_d2h = swap_bytes
+        self.last_swap_h2d = swap_bytes[0]
         self.stats.step_time_s = result.step_time_s
         self.stats.num_frontiers = result.num_frontiers
         if self.controller is not None:
             drafted = [s.num_drafted for s in result.sampled.values()]
             self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),
-                                         result.step_time_s)
+                                         result.step_time_s, swap_bytes=swap_bytes[0])
         return outputs
 
     def _count_spec(self, req: Request, num_drafted: int, num_accepted: int) -> None:

@@ -65,7 +65,7 @@ def test_cost_model_recovers_a_linear_step_time():
     for _ in range(64):
         tokens, k = int(rng.integers(1, 200)), int(rng.integers(0, 8))
         model.observe(tokens, k, 0.01 + 0.0005 * tokens + 0.003 * k)
-    assert np.allclose(model.coef, [0.01, 0.0005, 0.003], rtol=1e-3)
+    assert np.allclose(model.coef, [0.01, 0.0005, 0.003, 0.0], rtol=1e-3)
 
 
 def test_collinear_batch_one_samples_do_not_inflate_the_token_price():
@@ -100,3 +100,19 @@ def test_unreached_positions_read_as_the_deepest_observed_one():
         ctl.observe("r", 1, 1)                                    # only ever drafted one, always accepted
     assert ctl.probs("r")[1:].min() > 0.9
     assert ctl.choose(["r"], [8], 1)[0] >= 4
+
+
+def test_swap_bytes_are_priced_and_make_drafts_worth_more():
+    """VeriCache steps also stage the full KV from host memory: the fit recovers its price per byte,
+    and a step that pays a large fixed swap gets longer drafts than one that does not."""
+    model = CostModel()
+    rng = np.random.default_rng(2)
+    for _ in range(96):
+        tokens, k, swap = int(rng.integers(1, 64)), int(rng.integers(0, 8)), int(rng.integers(0, 50_000_000))
+        model.observe(tokens, k, 0.004 + 0.002 * tokens + 1e-9 * swap, swap_bytes=swap)
+    assert np.allclose(model.coef, [0.004, 0.002, 0.0, 1e-9], rtol=1e-3, atol=1e-9)
+    ctl = DraftLengthController(8, cost=model)
+    teach(ctl, "r", 0.6)
+    no_swap = ctl.choose(["r"], [8], 1, swap_bytes=0)[0]
+    heavy = ctl.choose(["r"], [8], 1, swap_bytes=200_000_000)[0]
+    assert heavy > no_swap
