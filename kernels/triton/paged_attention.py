@@ -12,14 +12,21 @@ Same contract as kernels/reference/paged_attention.py.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from specserve.kernels.reference.paged_attention import SHORT_QUERY, PagedAttentionMetadata, chunk_attention
+from specserve.kernels.reference.paged_attention import paged_attention as reference_paged_attention
 from specserve.kernels.triton.splits import combine_splits, plan_splits
 
 BN = 64
+logger = logging.getLogger(__name__)
+UNUSABLE: list[str] = []     # why the kernel cannot run on this machine; once set, the reference serves
 
 
 @triton.jit
@@ -100,7 +107,22 @@ def _short_requests(meta: PagedAttentionMetadata, device) -> tuple | None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as kernels/reference/paged_attention.py."""
+    """Same contract as kernels/reference/paged_attention.py. Head sizes the kernel cannot tile (not a
+    power of two, or under 16) go to the reference; so does every call after the kernel failed to
+    compile or fit on this GPU (logged once): serving slower beats not serving."""
+    head_dim = q.shape[2]
+    if UNUSABLE or head_dim < 16 or head_dim & (head_dim - 1):
+        return reference_paged_attention(q, k_cache, v_cache, meta, scale)
+    try:
+        return _paged_attention(q, k_cache, v_cache, meta, scale)
+    except (CompilationError, OutOfResources) as exc:
+        UNUSABLE.append(f"{type(exc).__name__}: {exc}")
+        logger.error("Triton paged attention unusable here (%s); using the PyTorch reference", UNUSABLE[0])
+        return reference_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)

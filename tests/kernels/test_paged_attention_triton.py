@@ -51,3 +51,48 @@ def test_triton_paged_attention_matches_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_KERNELS="triton", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok paged" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _mixed_batch(head_dim: int):
+    import torch
+
+    from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+    torch.manual_seed(head_dim)
+    k_cache, v_cache = torch.randn(64, 2, head_dim), torch.randn(64, 2, head_dim)
+    q = torch.randn(1 + 3 + 20, 4, head_dim)                       # a decode, verify rows, a prefill chunk
+    tables = [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10, 11]]
+
+    def meta():
+        return PagedAttentionMetadata([0, 1, 4, 24], [9, 13, 20], tables, 4)
+    return q, k_cache, v_cache, meta
+
+
+def test_the_reference_serves_when_the_kernel_cannot(monkeypatch):
+    """A kernel that fails to compile or fit on this GPU, or a head size it cannot tile, must not stop
+    serving: the op falls back to the reference (and remembers a failure)."""
+    from triton.runtime.errors import OutOfResources
+
+    from specserve.kernels import dispatch
+    from specserve.kernels.triton import paged_attention as tpa
+
+    class Failing:
+        calls = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                Failing.calls += 1
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(tpa, "_paged_kernel", Failing())
+    monkeypatch.setattr(tpa, "UNUSABLE", [])
+    ref = dispatch.reference("paged_attention")
+    q, k, v, meta = _mixed_batch(16)
+    assert (tpa.paged_attention(q, k, v, meta(), 0.25) == ref(q, k, v, meta(), 0.25)).all()
+    assert Failing.calls == 1 and tpa.UNUSABLE and "OutOfResources" in tpa.UNUSABLE[0]
+    tpa.paged_attention(q, k, v, meta(), 0.25)                     # remembered: no second attempt
+    assert Failing.calls == 1
+    monkeypatch.setattr(tpa, "UNUSABLE", [])
+    q, k, v, meta = _mixed_batch(48)                               # not a power of two: never launched
+    assert (tpa.paged_attention(q, k, v, meta(), 0.25) == ref(q, k, v, meta(), 0.25)).all()
+    assert Failing.calls == 1 and not tpa.UNUSABLE
