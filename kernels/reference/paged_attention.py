@@ -36,6 +36,13 @@ class PagedAttentionMetadata:
             self._groups = _build_groups(self)
         return self._groups
 
+    def chunk_groups(self) -> list[tuple]:
+        """The long prefill chunks' groups only (for kernels that serve short queries themselves)."""
+        if "chunks" not in self._cache:
+            self._cache["chunks"] = (_build_groups(self, with_short=False) if self._groups is None
+                                     else [g for g in self._groups if g[0] is None])
+        return self._cache["chunks"]
+
 
 def _slots(block_table: list[int], seq_len: int, block_size: int) -> torch.Tensor:
     blocks = torch.tensor(block_table[:-(-seq_len // block_size)], dtype=torch.int64)
@@ -43,7 +50,7 @@ def _slots(block_table: list[int], seq_len: int, block_size: int) -> torch.Tenso
     return slots[:seq_len]
 
 
-def _build_groups(meta: PagedAttentionMetadata) -> list[tuple]:
+def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list[tuple]:
     dev, bs = meta.device, meta.block_size
     groups, short = [], []
     for b, seq_len in enumerate(meta.seq_lens):
@@ -60,7 +67,7 @@ def _build_groups(meta: PagedAttentionMetadata) -> list[tuple]:
             qpos = torch.arange(seq_len - q_len, seq_len, device=dev)
             mask = (torch.arange(seq_len, device=dev)[None, :] <= qpos[:, None])[None, None]
         groups.append((None, slice(q_start, q_end), slots[None], mask))
-    if short:
+    if short and with_short:
         q_max = max(meta.query_start[b + 1] - meta.query_start[b] for b in short)
         l_max = max(meta.seq_lens[b] for b in short)
         rows = torch.zeros(len(short), q_max, dtype=torch.int64)

@@ -4,10 +4,10 @@ The reference gathers each request's keys into a padded tensor per layer (a copy
 every layer) and runs SDPA. Here short-query requests (decodes and verify rows, q_len <= SHORT_QUERY)
 are served by one kernel: one program per (request, head, split of the context) loads the request's
 query rows as one [SHORT_QUERY, D] block, walks the context BN keys at a time (each key's slot looked
-up in the block table, each key read once for all rows: a verify pass of 9 rows costs about what a
-decode costs), masks causally per row, and keeps an online softmax per row; splits are merged exactly
-by `combine_splits`. Long prefill chunks keep
-the reference's SDPA path (one program per query would re-read the context once per query token).
+up in the block table and read once for all the rows, so that a 9-row verify pass should cost about
+what a decode costs: the design's aim, unmeasured on a GPU), masks causally per row, and keeps an
+online softmax per row; splits are merged exactly by `combine_splits`. Long prefill chunks keep the
+reference's SDPA path (one program per query would re-read the context once per query token).
 Same contract as kernels/reference/paged_attention.py.
 """
 from __future__ import annotations
@@ -126,19 +126,17 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
-    for rows, where, slots, mask in meta.groups():
-        if rows is None:                                            # a long prefill chunk
-            out[where] = chunk_attention(q[where], k_cache, v_cache, slots, mask, scale)
+    for _, where, slots, mask in meta.chunk_groups():              # long prefill chunks
+        out[where] = chunk_attention(q[where], k_cache, v_cache, slots, mask, scale)
     short = _short_requests(meta, q.device)
     if short is not None:
         reqs, firsts, qlens, lens, tables, rows, max_ctx = short
         assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
-        # the padded rows' partials land in rows after this request's: sized for them, never read
-        qc = torch.cat([q, q.new_zeros(SHORT_QUERY, num_heads, head_dim)]).contiguous()
+        qc = q.contiguous()                                        # padded query rows are masked out
         num_splits, split = plan_splits(max_ctx, reqs.shape[0] * num_heads, BN)
-        part_out = torch.empty(qc.shape[0], num_heads, num_splits, head_dim, dtype=torch.float32,
+        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)
-        part_lse = torch.empty(qc.shape[0], num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
         _paged_kernel[(reqs.shape[0], num_heads, num_splits)](
             qc, k_cache, v_cache, part_out, part_lse, reqs, firsts, qlens, lens, tables, tables.shape[1],
             num_heads, num_heads // num_kv_heads, split, scale, qc.stride(0), k_cache.stride(0),

@@ -101,7 +101,10 @@ def case_bitmap_attention():
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from specserve.kernels.triton import splits
-    for min_split in (splits.MIN_SPLIT_TOKENS, 64):    # one split at these sizes, then several merged
-        splits.MIN_SPLIT_TOKENS = min_split
+    # attention: one split at these sizes, then several merged (encoders do not split)
+    for min_split in (splits.MIN_SPLIT_TOKENS, 64) if sys.argv[1].endswith("attention") else (0,):
+        splits.MIN_SPLIT_TOKENS = min_split or splits.MIN_SPLIT_TOKENS
         globals()[f"case_{sys.argv[1]}"]()
+    if sys.argv[1].endswith("attention"):                 # the t = 128 cases split in two at 64
+        assert splits.plan_splits(128, 2 * 6, 64)[0] == 2
     print(f"ok {sys.argv[1]}")

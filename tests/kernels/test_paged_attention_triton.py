@@ -22,6 +22,7 @@ cases = [
         (4, 4, 2, 16, [(9, 1), (13, 4), (20, 20), (37, 17), (16, 1), (17, 3)], torch.float32),
         (16, 6, 2, 32, [(300, 1), (150, 9), (64, 1), (65, 2), (1, 1)], torch.float32),
         (16, 3, 3, 64, [(200, 5), (33, 33), (90, 1)], torch.bfloat16)]
+several = False
 for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for m in (1024, 64) for c in cases]:
     splits.MIN_SPLIT_TOKENS = min_split          # one split at these sizes, then several merged
     torch.manual_seed(block_size + dim)
@@ -37,11 +38,13 @@ for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for 
         query_start.append(query_start[-1] + num_q)
     q = torch.randn(query_start[-1], heads + kv_heads, dim).to(dtype)[:, :heads]   # a strided view, as in the model
     lens = [s[0] for s in shapes]
+    several |= splits.plan_splits(max(lens), len(shapes) * heads, 64)[0] > 1
     want = ref(q, k_cache, v_cache, PagedAttentionMetadata(query_start, lens, tables, block_size), dim ** -0.5)
     got = fast(q, k_cache, v_cache, PagedAttentionMetadata(query_start, lens, tables, block_size), dim ** -0.5)
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+assert several                                   # the merge of several splits was exercised
 print("ok paged")
 '''
 
