@@ -18,7 +18,7 @@ from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import LlamaModel
 from specserve.spec_phases.plan import SampledTokens, ScheduledRequest, StepPlan, StepResult
-from specserve.spec_phases.proposers.base import DraftRequest, Proposer, StatelessProposer
+from specserve.spec_phases.proposers.base import DraftRequest, Proposer
 from specserve.spec_phases.sampler import SampleRow, Sampler
 
 
@@ -50,8 +50,8 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         # FASER overlap (off unless the worker turns it on): while later verification frontiers run,
         # a worker thread drafts the next step for the requests the first frontier already decided.
-        # Only for stateless drafters (their drafts depend on the tokens alone, so a precomputed draft
-        # is the draft); `overlap_max_len` is the longest draft any later step may ask for.
+        # Only for drafters whose drafts depend on the tokens alone (`drafts_from_tokens_only`: a
+        # precomputed draft is the draft); `overlap_max_len` is the longest draft a later step may ask.
         self.overlap_drafts = False
         self.overlap_max_len = 0
         self._pool: ThreadPoolExecutor | None = None
@@ -94,7 +94,7 @@ class ModelRunner:
 
     def _draft_ahead(self, decided: list[_Verifying]) -> None:
         """Overlap: next step's drafts of the requests decided by the first frontier, on a thread."""
-        if not (self.overlap_drafts and decided and isinstance(self.proposer, StatelessProposer)):
+        if not (self.overlap_drafts and decided and getattr(self.proposer, "drafts_from_tokens_only", False)):
             return
         asks = [DraftRequest(v.req.request_id, v.req.prompt_token_ids + v.req.output_token_ids + v.tokens,
                              0, []) for v in decided]
@@ -115,12 +115,16 @@ class ModelRunner:
         wanted = [i for i, r in enumerate(reqs) if r.sample and r.num_draft_tokens > 0]
         if self.proposer is None or not wanted:
             return drafts
-        ahead = [i for i in wanted if early.get(reqs[i].request_id, (-1,))[0]
-                 == len(reqs[i].prompt_token_ids) + len(reqs[i].output_token_ids)]
-        for i in ahead:
-            drafts[i] = early[reqs[i].request_id][1][:reqs[i].num_draft_tokens]
-        self.num_drafted_ahead += len(ahead)
-        wanted = [i for i in wanted if i not in set(ahead)]
+        rest = []
+        for i in wanted:
+            r = reqs[i]
+            made_for, draft = early.get(r.request_id, (-1, None))
+            if made_for == len(r.prompt_token_ids) + len(r.output_token_ids):   # drafted ahead for this context
+                drafts[i] = draft[:r.num_draft_tokens]
+                self.num_drafted_ahead += 1
+            else:
+                rest.append(i)
+        wanted = rest
         if not wanted:
             return drafts
         asks = [DraftRequest(reqs[i].request_id, reqs[i].prompt_token_ids + reqs[i].output_token_ids,

@@ -42,7 +42,12 @@ class Proposer(Protocol):
 
 
 class StatelessProposer:
-    """Defaults for drafters that keep no per-request state and learn nothing from the target."""
+    """Defaults for drafters that keep no per-request state (token recycling overrides `observe`).
+
+    `drafts_from_tokens_only`: the drafts are a function of the request's tokens alone (no model, no
+    shared table the target updates), so they may be computed on another thread ahead of time."""
+
+    drafts_from_tokens_only = False
 
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         pass

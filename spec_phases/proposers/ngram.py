@@ -10,6 +10,7 @@ from specserve.spec_phases.proposers.base import DraftRequest, StatelessProposer
 
 class NgramProposer(StatelessProposer):
     name = "ngram"
+    drafts_from_tokens_only = True
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n

@@ -72,3 +72,20 @@ def test_the_flag_reaches_the_runner_and_bad_combinations_are_refused(make_engin
                 '{"method": "layer_skip", "num_speculative_tokens": 3, "frontier_size": 1, "overlap_draft": true}'):
         with pytest.raises(ValueError, match="overlap_draft"):
             SpeculativeConfig.from_json(bad)
+
+
+def test_no_drafting_ahead_for_a_drafter_the_target_teaches(make_engine):
+    """Token recycling's table is updated by every verified row: its drafts are not a function of the
+    tokens alone, so the runner never computes them on the thread, whatever the flag says."""
+    spec = SpeculativeConfig(method="token_recycling", num_speculative_tokens=4, frontier_size=1)
+    core = make_engine(speculative=spec)
+    runner = core.worker.runner
+    runner.overlap_drafts, runner.overlap_max_len = True, 4
+    for i, p in enumerate(prompts()[:4]):
+        core.add_request(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)))
+    frontiers = 0
+    while core.has_unfinished():
+        core.step()
+        frontiers = max(frontiers, core.scheduler.stats.num_frontiers)
+        assert runner._early is None
+    assert frontiers > 1 and runner.num_drafted_ahead == 0        # later frontiers ran, nothing ahead
