@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from speculation import workload  # noqa: E402
+from speculation import NGRAM, noise_like, workload  # noqa: E402
 
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from specserve.scheduler.engine import EngineCore  # noqa: E402
@@ -33,7 +33,6 @@ from specserve.scheduler.messages import EngineRequest  # noqa: E402
 from specserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from specserve.server.tokenizer import load_tokenizer  # noqa: E402
 
-NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 CONFIGS = {
     "off": None,
     "k=2": {**NGRAM, "num_speculative_tokens": 2},
@@ -112,7 +111,7 @@ def main() -> None:
         spec = SpeculativeConfig.from_json(CONFIGS[name])
         core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_seqs=64, device=args.device,
                                        dtype=args.dtype, speculative=spec))
-        serve(core, prompts[:4], [0.0] * 4, 16)                           # warm-up
+        serve(core, noise_like(prompts[:4]), [0.0] * 4, 16)               # warm-up
         for level, rate, num in zip(("low", "medium", "high"), args.rates, args.requests):
             r = serve(core, prompts, bursty_arrivals(num, rate, args.seed), args.max_tokens)
             rows.append({"config": name, "load": level, "rate": rate, "requests": num, **r})

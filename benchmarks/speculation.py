@@ -37,16 +37,14 @@ CODE_EDIT = [CODE + f"\n\n# The same code again, with the variable `subtotal` re
 CHAT = ["What are three tips for staying healthy?", "Explain what a hash table is.",
         "Write a short poem about the sea.", "How do airplanes fly?", "What is the capital of Japan?",
         "Give me a recipe for pancakes.", "Why is the sky blue?", "Summarise the plot of Hamlet."]
+NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 METHODS = {
     "off": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
-                       "prompt_lookup_min": 2, "adaptive": True},
-    "ngram-frontier": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
-                       "prompt_lookup_min": 2, "frontier_size": 2},
-    "ngram-frontier-overlap": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
-                               "prompt_lookup_min": 2, "frontier_size": 2, "overlap_draft": True},
+    "ngram": {**NGRAM, "num_speculative_tokens": 8},
+    "ngram-k4": {**NGRAM, "num_speculative_tokens": 4},
+    "ngram-adaptive": {**NGRAM, "num_speculative_tokens": 8, "adaptive": True},
+    "ngram-frontier": {**NGRAM, "num_speculative_tokens": 8, "frontier_size": 2},
+    "ngram-frontier-overlap": {**NGRAM, "num_speculative_tokens": 8, "frontier_size": 2, "overlap_draft": True},
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 4},
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
 }
@@ -58,6 +56,12 @@ def workload(tokenizer, name: str) -> list[list[int]]:
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                            add_generation_prompt=True) for q in CHAT]
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def noise_like(prompts: list[list[int]]) -> list[list[int]]:
+    """Prompts of the same lengths made of unrelated token ids: a warm-up that teaches drafters with
+    shared state (token recycling's table, the controller's priors) nothing about the workload."""
+    return [[(t * 7919 + i * 104729) % 30000 + 100 for t in range(len(p))] for i, p in enumerate(prompts)]
 
 
 def run(core: EngineCore, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
@@ -97,7 +101,7 @@ def main() -> None:
         for wl in args.workloads:
             prompts = workload(tokenizer, wl)[:args.prompts]
             for batch in args.batch:
-                run(core, prompts[:batch], batch, 16)              # warm-up: these shapes, GPU clocks up
+                run(core, noise_like(prompts[:batch]), batch, 16)  # warm-up: these shapes, GPU clocks up
                 r = run(core, prompts, batch, args.max_tokens)
                 rows.append({"workload": wl, "batch": batch, "method": method, **r})
                 print(json.dumps(rows[-1]), flush=True)

@@ -53,7 +53,7 @@ class CostModel:
         free = [0] + [j for j in (1, 2, 3) if np.ptp(x[:, j]) > 0]
         fixed = [j for j in range(4) if j not in free]
         target = y - x[:, fixed] @ self.coef[fixed]
-        best: tuple[float, int, list[int], np.ndarray] | None = None
+        best: tuple[float, int, list[int], np.ndarray] | None = None   # intercept alone always qualifies
         for mask in range(1 << (len(free) - 1)):
             cols = [0] + [j for b, j in enumerate(free[1:]) if mask >> b & 1]
             coef, *_ = np.linalg.lstsq(x[:, cols], target, rcond=None)
@@ -64,8 +64,7 @@ class CostModel:
             if best is None or key < (best[0], best[1]):
                 best = (key[0], key[1], cols, coef)
         self.coef[[j for j in free if j]] = 0.0
-        if best is not None:
-            self.coef[best[2]] = best[3]
+        self.coef[best[2]] = best[3]
         self.coef[0] = max(self.coef[0], 1e-6)
 
 
