@@ -114,7 +114,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -131,8 +130,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the residual stream; delta: the previous layer's MLP output, not yet added (so the add
-        fuses with this layer's norm). Returns (residual stream, this layer's MLP output)."""
+        """x: the residual stream; delta: the previous layer's MLP output, not yet added (the add is
+        done by this layer's `add_forward`). Returns (residual stream, this layer's MLP output)."""
         num_tokens = x.shape[0]
         x, h = self.input_layernorm.add_forward(x, delta)
         qkv = self.qkv_proj(h)
