@@ -84,14 +84,22 @@ class ChoiceState:
                            stopped_by_string=match.stop is not None)
 
 
-def spec_metrics(states: list[ChoiceState]) -> dict | None:
-    """Summed speculative-decoding counters of a response (openai-api.md §10), or None without any."""
+def _spec_totals(states: list[ChoiceState]) -> tuple[int, int, int] | None:
+    """(verify steps with drafts, draft tokens, accepted tokens) summed over the choices that
+    speculated, or None when none did."""
     specs = [s.spec for s in states if s.spec is not None]
     if not specs:
         return None
-    num_drafts = sum(s.num_drafts for s in specs)
-    num_draft_tokens = sum(s.num_draft_tokens for s in specs)
-    num_accepted = sum(s.num_accepted_tokens for s in specs)
+    return (sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
+            sum(s.num_accepted_tokens for s in specs))
+
+
+def spec_metrics(states: list[ChoiceState]) -> dict | None:
+    """Summed speculative-decoding counters of a response (openai-api.md §10), or None without any."""
+    totals = _spec_totals(states)
+    if totals is None:
+        return None
+    num_drafts, num_draft_tokens, num_accepted = totals
     return {"speculative_decoding": {
         "mean_acceptance_length": (1 + num_accepted / num_drafts) if num_drafts else 1.0,
         "draft_acceptance_rate": (num_accepted / num_draft_tokens) if num_draft_tokens else 0.0,
@@ -99,3 +107,14 @@ def spec_metrics(states: list[ChoiceState]) -> dict | None:
         "num_accepted_draft_tokens": num_accepted,
         "num_draft_tokens": num_draft_tokens,
     }}
+
+
+def speculative_usage(states: list[ChoiceState]) -> dict | None:
+    """The `usage.speculative` extension (protocol.SpeculativeUsage), or None when no choice speculated."""
+    totals = _spec_totals(states)
+    if totals is None:
+        return None
+    drafts, drafted, accepted = totals
+    return {"num_drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_draft_length": drafted / drafts if drafts else 0.0}

@@ -167,20 +167,6 @@ class SpeculativeUsage(BaseModel):
     mean_draft_length: float         # draft_tokens / num_drafts: mean k of a verify step (0 without drafts)
 
 
-def speculative_usage(specs: list) -> dict | None:
-    """The `usage.speculative` object from per-choice cumulative `SpecStats` (None entries: choices
-    without speculation), or None when no choice speculated."""
-    specs = [s for s in specs if s is not None]
-    if not specs:
-        return None
-    drafts = sum(s.num_drafts for s in specs)
-    drafted = sum(s.num_draft_tokens for s in specs)
-    accepted = sum(s.num_accepted_tokens for s in specs)
-    return SpeculativeUsage(num_drafts=drafts, draft_tokens=drafted, accepted_tokens=accepted,
-                            acceptance_rate=accepted / drafted if drafted else 0.0,
-                            mean_draft_length=drafted / drafts if drafts else 0.0).model_dump()
-
-
 class Usage(BaseModel):
     prompt_tokens: int
     total_tokens: int

@@ -19,7 +19,7 @@ from specserve.scheduler.sampling_params import ParamError, SamplingParams
 from specserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_token_text
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, map_engine_exception
-from specserve.server.generation import ChoiceState
+from specserve.server.generation import ChoiceState, speculative_usage
 from specserve.server.middleware import REQUEST_ID_KEY
 from specserve.server.protocol import SamplingFields
 from specserve.server.settings import ServerSettings
@@ -147,11 +147,16 @@ def new_choice(ctx: ServingContext, body: SamplingFields, index: int, prompt_ind
         include_stop_str_in_output=body.include_stop_str_in_output)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+               states: list[ChoiceState] = ()) -> dict:
+    """OpenAI usage; plus `speculative` (specserve's extension) when any of the choices speculated."""
     usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
              "completion_tokens": completion_tokens}
     if cached_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    speculative = speculative_usage(list(states))
+    if speculative is not None:
+        usage["speculative"] = speculative
     return usage
 
 

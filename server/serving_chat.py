@@ -9,7 +9,7 @@ from starlette.responses import Response
 from specserve.scheduler.messages import EngineRequest, TokenLogprob
 from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
-from specserve.server.protocol import ChatCompletionRequest, ChatMessage, speculative_usage
+from specserve.server.protocol import ChatCompletionRequest, ChatMessage
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            context_error, engine_request_id, error_event, logprob_value,
                                            new_choice, request_id_for,
@@ -131,11 +131,7 @@ class ChatJob:
 
     def usage(self) -> dict:
         cached = self.states[0].num_cached_tokens if self.ctx.settings.enable_prompt_tokens_details else None
-        usage = usage_dict(len(self.prompt_ids), sum(len(s.token_ids) for s in self.states), cached)
-        speculative = speculative_usage([s.spec for s in self.states])
-        if speculative is not None:
-            usage["speculative"] = speculative
-        return usage
+        return usage_dict(len(self.prompt_ids), sum(len(s.token_ids) for s in self.states), cached, self.states)
 
     def logprobs(self, token_ids, entries) -> dict | None:
         if not self.body.logprobs:

@@ -9,7 +9,7 @@ from starlette.responses import Response
 from specserve.scheduler.messages import EngineRequest, TokenLogprob
 from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
-from specserve.server.protocol import CompletionRequest, speculative_usage
+from specserve.server.protocol import CompletionRequest
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            check_prompt_ids, context_error, engine_request_id,
                                            error_event, logprob_value, new_choice, request_id_for, sampling_params,
@@ -151,11 +151,7 @@ class CompletionJob:
         cached = None
         if self.ctx.settings.enable_prompt_tokens_details:
             cached = sum(s.num_cached_tokens for s in self.states if s.index % self.body.n == 0)
-        usage = usage_dict(num_prompt, num_completion, cached)
-        speculative = speculative_usage([s.spec for s in self.states])
-        if speculative is not None:
-            usage["speculative"] = speculative
-        return usage
+        return usage_dict(num_prompt, num_completion, cached, self.states)
 
     def prompt_part(self, state: ChoiceState, logprobs: CompletionLogprobs | None):
         """Echoed text and its logprobs, if asked for."""
