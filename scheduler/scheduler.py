@@ -36,7 +36,6 @@ class StepStats:
     num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
     finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
     step_time_s: float = 0.0
-    draft_cache_reserved_bytes: int = 0  # lossy_kv: compressed (device) bytes reserved by running requests
     swap_bytes_h2d: int = 0              # lossy_kv with the full cache in host memory: bytes moved this step
     swap_bytes_d2h: int = 0
 
@@ -294,7 +293,6 @@ class Scheduler:
             outputs.append(self._output(req, new_tokens, logprobs))
         self.stats.num_running, self.stats.num_waiting = len(self.running), len(self.waiting)
         self.stats.kv_usage = self.kv.usage()
-        self.stats.draft_cache_reserved_bytes = self.reserved_total
         self.stats.swap_bytes_h2d, self.stats.swap_bytes_d2h = swap_bytes
         self.last_swap_h2d = swap_bytes[0]
         self.stats.step_time_s = result.step_time_s

@@ -50,13 +50,13 @@ class Worker:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        in_host = speculative is not None and speculative.method == "lossy_kv" and self._full_kv_in_host(speculative)
+        if host_kv_cache_memory_gb is not None and not in_host:           # refused before loading weights
+            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the full cache in "
+                             "host memory; on a CPU host set \"full_kv_in_host\": true in --speculative-config")
         torch.manual_seed(seed)
         self.model = load_model(model, self.dtype, self.device, tiny_seed=tiny_seed)
         cfg = self.config = self.model.config
-        in_host = speculative is not None and speculative.method == "lossy_kv" and self._full_kv_in_host(speculative)
-        if host_kv_cache_memory_gb is not None and not in_host:
-            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the full cache in "
-                             "host memory; on a CPU host set \"full_kv_in_host\": true in --speculative-config")
         full_budget_gb = host_kv_cache_memory_gb if host_kv_cache_memory_gb is not None else kv_cache_memory_gb
         self.num_blocks = num_kv_blocks or num_blocks_for_budget(
             full_budget_gb * 2**30, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)

@@ -55,7 +55,7 @@ def test_cli_frontier_size_flows_into_the_engine():
 
 
 @pytest.mark.parametrize("value", ["-1", "33", '"2"', "2.5", "true", "null"])
-def test_cli_refuses_bad_frontier_sizes_with_a_clear_message(value, capsys):
+def test_cli_refuses_bad_frontier_sizes_with_a_clear_message(value):
     args = build_parser().parse_args(["serve", "tiny-random", "--speculative-config",
                                       f'{{"method": "ngram", "frontier_size": {value}}}'])
     with pytest.raises(SystemExit) as exc:
