@@ -4,7 +4,8 @@ Request b owns queries q[query_start[b]:query_start[b+1]]; they sit at the last 
 its context of seq_len_b tokens, whose keys/values are in the slots named by its block table. Query i
 of request b (absolute position seq_len_b - q_len_b + i) attends to keys 0..that position.
 
-The reference gathers each request's keys into a padded tensor and runs SDPA:
+The reference gathers each request's blocks into a padded tensor (whole blocks, `gather_blocks`) and
+runs SDPA:
 - short queries (decodes and verify rows, q_len <= SHORT_QUERY) are padded together into one batch;
 - each longer prefill chunk runs alone, so padding never multiplies a long chunk's cost.
 Gather indices and masks depend only on the step, so `PagedAttentionMetadata` builds them once and
@@ -31,7 +32,8 @@ class PagedAttentionMetadata:
     _cache: dict = field(default_factory=dict, repr=False)     # per-step tensors other implementations build
 
     def groups(self) -> list[tuple]:
-        """(row_index [B, Q] or None, query slice, key slots [B, L], mask [B, 1, Q, L] or None)."""
+        """(row_index [B, Q] or None, query slice, block ids [B, n], mask [B, 1, Q, n * block_size] or
+        None)."""
         if self._groups is None:
             self._groups = _build_groups(self)
         return self._groups
@@ -44,10 +46,8 @@ class PagedAttentionMetadata:
         return self._cache["chunks"]
 
 
-def _slots(block_table: list[int], seq_len: int, block_size: int) -> torch.Tensor:
-    blocks = torch.tensor(block_table[:-(-seq_len // block_size)], dtype=torch.int64)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
-    return slots[:seq_len]
+def _blocks(block_table: list[int], seq_len: int, block_size: int) -> list[int]:
+    return block_table[:-(-seq_len // block_size)]
 
 
 def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list[tuple]:
@@ -61,37 +61,48 @@ def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list
         if q_len <= SHORT_QUERY:
             short.append(b)
             continue
-        slots = _slots(meta.block_tables[b], seq_len, bs).to(dev)
-        mask = None
+        blocks = torch.tensor(_blocks(meta.block_tables[b], seq_len, bs), dtype=torch.int64, device=dev)
+        mask = None                  # causal from the top left: right for a whole prompt, padding included
         if seq_len != q_len:         # a chunk after earlier context: causal with an offset
             qpos = torch.arange(seq_len - q_len, seq_len, device=dev)
-            mask = (torch.arange(seq_len, device=dev)[None, :] <= qpos[:, None])[None, None]
-        groups.append((None, slice(q_start, q_end), slots[None], mask))
+            mask = (torch.arange(blocks.numel() * bs, device=dev)[None, :] <= qpos[:, None])[None, None]
+        groups.append((None, slice(q_start, q_end), blocks[None], mask))
     if short and with_short:
         q_max = max(meta.query_start[b + 1] - meta.query_start[b] for b in short)
-        l_max = max(meta.seq_lens[b] for b in short)
+        n_max = max(-(-meta.seq_lens[b] // bs) for b in short)
         rows = torch.zeros(len(short), q_max, dtype=torch.int64)
-        slots = torch.zeros(len(short), l_max, dtype=torch.int64)
-        mask = torch.zeros(len(short), 1, q_max, l_max, dtype=torch.bool)
+        blocks = torch.zeros(len(short), n_max, dtype=torch.int64)        # padding: block 0, masked
+        mask = torch.zeros(len(short), 1, q_max, n_max * bs, dtype=torch.bool)
         for j, b in enumerate(short):
             q_start, seq_len = meta.query_start[b], meta.seq_lens[b]
             q_len = meta.query_start[b + 1] - q_start
             rows[j, :q_len] = torch.arange(q_start, q_start + q_len)
             rows[j, q_len:] = q_start + q_len - 1               # padding rows repeat the last query
-            slots[j, :seq_len] = _slots(meta.block_tables[b], seq_len, bs)
+            table = _blocks(meta.block_tables[b], seq_len, bs)
+            blocks[j, :len(table)] = torch.tensor(table, dtype=torch.int64)
             qpos = torch.arange(seq_len - q_len, seq_len)
             qpos = torch.cat([qpos, qpos[-1:].expand(q_max - q_len)])
-            mask[j, 0] = torch.arange(l_max)[None, :] <= qpos[:, None]
-        groups.append((rows.to(dev), short, slots.to(dev), mask.to(dev)))
+            mask[j, 0] = torch.arange(n_max * bs)[None, :] <= qpos[:, None]
+        groups.append((rows.to(dev), short, blocks.to(dev), mask.to(dev)))
     return groups
 
 
-def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One request's prefill chunk q [Q, num_heads, D] over its context's slots [1, L] (causal; `mask`
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [num_slots, num_kv_heads, D], blocks [B, n] -> [B, num_kv_heads, n * block_size, D] (a strided
+    view of one copy). Whole blocks are copied with index_select: several times faster on CPU than
+    indexing slot by slot."""
+    num_slots, num_kv_heads, head_dim = cache.shape
+    flat = cache.view(num_slots // block_size, block_size * num_kv_heads * head_dim)
+    out = flat.index_select(0, blocks.flatten())
+    return out.view(blocks.shape[0], blocks.shape[1] * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                    mask: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
+    """One request's prefill chunk q [Q, num_heads, D] over its context's blocks [1, n] (causal; `mask`
     when the chunk follows earlier context). -> [Q, num_heads, D]."""
-    k = k_cache[slots].transpose(1, 2)                          # [1, num_kv_heads, L, head_dim]
-    v = v_cache[slots].transpose(1, 2)
+    k = gather_blocks(k_cache, blocks, block_size)              # [1, num_kv_heads, n * block_size, D]
+    v = gather_blocks(v_cache, blocks, block_size)
     qb = q.transpose(0, 1)[None]                                # [1, num_heads, Q, head_dim]
     o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                        is_causal=mask is None, scale=scale, enable_gqa=True)
@@ -103,15 +114,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (one
     layer). Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
-    for rows, where, slots, mask in meta.groups():
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    bs = meta.block_size
+    for rows, where, blocks, mask in meta.groups():
         if rows is None:                                        # one prefill chunk
-            out[where] = chunk_attention(q[where], k_cache, v_cache, slots, mask, scale)
-        else:                                                   # padded short queries
-            k = k_cache[slots].transpose(1, 2)                  # [B, num_kv_heads, L, head_dim]
-            v = v_cache[slots].transpose(1, 2)
-            qb = q[rows].transpose(1, 2)                        # [B, num_heads, Q, head_dim]
-            o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                               scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2)                               # [B, Q, num_heads, head_dim]
-            out[rows.flatten()] = o.reshape(-1, *o.shape[2:])   # padding rows rewrite their last row
+            out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, bs)
+            continue
+        # padded short queries; query head h reads kv head h // group, so a kv head's group x Q query
+        # rows go in as one [group * Q] block (no K/V repeat for GQA)
+        num_reqs, q_max = rows.shape
+        k = gather_blocks(k_cache, blocks, bs).to(q.dtype)     # [B, num_kv_heads, L, head_dim]
+        v = gather_blocks(v_cache, blocks, bs).to(q.dtype)
+        qg = q[rows].view(num_reqs, q_max, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(num_reqs, num_kv_heads, group * q_max, head_dim)
+        key = ("grouped_mask", group)
+        if key not in meta._cache:
+            meta._cache[key] = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(
+                num_reqs, 1, group * q_max, mask.shape[-1])
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta._cache[key], scale=scale)
+        o = o.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
+        out[rows.flatten()] = o.reshape(num_reqs * q_max, num_heads, head_dim)  # padding rows rewrite their last row
     return out

@@ -126,8 +126,8 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
-    for _, where, slots, mask in meta.chunk_groups():              # long prefill chunks
-        out[where] = chunk_attention(q[where], k_cache, v_cache, slots, mask, scale)
+    for _, where, blocks, mask in meta.chunk_groups():             # long prefill chunks
+        out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, meta.block_size)
     short = _short_requests(meta, q.device)
     if short is not None:
         reqs, firsts, qlens, lens, tables, rows, max_ctx = short
