@@ -30,6 +30,7 @@ from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
 from specserve.scheduler.sampling_params import SamplingParams
 from specserve.server.tokenizer import load_tokenizer
+from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.proposers.lossy_kv import _DenseCache, build_compressor
 
 SETTINGS = {"window": {"window": 192}, "quant": {"key_bits": 4, "value_bits": 4},
@@ -43,8 +44,9 @@ def prompts_of(tok, num: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(num)]
 
 
-def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtype: str = "auto") -> dict:
-    core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_batched_tokens=4096, num_threads=threads,
+def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtype: str = "auto",
+        kv_gb: float = 1.0) -> dict:
+    core = EngineCore(EngineConfig(kv_cache_memory_gb=kv_gb, max_num_batched_tokens=4096, num_threads=threads,
                                    device=device, dtype=dtype, speculative=spec))
     for i, ids in enumerate(prompts):
         core.add_request(EngineRequest(f"b{i}", ids, SamplingParams(max_tokens=new_tokens, temperature=0,
@@ -132,12 +134,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=0.0,
+                    help="the engine's paged cache (0: sized for every request's context + new tokens + k)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     tok = load_tokenizer(None)
     report = {"args": vars(args)}
     prompts = prompts_of(tok, args.concurrency, args.context)
-    plain = run(prompts, args.new_tokens, None, args.threads, args.device, args.dtype)
+    per_token = load_model(None).config.kv_bytes_per_token(torch.float32)        # the widest cache dtype
+    kv_gb = args.kv_cache_memory_gb or max(
+        1.0, 1.25 * args.concurrency * (args.context + args.new_tokens + args.k + 1) * per_token / 2**30)
+    plain = run(prompts, args.new_tokens, None, args.threads, args.device, args.dtype, kv_gb)
     report["plain"] = {k: v for k, v in plain.items() if k not in ("outputs", "core")}
     print("plain", json.dumps(report["plain"]), flush=True)
     cap_ids = prompts_of(tok, 1, args.capacity_context)[0]
@@ -149,7 +156,7 @@ def main() -> None:
     for name in args.compressors.split(","):
         spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k, kv_compressor=name,
                                  kv_compressor_config=SETTINGS[name])
-        r = run(prompts, args.new_tokens, spec, args.threads, args.device, args.dtype)
+        r = run(prompts, args.new_tokens, spec, args.threads, args.device, args.dtype, kv_gb)
         row = {k: v for k, v in r.items() if k not in ("outputs", "core")}
         row["identical"] = r["outputs"] == plain["outputs"]
         row["speedup"] = row["tokens_per_s"] / report["plain"]["tokens_per_s"]
