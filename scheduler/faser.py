@@ -8,8 +8,9 @@
     cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap   fitted online (non-negative
                 least squares) on measured steps (c2: sequential draft passes, ~0 for n-gram and
                 token recycling; c3: VeriCache's host -> device bytes, predicted from the last step)
-    allocation  start every k_r at 0; repeatedly give one more draft to the request whose next draft
-                has the highest acceptance probability, keeping it only while sum_r E_r / T rises.
+    allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
+                marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the best
+                depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the batch).
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays live.
 Under load c1 * tokens dominates, every extra draft lowers goodput and k falls to 0 by itself: no
 batch-size threshold, so no cliff.
@@ -125,22 +126,33 @@ class DraftLengthController:
 
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
                   swap_bytes: int = 0) -> list[int]:
-        ks = [0] * len(request_ids)
-        probs = [self.probs(r) for r in request_ids]
-        chain = [1.0] * len(request_ids)                 # P(all drafts so far accepted)
-        value = float(len(request_ids))                  # sum of E_r(0) = 1 each
-        tokens, max_k = num_other_tokens, 0
-        best = value / self.cost.predict(tokens, max_k, swap_bytes)
-        while True:
-            gains = [chain[i] * probs[i][ks[i]] if ks[i] < min(caps[i], self.k_max) else -1.0
-                     for i in range(len(ks))]
-            i = int(np.argmax(gains)) if gains else 0
-            if not gains or gains[i] <= 0:
-                return ks
-            new_max = max(max_k, ks[i] + 1)
-            goodput = (value + gains[i]) / self.cost.predict(tokens + 1, new_max, swap_bytes)
-            if goodput <= best:
-                return ks
-            best, value, tokens, max_k = goodput, value + gains[i], tokens + 1, new_max
-            chain[i] = gains[i]
-            ks[i] += 1
+        """For each depth d (the batch's longest draft: what the c2 term prices), give drafts in order of
+        marginal value, P(all drafts up to it accepted), each request at most d, while goodput rises;
+        keep the best depth. With the depth fixed the marginal values only fall and the goodput bar only
+        rises, so stopping at the first loss is exact for that depth. One greedy pass over all depths
+        at once would be myopic for a drafter with a real per-pass cost (c2 > 0: lossy_kv, layer_skip):
+        the first draft of the batch pays c2 alone and looks like a loss, while k = 1 for every request
+        shares it."""
+        n = len(request_ids)
+        limits = [min(c, self.k_max) for c in caps]
+        drafts = []                                    # (marginal value, position, request)
+        for i, r in enumerate(request_ids):
+            chain = np.cumprod(self.probs(r)[:limits[i]])
+            drafts += [(float(g), j, i) for j, g in enumerate(chain) if g > 0]
+        drafts.sort(key=lambda d: (-d[0], d[1], d[2]))  # a request's drafts stay in position order
+        best_ks = [0] * n
+        best = n / self.cost.predict(num_other_tokens, 0, swap_bytes)
+        for depth in range(1, max(limits, default=0) + 1):
+            ks, value, tokens = [0] * n, float(n), num_other_tokens
+            goodput = value / self.cost.predict(tokens, depth, swap_bytes)
+            for gain, j, i in drafts:
+                if j >= depth:
+                    continue
+                new = (value + gain) / self.cost.predict(tokens + 1, depth, swap_bytes)
+                if new <= goodput:
+                    break
+                goodput, value, tokens = new, value + gain, tokens + 1
+                ks[i] += 1
+            if max(ks) == depth and goodput > best:
+                best, best_ks = goodput, ks
+        return best_ks

@@ -116,3 +116,31 @@ def test_swap_bytes_are_priced_and_make_drafts_worth_more():
     no_swap = ctl.choose(["r"], [8], 1, swap_bytes=0)[0]
     heavy = ctl.choose(["r"], [8], 1, swap_bytes=200_000_000)[0]
     assert heavy > no_swap
+
+
+def test_a_draft_pass_cost_is_shared_across_the_batch():
+    """A drafter whose every draft position costs a forward (c2): the batch's first draft alone does
+    not pay for that pass, but one draft for every request does; a one-at-a-time greedy would stop at
+    k = 0 for all. Brute force over uniform k confirms the controller's choice beats k = 0."""
+    ctl = controller(c0=0.3, c1=0.003, c2=0.05)        # a long-context step, a cheap draft pass
+    ids = [f"r{i}" for i in range(8)]
+    for i, r in enumerate(ids):
+        teach(ctl, r, 0.8, seed=i)
+    ks = ctl.choose(ids, [8] * 8, num_other_tokens=8)
+    assert min(ks) >= 1
+
+    def goodput(k):                                      # the controller's own value and cost
+        value = sum(1 + np.cumprod(ctl.probs(r)[:k]).sum() for r in ids)
+        return value / ctl.cost.predict(8 + k * len(ids), k)
+    assert goodput(1) > goodput(0)
+    chosen = sum(1 + np.cumprod(ctl.probs(r)[:k]).sum() for r, k in zip(ids, ks)) / \
+        ctl.cost.predict(8 + sum(ks), max(ks))
+    assert chosen >= max(goodput(k) for k in range(9)) - 1e-9
+
+
+def test_a_dear_draft_pass_still_gives_zero_to_bad_acceptors():
+    ctl = controller(c0=0.3, c1=0.003, c2=0.05)        # a long-context step, a cheap draft pass
+    teach(ctl, "good", 0.95, seed=1)
+    teach(ctl, "bad", 0.05, seed=2)
+    k_good, k_bad = ctl.choose(["good", "bad"], [8, 8], num_other_tokens=2)
+    assert k_good >= 2 and k_bad == 0
