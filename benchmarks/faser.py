@@ -4,7 +4,7 @@ A mixed workload (code-edit prompts that n-gram drafting predicts well, chat pro
 arrives in bursts at a low, a medium and a high rate. Each configuration serves the same arrivals on
 the embedded model:
     off            speculation off
-    k=2, k=4, k=8  n-gram drafting with a fixed draft length
+    k=2, k=4, k=8  drafting (`--drafter`: n-gram, or lossy_kv on a small window) with a fixed draft length
     faser          the goodput controller picks k per request each step (k_max 8)
     faser+prune    the controller plus verification in frontiers of 2 positions (early pruning)
 Reported per rate: output tokens/s (tokens / makespan), inter-token latency as a streaming client sees
@@ -13,6 +13,7 @@ time per output token per request (TPOT, vLLM's definition) p50/p99, and the rat
 for: faser vs spec off and vs the best fixed k.
 
     python benchmarks/faser.py --rates 0.1 0.4 2 --requests 8 16 32 --max-tokens 48 --json out.json
+    python benchmarks/faser.py --drafter lossy_kv ...      # a drafter whose every draft token costs a forward
 """
 from __future__ import annotations
 
@@ -33,13 +34,21 @@ from specserve.scheduler.messages import EngineRequest  # noqa: E402
 from specserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from specserve.server.tokenizer import load_tokenizer  # noqa: E402
 
+# drafters: n-gram (drafts cost nothing, so a long fixed k is cheap) and VeriCache's lossy_kv (the target
+# model on a 32-token window + 4 sinks: every draft position costs a forward, and requests whose next
+# tokens depend on text outside the window accept badly)
+DRAFTERS = {
+    "ngram": NGRAM,
+    "lossy_kv": {"method": "lossy_kv", "kv_compressor": "window",
+                 "kv_compressor_config": {"window": 32, "num_sink": 4}},
+}
 CONFIGS = {
     "off": None,
-    "k=2": {**NGRAM, "num_speculative_tokens": 2},
-    "k=4": {**NGRAM, "num_speculative_tokens": 4},
-    "k=8": {**NGRAM, "num_speculative_tokens": 8},
-    "faser": {**NGRAM, "num_speculative_tokens": 8, "adaptive": True},
-    "faser+prune": {**NGRAM, "num_speculative_tokens": 8, "adaptive": True, "frontier_size": 2},
+    "k=2": {"num_speculative_tokens": 2},
+    "k=4": {"num_speculative_tokens": 4},
+    "k=8": {"num_speculative_tokens": 8},
+    "faser": {"num_speculative_tokens": 8, "adaptive": True},
+    "faser+prune": {"num_speculative_tokens": 8, "adaptive": True, "frontier_size": 2},
 }
 
 
@@ -98,6 +107,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, nargs=3, default=[8, 16, 32], help="requests at each rate")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--drafter", default="ngram", choices=list(DRAFTERS))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
@@ -108,13 +118,15 @@ def main() -> None:
     prompts = [p for pair in zip(code, chat) for p in pair]            # alternate good and bad acceptors
     rows = []
     for name in args.configs:
-        spec = SpeculativeConfig.from_json(CONFIGS[name])
+        spec = None if CONFIGS[name] is None else SpeculativeConfig.from_json(
+            {**DRAFTERS[args.drafter], **CONFIGS[name]})
         core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_seqs=64, device=args.device,
                                        dtype=args.dtype, speculative=spec))
         serve(core, noise_like(prompts[:4]), [0.0] * 4, 16)               # warm-up
         for level, rate, num in zip(("low", "medium", "high"), args.rates, args.requests):
             r = serve(core, prompts, bursty_arrivals(num, rate, args.seed), args.max_tokens)
-            rows.append({"config": name, "load": level, "rate": rate, "requests": num, **r})
+            rows.append({"config": name, "drafter": args.drafter, "load": level, "rate": rate, "requests": num,
+                         **r})
             print(json.dumps(rows[-1]), flush=True)
         del core
     print("\n| load | config | tok/s | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms | acceptance |")
