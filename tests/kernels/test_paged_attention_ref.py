@@ -22,8 +22,9 @@ def test_mixed_batch_matches_dense_attention_per_request():
     k_cache = torch.randn(num_blocks * block_size, num_kv, dim)
     v_cache = torch.randn(num_blocks * block_size, num_kv, dim)
     # (context length, new queries): a decode, verify rows, a first prefill chunk, a later chunk,
-    # a length on a block boundary and one just past it
-    shapes = [(9, 1), (13, 4), (20, 20), (37, 17), (16, 1), (17, 3)]
+    # a length on a block boundary and one just past it, a whole prompt ending mid-block (its last block's
+    # unused slots are gathered too and must stay invisible)
+    shapes = [(9, 1), (13, 4), (20, 20), (37, 17), (16, 1), (17, 3), (22, 22)]
     perm = torch.randperm(num_blocks).tolist()
     tables, query_start, q_parts, used = [], [0], [], 0
     for length, num_q in shapes:
