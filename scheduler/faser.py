@@ -5,13 +5,18 @@
                 a observes positions 0..min(a, k-1): accepted for i < a, rejected at i = a. Positions
                 it never reached read as its deepest observed one (optimism that explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
-    cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap   fitted online (non-negative
-                least squares) on measured steps (c2: sequential draft passes, ~0 for n-gram and
-                token recycling; c3: VeriCache's host -> device bytes, predicted from the last step)
+    cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap + c4 * drafts   fitted online
+                (non-negative least squares) on measured steps (tokens: every row the step computes,
+                drafts included; c2: sequential draft passes and c4: a draft row in them, both ~0 for
+                n-gram and token recycling; c3: VeriCache's host -> device bytes, predicted from the
+                last step)
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
                 marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the best
                 depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the batch).
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays live.
+                Probes ride on a draft pass the step runs anyway; when none runs, the due probe takes
+                every request idle for half as long along (for a drafter whose pass costs a forward,
+                staggered probes would add a pass to nearly every step).
 Under load c1 * tokens dominates, every extra draft lowers goodput and k falls to 0 by itself: no
 batch-size threshold, so no cliff.
 """
@@ -23,36 +28,45 @@ import numpy as np
 
 
 class CostModel:
-    """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len + c3 * swap_bytes, refitted from recent
-    steps. swap_bytes: full-KV bytes staged host -> device for verification (VeriCache); 0 elsewhere.
-    A step's swap does not depend on its draft lengths, but it raises the price of the step they
-    share, which makes drafts worth more: the controller sees it through the goodput ratio."""
+    """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len + c3 * swap_bytes + c4 * draft_tokens,
+    refitted from recent steps. num_tokens counts every row the step computes, its drafts' verify rows
+    included; draft_tokens counts the drafts alone. With one token count only, a draft of a drafter
+    that runs the model (lossy_kv, layer_skip: a row in each draft pass besides its verify row) was
+    priced like a plain decode row, the average the fit sees, and drafting looked cheaper than it is
+    exactly when many requests decode. swap_bytes: full-KV bytes staged host -> device for
+    verification (VeriCache); 0 elsewhere. A step's swap does not depend on its draft lengths, but it
+    raises the price of the step they share, which makes drafts worth more: the controller sees it
+    through the goodput ratio."""
 
-    def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0, window: int = 256):
-        self.coef = np.array([c0, c1, c2, c3])
+    def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0, c4: float = 0.0,
+                 window: int = 256):
+        self.coef = np.array([c0, c1, c2, c3, c4])
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
 
-    def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0) -> float:
-        return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes]))
+    def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0, draft_tokens: int = 0) -> float:
+        return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes, draft_tokens]))
 
-    def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0) -> None:
-        self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes), seconds))
+    def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
+                draft_tokens: int = 0) -> None:
+        self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes), float(draft_tokens),
+                             seconds))
         if len(self.samples) >= 8 and len(self.samples) % 4 == 0:
             self.fit()
 
     def fit(self) -> None:
         """Non-negative least squares over the regressors that varied (the others keep their value).
 
-        Exact NNLS by enumeration (four coefficients): every subset of the free columns that keeps
+        Exact NNLS by enumeration (five coefficients): every subset of the free columns that keeps
         the intercept is solved, solutions with a negative coefficient are discarded, the smallest
         residual wins and, on a tie, the smaller subset. Clamping an unconstrained solution is wrong
         when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly, and
         a split like c1 = 9 ms, c2 = -8.7 ms clamped to c2 = 0 prices each draft token 30x too high.
         """
         data = np.array(self.samples)
-        x, y = data[:, :4], data[:, 4]
-        free = [0] + [j for j in (1, 2, 3) if np.ptp(x[:, j]) > 0]
-        fixed = [j for j in range(4) if j not in free]
+        n = len(self.coef)
+        x, y = data[:, :n], data[:, n]
+        free = [0] + [j for j in range(1, n) if np.ptp(x[:, j]) > 0]
+        fixed = [j for j in range(n) if j not in free]
         target = y - x[:, fixed] @ self.coef[fixed]
         best: tuple[float, int, list[int], np.ndarray] | None = None   # intercept alone always qualifies
         for mask in range(1 << (len(free) - 1)):
@@ -113,15 +127,22 @@ class DraftLengthController:
         num_other_tokens: prefill tokens and the one token every decoding request computes anyway.
         A request held at k = 0 for `probe_every` steps drafts one token: without it an estimate
         that fell low would never be observed again, and a request whose text turned repetitive
-        would never be drafted for."""
+        would never be drafted for. Probes are grouped into as few draft passes as possible: a step
+        that drafts anyway probes every due request; otherwise the first due request brings along
+        every request idle for at least half the interval, so the batch's probes fall into step."""
         ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes)
+        idle = []
         for i, r in enumerate(request_ids):
             if ks[i] or min(caps[i], self.k_max) < 1:
                 self.idle[r] = 0
-                continue
-            self.idle[r] = self.idle.get(r, 0) + 1
-            if self.idle[r] >= self.probe_every:
-                ks[i], self.idle[r] = 1, 0
+            else:
+                self.idle[r] = self.idle.get(r, 0) + 1
+                idle.append(i)
+        due = [i for i in idle if self.idle[request_ids[i]] >= self.probe_every]
+        if due and not any(ks):
+            due = [i for i in idle if 2 * self.idle[request_ids[i]] >= self.probe_every]
+        for i in due:
+            ks[i], self.idle[request_ids[i]] = 1, 0
         return ks
 
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
@@ -132,27 +153,29 @@ class DraftLengthController:
         rises, so stopping at the first loss is exact for that depth. One greedy pass over all depths
         at once would be myopic for a drafter with a real per-pass cost (c2 > 0: lossy_kv, layer_skip):
         the first draft of the batch pays c2 alone and looks like a loss, while k = 1 for every request
-        shares it."""
+        shares it. Vectorised (numpy over all candidate drafts): it runs on every step's critical path."""
         n = len(request_ids)
-        limits = [min(c, self.k_max) for c in caps]
-        drafts = []                                    # (marginal value, position, request)
-        for i, r in enumerate(request_ids):
-            chain = np.cumprod(self.probs(r)[:limits[i]])
-            drafts += [(float(g), j, i) for j, g in enumerate(chain) if g > 0]
-        drafts.sort(key=lambda d: (-d[0], d[1], d[2]))  # a request's drafts stay in position order
-        best_ks = [0] * n
-        best = n / self.cost.predict(num_other_tokens, 0, swap_bytes)
-        for depth in range(1, max(limits, default=0) + 1):
-            ks, value, tokens = [0] * n, float(n), num_other_tokens
-            goodput = value / self.cost.predict(tokens, depth, swap_bytes)
-            for gain, j, i in drafts:
-                if j >= depth:
-                    continue
-                new = (value + gain) / self.cost.predict(tokens + 1, depth, swap_bytes)
-                if new <= goodput:
-                    break
-                goodput, value, tokens = new, value + gain, tokens + 1
-                ks[i] += 1
-            if max(ks) == depth and goodput > best:
-                best, best_ks = goodput, ks
-        return best_ks
+        limits = np.minimum(np.asarray(caps, dtype=np.int64), self.k_max)
+        chain = np.cumprod(np.stack([self.probs(r) for r in request_ids]), axis=1)   # [n, k_max]
+        valid = (np.arange(self.k_max)[None, :] < limits[:, None]) & (chain > 0)
+        req, pos = np.nonzero(valid)
+        gain = chain[req, pos]
+        order = np.lexsort((req, pos, -gain))          # by value; a request's drafts stay in position order
+        req, pos, gain = req[order], pos[order], gain[order]
+        c0, c1, c2, c3, c4 = self.cost.coef
+        base = c0 + c1 * num_other_tokens + c3 * swap_bytes       # the step without drafts
+        best, best_ks = n / base, np.zeros(n, dtype=np.int64)
+        for depth in range(1, int(limits.max(initial=0)) + 1):
+            take = pos < depth
+            g = gain[take]
+            if not len(g):
+                continue
+            goodput = np.empty(len(g) + 1)
+            goodput[0] = n / (base + c2 * depth)
+            goodput[1:] = (n + np.cumsum(g)) / (base + c2 * depth + (c1 + c4) * np.arange(1, len(g) + 1))
+            rises = goodput[1:] > goodput[:-1]
+            m = len(g) if rises.all() else int(np.argmin(rises))   # the greedy stops at the first loss
+            ks = np.bincount(req[take][:m], minlength=n)
+            if m and ks.max() == depth and goodput[m] > best:
+                best, best_ks = goodput[m], ks
+        return best_ks.tolist()

@@ -65,7 +65,7 @@ def test_cost_model_recovers_a_linear_step_time():
     for _ in range(64):
         tokens, k = int(rng.integers(1, 200)), int(rng.integers(0, 8))
         model.observe(tokens, k, 0.01 + 0.0005 * tokens + 0.003 * k)
-    assert np.allclose(model.coef, [0.01, 0.0005, 0.003, 0.0], rtol=1e-3)
+    assert np.allclose(model.coef, [0.01, 0.0005, 0.003, 0.0, 0.0], rtol=1e-3)
 
 
 def test_collinear_batch_one_samples_do_not_inflate_the_token_price():
@@ -110,7 +110,7 @@ def test_swap_bytes_are_priced_and_make_drafts_worth_more():
     for _ in range(96):
         tokens, k, swap = int(rng.integers(1, 64)), int(rng.integers(0, 8)), int(rng.integers(0, 50_000_000))
         model.observe(tokens, k, 0.004 + 0.002 * tokens + 1e-9 * swap, swap_bytes=swap)
-    assert np.allclose(model.coef, [0.004, 0.002, 0.0, 1e-9], rtol=1e-3, atol=1e-9)
+    assert np.allclose(model.coef, [0.004, 0.002, 0.0, 1e-9, 0.0], rtol=1e-3, atol=1e-9)
     ctl = DraftLengthController(8, cost=model)
     teach(ctl, "r", 0.6)
     no_swap = ctl.choose(["r"], [8], 1, swap_bytes=0)[0]
@@ -144,3 +144,52 @@ def test_a_dear_draft_pass_still_gives_zero_to_bad_acceptors():
     teach(ctl, "bad", 0.05, seed=2)
     k_good, k_bad = ctl.choose(["good", "bad"], [8, 8], num_other_tokens=2)
     assert k_good >= 2 and k_bad == 0
+
+
+def test_a_draft_row_of_a_model_drafter_is_priced_apart_from_a_plain_row():
+    """lossy_kv / layer_skip: each draft is a row in a draft pass besides its verify row. Steps where
+    many requests decode and few draft must not teach the controller that a draft costs a plain row:
+    the fit recovers the draft row's own price, and a batch that accepts 80% at a plain row's price
+    but not at the true one gets k = 0."""
+    model = CostModel()
+    rng = np.random.default_rng(3)
+    for _ in range(96):
+        batch = int(rng.integers(1, 32))
+        ks = rng.integers(0, 5, size=batch) * (rng.random(batch) < 0.3)
+        drafts = int(ks.sum())
+        model.observe(batch + drafts, int(ks.max()), 0.02 + 0.001 * (batch + drafts) + 0.004 * drafts,
+                      draft_tokens=drafts)
+    assert np.allclose(model.coef, [0.02, 0.001, 0.0, 0.0, 0.004], rtol=1e-3, atol=1e-9)
+    ids = [f"r{i}" for i in range(24)]
+    ctl = DraftLengthController(8, cost=model)
+    for i, r in enumerate(ids):
+        teach(ctl, r, 0.8, seed=i)
+    assert ctl.choose(ids, [8] * 24, num_other_tokens=24) == [0] * 24
+    plain_row = DraftLengthController(8, cost=CostModel(0.02, 0.001))
+    for i, r in enumerate(ids):
+        teach(plain_row, r, 0.8, seed=i)
+    assert sum(plain_row.choose(ids, [8] * 24, num_other_tokens=24)) > 0     # what the old fit would do
+
+
+def test_probes_share_draft_passes():
+    """Requests held at k = 0 arrive one per step (staggered idle counters). A drafter whose pass costs
+    a forward would pay one on nearly every step for staggered probes; grouped, the probes fall into
+    step: one pass per probe interval, and every request is still probed at least that often."""
+    ctl = controller(c0=0.1, c1=0.004, c2=0.08)
+    ids = [f"r{i}" for i in range(8)]
+    for r in ids:
+        teach(ctl, r, 0.0)
+    passes, probes, last = 0, {r: [] for r in ids}, 0
+    for step in range(80):
+        live = ids[:min(step + 1, len(ids))]
+        ks = ctl.choose(live, [8] * len(live), len(live))
+        passes += max(ks) > 0
+        for r, k in zip(live, ks):
+            assert k <= 1
+            if k:
+                probes[r].append(step)
+        last = step
+    assert passes <= last // ctl.probe_every + 3
+    for r in ids:
+        gaps = np.diff([int(r[1:])] + probes[r])
+        assert len(probes[r]) >= 8 and gaps.max() <= ctl.probe_every
