@@ -16,7 +16,8 @@
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays live.
                 Probes ride on a draft pass the step runs anyway; when none runs, the due probe takes
                 every request idle for half as long along (for a drafter whose pass costs a forward,
-                staggered probes would add a pass to nearly every step).
+                staggered probes would add a pass to nearly every step). No probe where drafting
+                could not pay even if every draft were accepted (the cost model says so).
 Under load c1 * tokens dominates, every extra draft lowers goodput and k falls to 0 by itself: no
 batch-size threshold, so no cliff.
 """
@@ -141,12 +142,17 @@ class DraftLengthController:
         due = [i for i in idle if self.idle[request_ids[i]] >= self.probe_every]
         if due and not any(ks):
             due = [i for i in idle if 2 * self.idle[request_ids[i]] >= self.probe_every]
+        if due:                       # a probe that could not pay even if every draft were accepted is moot
+            certain = np.stack([self.probs(r) for r in request_ids])
+            certain[due] = 1.0
+            hopeful = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, certain)
+            due = [i for i in due if hopeful[i] > 0]
         for i in due:
             ks[i], self.idle[request_ids[i]] = 1, 0
         return ks
 
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
-                  swap_bytes: int = 0) -> list[int]:
+                  swap_bytes: int = 0, probs: np.ndarray | None = None) -> list[int]:
         """For each depth d (the batch's longest draft: what the c2 term prices), give drafts in order of
         marginal value, P(all drafts up to it accepted), each request at most d, while goodput rises;
         keep the best depth. With the depth fixed the marginal values only fall and the goodput bar only
@@ -156,7 +162,9 @@ class DraftLengthController:
         shares it. Vectorised (numpy over all candidate drafts): it runs on every step's critical path."""
         n = len(request_ids)
         limits = np.minimum(np.asarray(caps, dtype=np.int64), self.k_max)
-        chain = np.cumprod(np.stack([self.probs(r) for r in request_ids]), axis=1)   # [n, k_max]
+        if probs is None:
+            probs = np.stack([self.probs(r) for r in request_ids])
+        chain = np.cumprod(probs, axis=1)                                            # [n, k_max]
         valid = (np.arange(self.k_max)[None, :] < limits[:, None]) & (chain > 0)
         req, pos = np.nonzero(valid)
         gain = chain[req, pos]

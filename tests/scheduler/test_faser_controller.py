@@ -175,7 +175,7 @@ def test_probes_share_draft_passes():
     """Requests held at k = 0 arrive one per step (staggered idle counters). A drafter whose pass costs
     a forward would pay one on nearly every step for staggered probes; grouped, the probes fall into
     step: one pass per probe interval, and every request is still probed at least that often."""
-    ctl = controller(c0=0.1, c1=0.004, c2=0.08)
+    ctl = controller(c0=0.1, c1=0.004, c2=0.01)       # a pass a certain draft would pay for
     ids = [f"r{i}" for i in range(8)]
     for r in ids:
         teach(ctl, r, 0.0)
@@ -193,3 +193,17 @@ def test_probes_share_draft_passes():
     for r in ids:
         gaps = np.diff([int(r[1:])] + probes[r])
         assert len(probes[r]) >= 8 and gaps.max() <= ctl.probe_every
+
+
+def test_no_probe_where_even_certain_acceptance_cannot_pay():
+    """A draft pass dearer than the whole step it joins: not even a draft accepted for sure pays, so
+    probing (a pass to learn an acceptance that cannot matter) is skipped; when the pass gets cheap
+    again the same requests are probed."""
+    ctl = controller(c0=0.05, c1=0.001, c2=0.5)
+    ids = [f"r{i}" for i in range(4)]
+    for r in ids:
+        teach(ctl, r, 0.0)
+    assert all(max(ctl.choose(ids, [8] * 4, 4)) == 0 for _ in range(4 * ctl.probe_every))
+    ctl.cost.coef[2] = 0.001
+    ks = [ctl.choose(ids, [8] * 4, 4) for _ in range(ctl.probe_every)]
+    assert sum(map(max, ks)) >= 1
