@@ -2,6 +2,9 @@
 
     HF_HUB_OFFLINE=1 nice -n 19 python benchmarks/vericache.py --context 1024 --concurrency 4 \
         --new-tokens 32 --k 16 --compressors window,quant,mustafar,spherical --out docs/img/vericache.json
+    # throughput only, compressor settings of your own, the FASER controller choosing k:
+    python benchmarks/vericache.py --context 8100 --concurrency 8 --k 8 --skip-capacity-swap --adaptive \
+        --variant window-1024 window '{"window": 1024}'
 
 (a) capacity: at a fixed device KV budget, how many `--capacity-context`-token sequences fit with full
     fp16 KV vs with the compressed drafting cache only (measured `state_bytes` of a real sequence's
@@ -143,6 +146,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.0,
                     help="the engine's paged cache (0: sized for every request's context + new tokens + k)")
+    ap.add_argument("--variant", nargs=3, action="append", default=[], metavar=("LABEL", "COMPRESSOR", "JSON"),
+                    help="a lossy_kv configuration of its own, e.g. window-1024 window '{\"window\": 1024}' "
+                         "(repeatable; replaces --compressors)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="the FASER controller picks each request's k per step (k_max = --k)")
+    ap.add_argument("--skip-capacity-swap", action="store_true", help="throughput (b) only")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     tok = load_tokenizer(None)
@@ -154,21 +163,25 @@ def main() -> None:
     plain = run(prompts, args.new_tokens, None, args.threads, args.device, args.dtype, kv_gb)
     report["plain"] = {k: v for k, v in plain.items() if k not in ("outputs", "core")}
     print("plain", json.dumps(report["plain"]), flush=True)
-    cap_ids = prompts_of(tok, 1, args.capacity_context)[0]
-    report["capacity"] = capacity(plain["core"].worker.model, cap_ids, args.budget_gb)
-    print("capacity", json.dumps(report["capacity"]), flush=True)
-    report["swap"] = swap_cost(plain["core"], args.concurrency, args.context, args.k)
-    print("swap", json.dumps(report["swap"]), flush=True)
+    if not args.skip_capacity_swap:
+        cap_ids = prompts_of(tok, 1, args.capacity_context)[0]
+        report["capacity"] = capacity(plain["core"].worker.model, cap_ids, args.budget_gb)
+        print("capacity", json.dumps(report["capacity"]), flush=True)
+        report["swap"] = swap_cost(plain["core"], args.concurrency, args.context, args.k)
+        print("swap", json.dumps(report["swap"]), flush=True)
     report["lossy_kv"] = {}
-    for name in args.compressors.split(","):
+    variants = [(label, name, json.loads(cfg)) for label, name, cfg in args.variant] or \
+        [(name, name, SETTINGS[name]) for name in args.compressors.split(",")]
+    for label, name, settings in variants:
         spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k, kv_compressor=name,
-                                 kv_compressor_config=SETTINGS[name])
+                                 kv_compressor_config=settings, adaptive=args.adaptive)
         r = run(prompts, args.new_tokens, spec, args.threads, args.device, args.dtype, kv_gb)
         row = {k: v for k, v in r.items() if k not in ("outputs", "core")}
+        row["compressor"], row["settings"] = name, settings
         row["identical"] = r["outputs"] == plain["outputs"]
         row["speedup"] = row["tokens_per_s"] / report["plain"]["tokens_per_s"]
-        report["lossy_kv"][name] = row
-        print(name, json.dumps(row), flush=True)
+        report["lossy_kv"][label] = row
+        print(label, json.dumps(row), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
