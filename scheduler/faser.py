@@ -47,6 +47,10 @@ class CostModel:
     def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0, draft_tokens: int = 0) -> float:
         return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes, draft_tokens]))
 
+    def draft_price(self) -> float:
+        """What one more draft adds at a fixed depth: its verify row (a token) and its draft row."""
+        return float(self.coef[1] + self.coef[4])
+
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
                 draft_tokens: int = 0) -> None:
         self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes), float(draft_tokens),
@@ -170,17 +174,18 @@ class DraftLengthController:
         gain = chain[req, pos]
         order = np.lexsort((req, pos, -gain))          # by value; a request's drafts stay in position order
         req, pos, gain = req[order], pos[order], gain[order]
-        c0, c1, c2, c3, c4 = self.cost.coef
-        base = c0 + c1 * num_other_tokens + c3 * swap_bytes       # the step without drafts
-        best, best_ks = n / base, np.zeros(n, dtype=np.int64)
+        price = self.cost.draft_price()
+        best = n / self.cost.predict(num_other_tokens, 0, swap_bytes)
+        best_ks = np.zeros(n, dtype=np.int64)
         for depth in range(1, int(limits.max(initial=0)) + 1):
             take = pos < depth
             g = gain[take]
             if not len(g):
                 continue
+            base = self.cost.predict(num_other_tokens, depth, swap_bytes)      # this depth, no drafts yet
             goodput = np.empty(len(g) + 1)
-            goodput[0] = n / (base + c2 * depth)
-            goodput[1:] = (n + np.cumsum(g)) / (base + c2 * depth + (c1 + c4) * np.arange(1, len(g) + 1))
+            goodput[0] = n / base
+            goodput[1:] = (n + np.cumsum(g)) / (base + price * np.arange(1, len(g) + 1))
             rises = goodput[1:] > goodput[:-1]
             m = len(g) if rises.all() else int(np.argmin(rises))   # the greedy stops at the first loss
             ks = np.bincount(req[take][:m], minlength=n)
