@@ -179,8 +179,8 @@ def test_probes_share_draft_passes():
     ids = [f"r{i}" for i in range(8)]
     for r in ids:
         teach(ctl, r, 0.0)
-    passes, probes, last = 0, {r: [] for r in ids}, 0
-    for step in range(80):
+    steps, passes, probes = 80, 0, {r: [] for r in ids}
+    for step in range(steps):
         live = ids[:min(step + 1, len(ids))]
         ks = ctl.choose(live, [8] * len(live), len(live))
         passes += max(ks) > 0
@@ -188,8 +188,7 @@ def test_probes_share_draft_passes():
             assert k <= 1
             if k:
                 probes[r].append(step)
-        last = step
-    assert passes <= last // ctl.probe_every + 3
+    assert passes <= (steps - 1) // ctl.probe_every + 3
     for r in ids:
         gaps = np.diff([int(r[1:])] + probes[r])
         assert len(probes[r]) >= 8 and gaps.max() <= ctl.probe_every
@@ -207,3 +206,42 @@ def test_no_probe_where_even_certain_acceptance_cannot_pay():
     ctl.cost.coef[2] = 0.001
     ks = [ctl.choose(ids, [8] * 4, 4) for _ in range(ctl.probe_every)]
     assert sum(map(max, ks)) >= 1
+
+
+def _greedy_allocation(ctl, ids, caps, other, swap):
+    """The allocation written plainly, one draft at a time (what the vectorised one must equal)."""
+    drafts = []
+    for i, r in enumerate(ids):
+        chain = np.cumprod(ctl.probs(r)[:min(caps[i], ctl.k_max)])
+        drafts += [(float(g), j, i) for j, g in enumerate(chain) if g > 0]
+    drafts.sort(key=lambda d: (-d[0], d[1], d[2]))
+    best_ks, best = [0] * len(ids), len(ids) / ctl.cost.predict(other, 0, swap)
+    for depth in range(1, max(min(c, ctl.k_max) for c in caps) + 1):
+        ks, value, n = [0] * len(ids), float(len(ids)), 0
+        goodput = value / ctl.cost.predict(other, depth, swap)
+        for gain, j, i in drafts:
+            if j >= depth:
+                continue
+            new = (value + gain) / ctl.cost.predict(other + n + 1, depth, swap, n + 1)
+            if new <= goodput:
+                break
+            goodput, value, n = new, value + gain, n + 1
+            ks[i] += 1
+        if max(ks) == depth and goodput > best:
+            best, best_ks = goodput, ks
+    return best_ks
+
+
+def test_vectorised_allocation_equals_the_plain_greedy():
+    rng = np.random.default_rng(4)
+    for _ in range(500):
+        n = int(rng.integers(1, 33))
+        coef = [rng.uniform(0.001, 0.3), rng.uniform(0, 0.01), rng.choice([0.0, rng.uniform(0, 0.1)]),
+                rng.choice([0.0, 1e-9]), rng.choice([0.0, rng.uniform(0, 0.01)])]
+        ctl = DraftLengthController(8, cost=CostModel(*coef))
+        ids = [f"r{i}" for i in range(n)]
+        for r in ids:
+            ctl.accept[r] = np.clip(rng.uniform() + rng.normal(0, 0.1, 8), 0, 1) * (rng.random() > 0.1)
+        caps = [int(c) for c in rng.integers(0, 9, n)]
+        other, swap = int(rng.integers(n, 3 * n)), int(rng.integers(0, 10**8))
+        assert ctl._allocate(ids, caps, other, swap) == _greedy_allocation(ctl, ids, caps, other, swap)
