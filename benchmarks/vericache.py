@@ -77,7 +77,8 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
     core.check_integrity()
     prop = core.worker.runner.proposer
     return {"outputs": [outs[f"b{i}"] for i in range(len(prompts))], "decode_s": decode_s,
-            "decode_tokens": decode_tokens, "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0, "drafted": drafted, "accepted": accepted,
+            "decode_tokens": decode_tokens, "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
+            "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else 0.0,
             "mean_accepted_per_round": accepted / rounds if rounds else 0.0,
             "proposer": prop.stats() if prop is not None else None, "core": core}
