@@ -85,9 +85,11 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
 
 
 @torch.inference_mode()
-def capacity(model, ids: list[int], budget_gb: float, chunk: int = 512) -> list[dict]:
-    """Encode one real sequence's K/V (a chunked dense forward) into each compressor; sequences that
-    fit in `budget_gb` of device memory with full fp16 KV vs with the compressed drafting cache."""
+def capacity(model, ids: list[int], budget_gb: float, variants: list[tuple[str, str, dict]],
+             chunk: int = 512) -> list[dict]:
+    """Encode one real sequence's K/V (a chunked dense forward) into each (label, compressor, settings)
+    variant; sequences that fit in `budget_gb` of device memory with full fp16 KV vs with the
+    compressed drafting cache."""
     cfg, dev = model.config, model.embed_tokens.weight.device
     cache = _DenseCache(cfg.num_layers)
     for start in range(0, len(ids), chunk):
@@ -95,13 +97,13 @@ def capacity(model, ids: list[int], budget_gb: float, chunk: int = 512) -> list[
         model(part, torch.arange(start, start + len(part), device=dev), cache)
     full = cfg.kv_bytes_per_token(torch.float16) * len(ids)
     rows = [{"name": "full-fp16", "bytes_per_seq": full, "seqs": int(budget_gb * 2**30 // full)}]
-    for name, settings in SETTINGS.items():
+    for label, name, settings in variants:
         comp = build_compressor(name, model, settings)
         state = comp.new_state(torch.float16, str(dev))
         for layer in range(cfg.num_layers):
             comp.encode(state, layer, torch.cat(cache.k[layer]), torch.cat(cache.v[layer]))
         b = comp.state_bytes(state)
-        rows.append({"name": comp.name, "bytes_per_seq": b, "seqs": int(budget_gb * 2**30 // b),
+        rows.append({"name": label, "bytes_per_seq": b, "seqs": int(budget_gb * 2**30 // b),
                      "vs_full": full / b})
     return rows
 
@@ -164,15 +166,15 @@ def main() -> None:
     plain = run(prompts, args.new_tokens, None, args.threads, args.device, args.dtype, kv_gb)
     report["plain"] = {k: v for k, v in plain.items() if k not in ("outputs", "core")}
     print("plain", json.dumps(report["plain"]), flush=True)
+    variants = [(label, name, json.loads(cfg)) for label, name, cfg in args.variant] or \
+        [(name, name, SETTINGS[name]) for name in args.compressors.split(",")]
     if not args.skip_capacity_swap:
         cap_ids = prompts_of(tok, 1, args.capacity_context)[0]
-        report["capacity"] = capacity(plain["core"].worker.model, cap_ids, args.budget_gb)
+        report["capacity"] = capacity(plain["core"].worker.model, cap_ids, args.budget_gb, variants)
         print("capacity", json.dumps(report["capacity"]), flush=True)
         report["swap"] = swap_cost(plain["core"], args.concurrency, args.context, args.k)
         print("swap", json.dumps(report["swap"]), flush=True)
     report["lossy_kv"] = {}
-    variants = [(label, name, json.loads(cfg)) for label, name, cfg in args.variant] or \
-        [(name, name, SETTINGS[name]) for name in args.compressors.split(",")]
     for label, name, settings in variants:
         spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k, kv_compressor=name,
                                  kv_compressor_config=settings, adaptive=args.adaptive)
