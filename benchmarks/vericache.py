@@ -95,6 +95,20 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
             "step_cost_coef": ctl.cost.coef.tolist() if ctl is not None else None}
 
 
+def repeated_ngram_share(outputs: list[list[int]], n: int = 4) -> float:
+    """Share of the outputs' n-grams that repeat an earlier one of the same output: greedy text of a
+    small model turns repetitive over long outputs, which a drafter predicts easily (acceptance rises)."""
+    grams = repeats = 0
+    for ids in outputs:
+        seen: set[tuple[int, ...]] = set()
+        for j in range(len(ids) - n + 1):
+            g = tuple(ids[j:j + n])
+            repeats += g in seen
+            seen.add(g)
+            grams += 1
+    return repeats / grams if grams else 0.0
+
+
 @torch.inference_mode()
 def capacity(model, ids: list[int], budget_gb: float, variants: list[tuple[str, str, dict]],
              chunk: int = 512) -> list[dict]:
@@ -176,6 +190,8 @@ def main() -> None:
         1.0, 1.25 * args.concurrency * (args.context + args.new_tokens + args.k + 1) * per_token / 2**30)
     plain = run(prompts, args.new_tokens, None, args.threads, args.device, args.dtype, kv_gb)
     report["plain"] = {k: v for k, v in plain.items() if k not in ("outputs", "core")}
+    report["plain"]["repeated_4gram_share"] = repeated_ngram_share(plain["outputs"])
+    report["plain"]["repeated_4gram_share_first_32"] = repeated_ngram_share([o[:32] for o in plain["outputs"]])
     print("plain", json.dumps(report["plain"]), flush=True)
     variants = [(label, name, json.loads(cfg)) for label, name, cfg in args.variant] or \
         [(name, name, SETTINGS[name]) for name in args.compressors.split(",")]
