@@ -73,6 +73,8 @@ class EngineConfig:
     max_waiting_requests: int = 1024    # bounded queue: submit() beyond it raises EngineOverloadedError
     seed: int = 0
     num_threads: int | None = None      # torch intra-op threads on CPU (None: torch's default)
+    cpu_weight_packing: bool = True     # fp32 on CPU: prepack linear weights for oneDNN (faster GEMMs,
+                                        # a second copy of the weights in memory)
     tiny_random_seed: int = 0           # weights of the "tiny-random" model
     speculative: SpeculativeConfig | None = None
 

@@ -39,7 +39,8 @@ class EngineCore:
         self.worker = Worker(config.model, config.device, config.dtype, config.block_size,
                              config.kv_cache_memory_gb, config.num_kv_blocks, config.seed, config.num_threads,
                              config.tiny_random_seed, config.speculative,
-                             host_kv_cache_memory_gb=config.host_kv_cache_memory_gb)
+                             host_kv_cache_memory_gb=config.host_kv_cache_memory_gb,
+                             cpu_weight_packing=config.cpu_weight_packing)
         cfg = self.worker.config
         max_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         capacity = self.worker.num_blocks * config.block_size

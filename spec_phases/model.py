@@ -114,6 +114,35 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+def cpu_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 [out, in] weight reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once `pack()`ed, runs oneDNN's GEMM on a prepacked fp32 weight (CPU only). At the
+    1-150 row shapes of decode, drafting and verification MKL's sgemm is 1.6-2.2x slower over the whole
+    model on the benchmark CPU, and its rows depend on how many rows share the call; the packed GEMM's
+    rows mostly do not (`benchmarks/cpu_gemm.py`). The dense weight stays for state_dict and loading."""
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_cpu_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.packed, self.bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -122,11 +151,11 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,5 +196,21 @@ class LlamaModel(nn.Module):
         return self.norm.add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._lm_head_packed is not None:
+            return packed_linear(hidden, self._lm_head_packed, None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()          # [num_rows, vocab]
+
+    _lm_head_packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Prepack every linear layer and the LM head for oneDNN (fp32 on CPU; see `Linear`). Costs a
+        second copy of those weights in memory. Returns False (and changes nothing) where unsupported."""
+        weight = self.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not cpu_packing_available():
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self._lm_head_packed = pack_cpu_weight(weight if self.lm_head is None else self.lm_head.weight)
+        return True

@@ -42,7 +42,7 @@ class Worker:
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory_gb: float = 1.0, num_kv_blocks: int | None = None, seed: int = 0,
                  num_threads: int | None = None, tiny_seed: int = 0, speculative=None,
-                 host_kv_cache_memory_gb: float | None = None):
+                 host_kv_cache_memory_gb: float | None = None, cpu_weight_packing: bool = True):
         """kv_cache_memory_gb budgets the device KV: the full cache, or with lossy_kv keeping the full
         cache in a HostKVPool, the compressed drafting caches; that host pool is then sized from
         host_kv_cache_memory_gb (None: kv_cache_memory_gb). num_kv_blocks sizes the full cache."""
@@ -56,6 +56,8 @@ class Worker:
                              "host memory; on a CPU host set \"full_kv_in_host\": true in --speculative-config")
         torch.manual_seed(seed)
         self.model = load_model(model, self.dtype, self.device, tiny_seed=tiny_seed)
+        if cpu_weight_packing and self.model.pack_for_cpu():
+            logger.info("linear weights prepacked for oneDNN (fp32 on CPU)")
         cfg = self.config = self.model.config
         full_budget_gb = host_kv_cache_memory_gb if host_kv_cache_memory_gb is not None else kv_cache_memory_gb
         self.num_blocks = num_kv_blocks or num_blocks_for_budget(

@@ -28,3 +28,36 @@ def test_skipping_layers_changes_the_output():
     ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
     full = model(ids, pos, causal)
     assert not torch.allclose(full, model(ids, pos, causal, layers=[0]))
+
+
+def test_cpu_packed_weights_match_dense_and_are_optional():
+    dense = build_random_model(tiny_config(vocab_size=100), seed=1)
+    packed = build_random_model(tiny_config(vocab_size=100), seed=1)
+    assert packed.pack_for_cpu()
+    assert packed.layers[0].gate_up_proj.packed is not None and dense.layers[0].gate_up_proj.packed is None
+    ids = torch.tensor([5, 17, 42, 8, 99, 3])
+    a = dense.compute_logits(dense(ids, torch.arange(6), causal))
+    b = packed.compute_logits(packed(ids, torch.arange(6), causal))
+    assert b.dtype == torch.float32 and b.shape == a.shape
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # an empty step (no rows) and the fp16/bf16 refusal: packing is for fp32 on CPU only
+    assert packed.compute_logits(packed(ids[:0], torch.arange(0), causal)).shape == (0, 100)
+    assert not build_random_model(tiny_config(vocab_size=100), dtype=torch.bfloat16).pack_for_cpu()
+
+
+def test_engine_greedy_tokens_do_not_depend_on_weight_packing(make_engine):
+    from specserve.scheduler.messages import EngineRequest
+    from specserve.scheduler.sampling_params import SamplingParams
+    outs = []
+    for packing in (True, False):
+        engine = make_engine(cpu_weight_packing=packing)
+        assert (engine.worker.model.layers[0].qkv_proj.packed is not None) == packing
+        for i, ids in enumerate([[1, 5, 9, 200, 31], [7, 7, 7]]):
+            engine.add_request(EngineRequest(f"r{i}", ids, SamplingParams(max_tokens=24, temperature=0,
+                                                                         ignore_eos=True)))
+        tokens: dict[str, list[int]] = {}
+        for out in engine.run_until_idle():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert sum(map(len, tokens.values())) == 48
+        outs.append(tokens)
+    assert outs[0] == outs[1]
