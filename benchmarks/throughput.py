@@ -71,16 +71,19 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--no-cpu-weight-packing", action="store_true", help="F.linear (MKL) instead of oneDNN")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     core = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                   kv_cache_memory_gb=2.0, max_num_seqs=max(args.concurrency)))
+                                   kv_cache_memory_gb=2.0, max_num_seqs=max(args.concurrency),
+                                   cpu_weight_packing=not args.no_cpu_weight_packing))
     run(core, max(args.concurrency), args.prompt_len, 16)         # warm-up: every batch shape, GPU clocks up
     copy_bw = copy_bandwidth(core.worker.device)
     results = [run(core, c, args.prompt_len, args.output_len) for c in args.concurrency]
     env = {"machine": platform.machine(), "processor": platform.processor() or "?", "cpus": os.cpu_count(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": core.worker.device,
-           "dtype": str(core.worker.dtype), "weight_bytes": core.worker.weight_bytes,
+           "dtype": str(core.worker.dtype), "cpu_weight_packing": not args.no_cpu_weight_packing,
+           "weight_bytes": core.worker.weight_bytes,
            "copy_bandwidth_gbs": round(copy_bw / 1e9, 2)}
     print(json.dumps(env))
     print(f"{'concurrency':>11} {'out tok/s':>10} {'decode GB/s':>12} {'% of copy BW':>13}")
