@@ -9,7 +9,9 @@
                 (non-negative least squares) on measured steps (tokens: every row the step computes,
                 drafts included; c2: sequential draft passes and c4: a draft row in them, both ~0 for
                 n-gram and token recycling; c3: VeriCache's host -> device bytes, predicted from the
-                last step)
+                last step). A drafter that runs the model reports each draft pass (rows, seconds):
+                c2 + c4 * rows is then fitted on the passes alone, and c0, c1, c3 on the rest of the
+                step
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
                 marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the best
                 depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the batch).
@@ -43,6 +45,7 @@ class CostModel:
                  window: int = 256):
         self.coef = np.array([c0, c1, c2, c3, c4])
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
+        self.passes: deque[tuple[float, float]] = deque(maxlen=window)     # (rows, seconds) per draft pass
 
     def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0, draft_tokens: int = 0) -> float:
         return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes, draft_tokens]))
@@ -52,11 +55,36 @@ class CostModel:
         return float(self.coef[1] + self.coef[4])
 
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
-                draft_tokens: int = 0) -> None:
+                draft_tokens: int = 0, draft_passes: list[tuple[int, float]] | None = None) -> None:
+        """draft_passes: (rows, seconds) of each draft forward the step ran, where the drafter reports
+        them. Then the passes alone fit c2 (per pass) and c4 (per row): a pass of r rows costs c2 +
+        c4 * r, which the step-level fit cannot separate when every request drafts the same k (max_k
+        and drafts move together) and whose scale it confuses with prefill steps and long contexts.
+        The rest of the step (verify, sampling, cache upkeep) then fits c0, c1, c3 with c2, c4 fixed."""
+        if draft_passes:
+            self.passes.extend((float(r), float(s)) for r, s in draft_passes)
+            self._fit_passes()
+            seconds = max(seconds - sum(s for _, s in draft_passes), 0.0)
+            max_draft_len = draft_tokens = 0          # priced by the pass fit: columns held at zero
         self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes), float(draft_tokens),
                              seconds))
         if len(self.samples) >= 8 and len(self.samples) % 4 == 0:
             self.fit()
+
+    def _fit_passes(self) -> None:
+        """c2 + c4 * rows over the recent draft passes, both >= 0 (NNLS on two columns)."""
+        if len(self.passes) < 4:
+            return
+        rows, secs = np.array(self.passes).T
+        if np.ptp(rows) > 0:
+            (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], 1), secs, rcond=None)
+        else:
+            a, b = -1.0, 0.0
+        if a < 0 or b < 0:                           # the better of the two one-column fits
+            a_only = (float(secs.mean()), 0.0)
+            b_only = (0.0, float(rows @ secs / (rows @ rows)))
+            a, b = min(a_only, b_only, key=lambda ab: float(np.sum((ab[0] + ab[1] * rows - secs) ** 2)))
+        self.coef[2], self.coef[4] = a, b
 
     def fit(self) -> None:
         """Non-negative least squares over the regressors that varied (the others keep their value).

@@ -300,7 +300,8 @@ class Scheduler:
         if self.controller is not None:
             drafted = [s.num_drafted for s in result.sampled.values()]
             self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),
-                                         result.step_time_s, swap_bytes=swap_bytes[0], draft_tokens=sum(drafted))
+                                         result.step_time_s, swap_bytes=swap_bytes[0], draft_tokens=sum(drafted),
+                                         draft_passes=result.draft_passes)
         return outputs
 
     def _count_spec(self, req: Request, num_drafted: int, num_accepted: int) -> None:

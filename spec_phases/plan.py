@@ -64,3 +64,5 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per prefill chunk
     step_time_s: float = 0.0
     num_frontiers: int = 1                      # forward passes the step ran (verification frontiers)
+    draft_passes: list[tuple[int, float]] = field(default_factory=list)   # (rows, seconds) per draft
+                                                # forward of a model-running drafter this step

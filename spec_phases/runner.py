@@ -89,6 +89,7 @@ class ModelRunner:
                 offsets.append(offsets[-1] + len(c))
             pending = verify.advance(hidden, [(v, off, len(c)) for v, off, c in zip(pending, offsets, chunks)])
         verify.finish(result)
+        result.draft_passes = self.last_draft_passes
         result.step_time_s = time.perf_counter() - start
         return result
 
@@ -110,6 +111,7 @@ class ModelRunner:
 
     def _propose(self, reqs: list[ScheduledRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in reqs]
+        self.last_draft_passes: list[tuple[int, float]] = []
         early = self._early.result() if self._early is not None else {}
         self._early = None                                # drafted ahead: valid for this step only
         wanted = [i for i, r in enumerate(reqs) if r.sample and r.num_draft_tokens > 0]
@@ -131,6 +133,7 @@ class ModelRunner:
                              reqs[i].num_computed_tokens, reqs[i].block_ids) for i in wanted]
         for i, d in zip(wanted, self.proposer.propose(asks, [reqs[i].num_draft_tokens for i in wanted])):
             drafts[i] = d[:reqs[i].num_draft_tokens]
+        self.last_draft_passes = list(getattr(self.proposer, "last_passes", ()))
         return drafts
 
     def _inputs(self, token_lists: list[list[int]], starts: list[int],

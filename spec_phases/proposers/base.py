@@ -24,7 +24,9 @@ class Proposer(Protocol):
     name: str
 
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
-        """At most max_lens[i] draft tokens for requests[i] (fewer, or none, is fine)."""
+        """At most max_lens[i] draft tokens for requests[i] (fewer, or none, is fine). A drafter that
+        runs the model may also set `last_passes` to [(rows, seconds)] of each draft forward of this
+        call: the FASER cost model prices draft passes from those (see `scheduler/faser.py`)."""
         ...
 
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-from collections.abc import Callable
-
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +35,16 @@ class LayerSkipProposer(StatelessProposer):
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         current = [r.token_ids[-1] for r in requests]
+        self.last_passes: list[tuple[int, float]] = []
         for step in range(max(max_lens, default=0)):
+            t = time.perf_counter()
             active = [i for i, k in enumerate(max_lens) if k > step]
             rows = [(current[i], requests[i].num_computed_tokens + step, requests[i].block_ids) for i in active]
             next_tokens = self.forward(rows, self.layers).argmax(dim=-1).tolist()
             for i, tok in zip(active, next_tokens):
                 drafts[i].append(tok)
                 current[i] = tok
+            self.last_passes.append((len(active), time.perf_counter() - t))
         return drafts
 
 

@@ -231,6 +231,7 @@ class LossyKVProposer:
         t1 = time.perf_counter()
         self.encode_s += t1 - t0
         drafts: list[list[int]] = [[] for _ in requests]
+        self.last_passes: list[tuple[int, float]] = []
         order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
         if order:
             num_steps = max_lens[order[0]]
@@ -239,13 +240,15 @@ class LossyKVProposer:
             current = torch.tensor([requests[i].token_ids[-1] for i in order], device=dev)
             start = torch.tensor([requests[i].num_computed_tokens for i in order], device=dev)
             for step in range(num_steps):
+                t = time.perf_counter()
                 rows = sum(1 for i in order if max_lens[i] > step)        # a prefix: sorted by length
                 attn.step = step
                 hidden = self.model(current[:rows], start[:rows] + step, attn)
                 current = self.model.compute_logits(hidden).argmax(-1)
-                for i, tok in zip(order, current.tolist()):
+                for i, tok in zip(order, current.tolist()):             # .tolist() syncs: t is honest
                     drafts[i].append(tok)
                 self.num_draft_steps += 1
+                self.last_passes.append((rows, time.perf_counter() - t))
         self.num_rounds += 1
         self.draft_s += time.perf_counter() - t1
         return drafts

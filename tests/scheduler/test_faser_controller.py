@@ -245,3 +245,29 @@ def test_vectorised_allocation_equals_the_plain_greedy():
         caps = [int(c) for c in rng.integers(0, 9, n)]
         other, swap = int(rng.integers(n, 3 * n)), int(rng.integers(0, 10**8))
         assert ctl._allocate(ids, caps, other, swap) == _greedy_allocation(ctl, ids, caps, other, swap)
+
+
+def test_measured_draft_passes_price_passes_apart_from_the_rest_of_the_step():
+    """Every request drafts the same k (max_k and drafts move together) and one huge prefill step sits
+    among the samples: the step-level fit cannot tell a pass's fixed cost from its per-row cost, but
+    passes reported as (rows, seconds) can. Truth: a pass costs 30 ms + 2 ms per row, the rest of a step
+    50 ms + 1 ms per token (the prefill took 40 s for 32K tokens)."""
+    model = CostModel()
+    rng = np.random.default_rng(5)
+    model.observe(32768, 0, 40.0)
+    for _ in range(64):
+        batch, k = int(rng.integers(4, 9)), int(rng.integers(1, 9))
+        passes = [(batch, 0.030 + 0.002 * batch + rng.normal(0, 1e-4)) for _ in range(k)]
+        rest = 0.050 + 0.001 * batch * (k + 1)
+        model.observe(batch * (k + 1), k, rest + sum(s for _, s in passes), draft_tokens=batch * k,
+                      draft_passes=passes)
+    assert abs(model.coef[2] - 0.030) < 1e-3 and abs(model.coef[4] - 0.002) < 2e-4
+    # a single request drafting 8: eight 1-row passes, 8 * 32 ms, not a share of the batch's passes
+    assert abs(model.predict(9, 8, draft_tokens=8) - model.predict(1, 0) - 8 * 0.032 - 8 * model.coef[1]) < 1e-3
+
+
+def test_pass_fit_stays_non_negative():
+    model = CostModel()
+    for rows, secs in [(1, 0.05), (2, 0.04), (4, 0.03), (8, 0.02)] * 2:     # faster with more rows: noise
+        model.observe(rows * 2, 1, secs + 0.01, draft_tokens=rows, draft_passes=[(rows, secs)])
+    assert model.coef[2] > 0 and model.coef[4] == 0.0

@@ -107,3 +107,20 @@ def test_adaptive_draft_lengths_stay_lossless(make_engine):
     spec, drafted = generate(core, params)
     assert spec == plain and drafted > 0
     assert core.scheduler.controller is not None and len(core.scheduler.controller.cost.samples) > 0
+
+
+@pytest.mark.parametrize("method", ["lossy_kv", "layer_skip"])
+def test_model_drafters_report_their_passes_to_the_cost_model(make_engine, method):
+    """A drafter that runs the model times each draft pass; the controller's cost model prices passes
+    from those (c2 per pass, c4 per row) and output stays that of plain decoding."""
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True) for _ in range(4)]
+    plain, _ = generate(make_engine(), params)
+    extra = {"kv_compressor": "window", "kv_compressor_config": {"window": 16}} if method == "lossy_kv" \
+        else {"skip_layers": [1]}
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=True, **extra)
+    core = make_engine(speculative=spec)
+    out, drafted = generate(core, params)
+    assert out == plain and drafted > 0
+    cost = core.scheduler.controller.cost
+    assert len(cost.passes) > 0 and all(rows >= 1 and secs > 0 for rows, secs in cost.passes)
+    assert cost.coef[2] + cost.coef[4] > 0
