@@ -179,6 +179,8 @@ def main() -> None:
                          "(repeatable; replaces --compressors)")
     ap.add_argument("--adaptive", action="store_true",
                     help="the FASER controller picks each request's k per step (k_max = --k)")
+    ap.add_argument("--fixed-and-adaptive", action="store_true",
+                    help="run every variant twice, fixed k and then the controller (label + '+faser')")
     ap.add_argument("--skip-capacity-swap", action="store_true", help="throughput (b) only")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -202,9 +204,11 @@ def main() -> None:
         report["swap"] = swap_cost(plain["core"], args.concurrency, args.context, args.k)
         print("swap", json.dumps(report["swap"]), flush=True)
     report["lossy_kv"] = {}
-    for label, name, settings in variants:
+    modes = [False, True] if args.fixed_and_adaptive else [args.adaptive]
+    for (label, name, settings), adaptive in ((v, m) for v in variants for m in modes):
+        label += "+faser" if adaptive and args.fixed_and_adaptive else ""
         spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k, kv_compressor=name,
-                                 kv_compressor_config=settings, adaptive=args.adaptive)
+                                 kv_compressor_config=settings, adaptive=adaptive)
         r = run(prompts, args.new_tokens, spec, args.threads, args.device, args.dtype, kv_gb)
         row = {k: v for k, v in r.items() if k not in ("outputs", "core")}
         row["compressor"], row["settings"] = name, settings
