@@ -12,7 +12,7 @@ it (the gap between a request's successive outputs; one output may carry several
 time per output token per request (TPOT, vLLM's definition) p50/p99, and the ratios the issue asks
 for: faser vs spec off and vs the best fixed k.
 
-    python benchmarks/faser.py --rates 0.1 0.4 2 --requests 8 16 32 --max-tokens 48 --json out.json
+    python benchmarks/faser.py --rates 0.15 0.6 40 --requests 6 12 48 --max-tokens 32 --json out.json
     python benchmarks/faser.py --drafter lossy_kv ...      # a drafter whose every draft token costs a forward
 """
 from __future__ import annotations
@@ -103,8 +103,9 @@ def serve(core: EngineCore, prompts: list[list[int]], arrivals: list[float], max
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", type=float, nargs=3, default=[0.1, 0.4, 2.0], help="low, medium, high req/s")
-    ap.add_argument("--requests", type=int, nargs=3, default=[8, 16, 32], help="requests at each rate")
+    ap.add_argument("--rates", type=float, nargs=3, default=[0.15, 0.6, 40.0],
+                    help="low, medium, high req/s (high must queue work: 2-6/s no longer does on a 2-core CPU)")
+    ap.add_argument("--requests", type=int, nargs=3, default=[6, 12, 48], help="requests at each rate")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--drafter", default="ngram", choices=list(DRAFTERS))
