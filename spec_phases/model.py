@@ -129,8 +129,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class Linear(nn.Linear):
     """nn.Linear that, once `pack()`ed, runs oneDNN's GEMM on a prepacked fp32 weight (CPU only). At the
-    1-150 row shapes of decode, drafting and verification MKL's sgemm is 1.6-2.2x slower over the whole
-    model on the benchmark CPU, and its rows depend on how many rows share the call; the packed GEMM's
+    1-144 row shapes of decode, drafting and verification a model forward on MKL's sgemm is 1.6-2.4x
+    slower on the benchmark CPU, and its rows depend on how many rows share the call; the packed GEMM's
     rows mostly do not (`benchmarks/cpu_gemm.py`). The dense weight stays for state_dict and loading."""
     packed: torch.Tensor | None = None
 
@@ -184,6 +184,7 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
                                                                        bias=False)
+        self._lm_head_packed: torch.Tensor | None = None     # set by pack_for_cpu
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 layers: list[int] | None = None) -> torch.Tensor:
@@ -200,8 +201,6 @@ class LlamaModel(nn.Module):
             return packed_linear(hidden, self._lm_head_packed, None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()          # [num_rows, vocab]
-
-    _lm_head_packed: torch.Tensor | None = None
 
     def pack_for_cpu(self) -> bool:
         """Prepack every linear layer and the LM head for oneDNN (fp32 on CPU; see `Linear`). Costs a

@@ -31,11 +31,12 @@ class LayerSkipProposer(StatelessProposer):
     def __init__(self, forward: RowForward, num_layers: int, skip_layers: tuple[int, ...]):
         self.forward = forward
         self.layers = [i for i in range(num_layers) if i not in set(skip_layers)]
+        self.last_passes: list[tuple[int, float]] = []      # (rows, seconds) per draft forward, last call
 
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         current = [r.token_ids[-1] for r in requests]
-        self.last_passes: list[tuple[int, float]] = []
+        self.last_passes = []
         for step in range(max(max_lens, default=0)):
             t = time.perf_counter()
             active = [i for i, k in enumerate(max_lens) if k > step]

@@ -190,6 +190,7 @@ class LossyKVProposer:
         self.states: dict[str, SequenceState] = {}
         self.state_dtype = torch.float16 if storage.k.dtype == torch.float32 else storage.k.dtype
         # counters (monotonic)
+        self.last_passes: list[tuple[int, float]] = []      # (rows, seconds) per draft forward, last call
         self.num_rounds = self.num_draft_steps = self.num_encoded_tokens = self.num_rebuilds = 0
         self.encode_s = self.draft_s = 0.0
 
@@ -231,7 +232,7 @@ class LossyKVProposer:
         t1 = time.perf_counter()
         self.encode_s += t1 - t0
         drafts: list[list[int]] = [[] for _ in requests]
-        self.last_passes: list[tuple[int, float]] = []
+        self.last_passes = []
         order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
         if order:
             num_steps = max_lens[order[0]]
