@@ -7,6 +7,10 @@ the embedded model:
     k=2, k=4, k=8  drafting (`--drafter`: n-gram, or lossy_kv on a small window) with a fixed draft length
     faser          the goodput controller picks k per request each step (k_max 8)
     faser+prune    the controller plus verification in frontiers of 2 positions (early pruning)
+    faser+prune+overlap   and the next step's drafts made while later frontiers verify (n-gram only)
+With --repeats R every configuration serves every rate R times, configurations alternating within each
+repeat (a drift of the shared machine then falls on all of them alike); tok/s is the median of the R
+runs (their range printed beside it), latencies are percentiles of the gaps of all R runs pooled.
 Reported per rate: output tokens/s (tokens / makespan), inter-token latency as a streaming client sees
 it (the gap between a request's successive outputs; one output may carry several tokens) p50/p99, and
 time per output token per request (TPOT, vLLM's definition) p50/p99, and the ratios the issue asks
@@ -21,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -49,6 +54,7 @@ CONFIGS = {
     "k=8": {"num_speculative_tokens": 8},
     "faser": {"num_speculative_tokens": 8, "adaptive": True},
     "faser+prune": {"num_speculative_tokens": 8, "adaptive": True, "frontier_size": 2},
+    "faser+prune+overlap": {"num_speculative_tokens": 8, "adaptive": True, "frontier_size": 2, "overlap_draft": True},
 }
 
 
@@ -91,14 +97,24 @@ def serve(core: EngineCore, prompts: list[list[int]], arrivals: list[float], max
         accepted += core.scheduler.stats.num_accepted_tokens
     makespan = time.perf_counter() - start - min(arrivals)
     core.check_integrity()
-    gaps = sorted(b - a for s in stamps.values() for a, b in zip(s[1:], s[2:]))   # after the first token
-    # time per output token of each request after its first (vLLM's TPOT): speculation's several tokens
-    # per output count here, while a chunk gap above counts once whatever it carries
-    tpots = sorted((s[-1] - s[1]) / (counts[r] - 1) for r, s in stamps.items() if counts.get(r, 0) > 1)
+    return {"tokens": tokens, "makespan": makespan, "drafted": drafted, "accepted": accepted,
+            # the gaps after each request's first token, and each request's time per output token after its
+            # first (vLLM's TPOT): speculation's several tokens per output count there, once in a gap
+            "gaps": [b - a for s in stamps.values() for a, b in zip(s[1:], s[2:])],
+            "tpots": [(s[-1] - s[1]) / (counts[r] - 1) for r, s in stamps.items() if counts.get(r, 0) > 1]}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One cell over its repeats: median tok/s (and range), percentiles of all runs' gaps pooled."""
+    rates = sorted(r["tokens"] / r["makespan"] for r in runs)
+    gaps = sorted(g for r in runs for g in r["gaps"])
+    tpots = sorted(t for r in runs for t in r["tpots"])
+    drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
     pick = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else None  # noqa: E731
-    return {"tokens_per_s": tokens / makespan, "itl_p50_ms": pick(gaps, 0.5), "itl_p99_ms": pick(gaps, 0.99),
+    return {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
+            "itl_p50_ms": pick(gaps, 0.5), "itl_p99_ms": pick(gaps, 0.99),
             "tpot_p50_ms": pick(tpots, 0.5), "tpot_p99_ms": pick(tpots, 0.99),
-            "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted}
+            "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted / len(runs)}
 
 
 def main() -> None:
@@ -112,30 +128,43 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="serve every cell this many times, configs alternating")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tok = load_tokenizer(None)
     code, chat = workload(tok, "code-edit"), workload(tok, "chat")
     prompts = [p for pair in zip(code, chat) for p in pair]            # alternate good and bad acceptors
-    rows = []
-    for name in args.configs:
-        spec = None if CONFIGS[name] is None else SpeculativeConfig.from_json(
-            {**DRAFTERS[args.drafter], **CONFIGS[name]})
-        core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_seqs=64, device=args.device,
-                                       dtype=args.dtype, speculative=spec))
-        serve(core, noise_like(prompts[:4]), [0.0] * 4, 16)               # warm-up
-        for level, rate, num in zip(("low", "medium", "high"), args.rates, args.requests):
-            r = serve(core, prompts, bursty_arrivals(num, rate, args.seed), args.max_tokens)
-            rows.append({"config": name, "drafter": args.drafter, "load": level, "rate": rate, "requests": num,
-                         **r})
-            print(json.dumps(rows[-1]), flush=True)
-        del core
-    print("\n| load | config | tok/s | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms | acceptance |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    configs = [c for c in args.configs if args.drafter == "ngram" or not CONFIGS[c] or
+               not CONFIGS[c].get("overlap_draft")]                 # overlap needs a stateless drafter
+    levels = list(zip(("low", "medium", "high"), args.rates, args.requests))
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rep in range(args.repeats):
+        for name in configs:
+            spec = None if CONFIGS[name] is None else SpeculativeConfig.from_json(
+                {**DRAFTERS[args.drafter], **CONFIGS[name]})
+            core = EngineCore(EngineConfig(kv_cache_memory_gb=1.0, max_num_seqs=64, device=args.device,
+                                           dtype=args.dtype, speculative=spec))
+            serve(core, noise_like(prompts[:4]), [0.0] * 4, 16)               # warm-up
+            for level, rate, num in levels:
+                r = serve(core, prompts, bursty_arrivals(num, rate, args.seed), args.max_tokens)
+                runs.setdefault((name, level), []).append(r)
+                print(json.dumps({"repeat": rep, "config": name, "load": level,
+                                  "tokens_per_s": r["tokens"] / r["makespan"], "draft_tokens": r["drafted"]}),
+                      flush=True)
+            del core
+    rows = [{"config": name, "drafter": args.drafter, "load": level, "rate": rate, "requests": num,
+             "repeats": args.repeats, **summarize(runs[name, level])}
+            for name in configs for level, rate, num in levels]
+    print("\n| load | config | tok/s (range) | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms | acceptance "
+          "| draft tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: ("low", "medium", "high").index(r["load"])):
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        print(f"| {r['load']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['itl_p50_ms']:.0f} | "
-              f"{r['itl_p99_ms']:.0f} | {r['tpot_p50_ms']:.0f} | {r['tpot_p99_ms']:.0f} | {acc} |")
+        lo, hi = r["tokens_per_s_runs"][0], r["tokens_per_s_runs"][-1]
+        spread = f" ({lo:.1f}–{hi:.1f})" if len(r["tokens_per_s_runs"]) > 1 else ""
+        print(f"| {r['load']} | {r['config']} | {r['tokens_per_s']:.1f}{spread} | {r['itl_p50_ms']:.0f} | "
+              f"{r['itl_p99_ms']:.0f} | {r['tpot_p50_ms']:.0f} | {r['tpot_p99_ms']:.0f} | {acc} | "
+              f"{r['draft_tokens']:.0f} |")
     for level in ("low", "medium", "high"):
         at = {r["config"]: r for r in rows if r["load"] == level}
         fixed = [at[c] for c in ("k=2", "k=4", "k=8") if c in at]
