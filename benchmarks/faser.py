@@ -117,26 +117,16 @@ def summarize(runs: list[dict]) -> dict:
             "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted / len(runs)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", type=float, nargs=3, default=[0.15, 0.6, 40.0],
-                    help="low, medium, high req/s (high must queue work: 2-6/s no longer does on a 2-core CPU)")
-    ap.add_argument("--requests", type=int, nargs=3, default=[6, 12, 48], help="requests at each rate")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--drafter", default="ngram", choices=list(DRAFTERS))
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1, help="serve every cell this many times, configs alternating")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+LEVELS = ("low", "medium", "high")
+
+
+def measure(args) -> list[dict]:
     tok = load_tokenizer(None)
     code, chat = workload(tok, "code-edit"), workload(tok, "chat")
     prompts = [p for pair in zip(code, chat) for p in pair]            # alternate good and bad acceptors
     configs = [c for c in args.configs if args.drafter == "ngram" or not CONFIGS[c] or
                not CONFIGS[c].get("overlap_draft")]                 # overlap needs a stateless drafter
-    levels = list(zip(("low", "medium", "high"), args.rates, args.requests))
+    levels = list(zip(LEVELS, args.rates, args.requests))
     runs: dict[tuple[str, str], list[dict]] = {}
     for rep in range(args.repeats):
         for name in configs:
@@ -152,35 +142,102 @@ def main() -> None:
                                   "tokens_per_s": r["tokens"] / r["makespan"], "draft_tokens": r["drafted"]}),
                       flush=True)
             del core
-    rows = [{"config": name, "drafter": args.drafter, "load": level, "rate": rate, "requests": num,
+    return [{"config": name, "drafter": args.drafter, "load": level, "rate": rate, "requests": num,
              "repeats": args.repeats, **summarize(runs[name, level])}
             for name in configs for level, rate, num in levels]
+
+
+def report(rows: list[dict]) -> None:
     print("\n| load | config | tok/s (range) | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms | acceptance "
           "| draft tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: ("low", "medium", "high").index(r["load"])):
+    for r in sorted(rows, key=lambda r: LEVELS.index(r["load"])):
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        lo, hi = r["tokens_per_s_runs"][0], r["tokens_per_s_runs"][-1]
-        spread = f" ({lo:.1f}–{hi:.1f})" if len(r["tokens_per_s_runs"]) > 1 else ""
+        runs = r.get("tokens_per_s_runs", [r["tokens_per_s"]])
+        spread = f" ({runs[0]:.1f}–{runs[-1]:.1f})" if len(runs) > 1 else ""
         print(f"| {r['load']} | {r['config']} | {r['tokens_per_s']:.1f}{spread} | {r['itl_p50_ms']:.0f} | "
               f"{r['itl_p99_ms']:.0f} | {r['tpot_p50_ms']:.0f} | {r['tpot_p99_ms']:.0f} | {acc} | "
               f"{r['draft_tokens']:.0f} |")
-    for level in ("low", "medium", "high"):
+    for level in LEVELS:
         at = {r["config"]: r for r in rows if r["load"] == level}
         fixed = [at[c] for c in ("k=2", "k=4", "k=8") if c in at]
-        if "faser" not in at or not fixed:
+        if not fixed:
             continue
         best = max(fixed, key=lambda r: r["tokens_per_s"])
-        f = at["faser"]
-        line = (f"{level}: faser {f['tokens_per_s'] / best['tokens_per_s']:.2f}x the tok/s of the best fixed "
-                f"{best['config']}, p99 ITL {best['itl_p99_ms'] / f['itl_p99_ms']:.2f}x lower")
-        if "off" in at:
-            line += f"; {f['tokens_per_s'] / at['off']['tokens_per_s']:.2f}x spec off"
-        print(line)
-    if args.json:
+        for name in [c for c in at if c.startswith("faser")]:
+            f = at[name]
+            line = (f"{level}: {name} {f['tokens_per_s'] / best['tokens_per_s']:.2f}x the tok/s of the best fixed "
+                    f"{best['config']}, p99 ITL {best['itl_p99_ms'] / f['itl_p99_ms']:.2f}x lower")
+            if "off" in at:
+                line += f"; {f['tokens_per_s'] / at['off']['tokens_per_s']:.2f}x spec off"
+            print(line)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Two panels, one group of bars per load: tok/s relative to spec off (the range of the repeats as an
+    error bar) and p99 inter-token latency."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    at = {(r["config"], r["load"]): r for r in rows}
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(configs)
+    for j, name in enumerate(configs):
+        xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(LEVELS))]
+        rel, lo, hi, p99 = [], [], [], []
+        for level in LEVELS:
+            r, off = at[name, level], at.get(("off", level))
+            base = off["tokens_per_s"] if off else 1.0
+            runs = r.get("tokens_per_s_runs", [r["tokens_per_s"]])
+            rel.append(r["tokens_per_s"] / base)
+            lo.append((r["tokens_per_s"] - runs[0]) / base)
+            hi.append((runs[-1] - r["tokens_per_s"]) / base)
+            p99.append(r["itl_p99_ms"])
+        ax_t.bar(xs, rel, width, yerr=[lo, hi], capsize=2, label=name)
+        ax_l.bar(xs, p99, width, label=name)
+    for ax in (ax_t, ax_l):
+        ax.set_xticks(range(len(LEVELS)))
+        ax.set_xticklabels([f"{lv}\n{at[configs[0], lv]['rate']:g} req/s, {at[configs[0], lv]['requests']}"
+                            for lv in LEVELS])
+    ax_t.axhline(1.0, color="grey", ls=":", lw=1)
+    ax_t.set_ylabel("output tok/s relative to spec off")
+    ax_l.set_ylabel("p99 inter-token latency, ms")
+    ax_l.set_yscale("log")
+    drafter, reps = rows[0]["drafter"], rows[0].get("repeats", 1)
+    fig.suptitle(f"FASER under bursty load, {drafter} drafting (median of {reps} runs)")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=len(configs), fontsize=9)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", type=float, nargs=3, default=[0.15, 0.6, 40.0],
+                    help="low, medium, high req/s (high must queue work: 2-6/s no longer does on a 2-core CPU)")
+    ap.add_argument("--requests", type=int, nargs=3, default=[6, 12, 48], help="requests at each rate")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--drafter", default="ngram", choices=list(DRAFTERS))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="serve every cell this many times, configs alternating")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="write the bar charts (tok/s vs spec off, p99 ITL) here")
+    ap.add_argument("--render", default=None, help="a --json file of an earlier run: table and plot only")
+    args = ap.parse_args()
+    if args.render:
+        with open(args.render) as fh:
+            rows = json.load(fh)
+    else:
+        rows = measure(args)
+    report(rows)
+    if args.json and not args.render:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
-
+    if args.plot:
+        plot(rows, args.plot)
 
 if __name__ == "__main__":
     main()
