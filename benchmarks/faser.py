@@ -18,6 +18,8 @@ for: faser vs spec off and vs the best fixed k.
 
     python benchmarks/faser.py --rates 0.15 0.6 40 --requests 6 12 48 --max-tokens 32 --json out.json
     python benchmarks/faser.py --drafter lossy_kv ...      # a drafter whose every draft token costs a forward
+    python benchmarks/faser.py --drafter lossy_kv --repeats 3 --json out.json --plot out.png
+    python benchmarks/faser.py --render out.json --plot out.png   # table and plot of a saved run
 """
 from __future__ import annotations
 
@@ -227,6 +229,8 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="write the bar charts (tok/s vs spec off, p99 ITL) here")
     ap.add_argument("--render", default=None, help="a --json file of an earlier run: table and plot only")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.render:
         with open(args.render) as fh:
             rows = json.load(fh)
@@ -238,6 +242,7 @@ def main() -> None:
             json.dump(rows, fh, indent=1)
     if args.plot:
         plot(rows, args.plot)
+
 
 if __name__ == "__main__":
     main()
