@@ -38,7 +38,7 @@ from speculation import NGRAM, noise_like, workload  # noqa: E402
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from specserve.scheduler.engine import EngineCore  # noqa: E402
 from specserve.scheduler.messages import EngineRequest  # noqa: E402
-from specserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+from specserve.spec_phases.sampling_params import SamplingParams  # noqa: E402
 from specserve.server.tokenizer import load_tokenizer  # noqa: E402
 
 # drafters: n-gram (drafts cost nothing, so a long fixed k is cheap) and VeriCache's lossy_kv (the target

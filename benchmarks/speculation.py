@@ -14,7 +14,7 @@ import time
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.server.tokenizer import load_tokenizer
 
 CODE = '''def total_price(items, tax_rate):

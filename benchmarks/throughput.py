@@ -19,7 +19,7 @@ import torch
 from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 
 
 def copy_bandwidth(device: str = "cpu", num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:

@@ -36,7 +36,7 @@ from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.server.tokenizer import load_tokenizer
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.proposers.lossy_kv import _DenseCache, build_compressor

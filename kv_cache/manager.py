@@ -1,8 +1,10 @@
-"""KV cache manager: per-request block tables over one or more pools.
+"""KV cache manager: per-request block tables over one or more block pools, and the drafting
+cache's byte ledger.
 
 Memory answers; the scheduler decides. `allocate` returns the new block ids or None and never
-evicts a running request. With several pools (VeriCache: a compressed pool on the device, the full
-cache in host memory) every request holds a table in each and an allocation succeeds in all or none.
+evicts a running request. With several block pools every request holds a table in each; with
+VeriCache's drafting cache (`kv_cache/draft_pool.py`) the request's compressed bytes are reserved
+too. An allocation succeeds in all of them or changes nothing.
 
 A request's slots:
     | computed (prefix hit | computed here) | new tokens | lookahead (drafts) | unused tail of block |
@@ -10,12 +12,13 @@ A request's slots:
 from __future__ import annotations
 
 from specserve.kv_cache.blocks import BlockPool
+from specserve.kv_cache.draft_pool import DraftBudget
 
 _ROOT_HASH = 0x5EED
 
 
 class KVCacheManager:
-    def __init__(self, pools: list[BlockPool]):
+    def __init__(self, pools: list[BlockPool], draft_budget: DraftBudget | None = None):
         if not pools or len({p.block_size for p in pools}) != 1:
             raise ValueError("pools must share one block size")
         if len({p.name for p in pools}) != len(pools):
@@ -26,6 +29,7 @@ class KVCacheManager:
         self.enable_caching = len(pools) == 1 and pools[0].enable_caching
         self.block_tables: dict[str, dict[str, list[int]]] = {p.name: {} for p in pools}
         self.block_hashes: dict[str, list[int]] = {}      # chained hashes of a request's cached blocks
+        self.draft_budget = draft_budget
 
     @property
     def primary(self) -> BlockPool:
@@ -61,13 +65,19 @@ class KVCacheManager:
             self.block_hashes[request_id] = hashes
         return len(hits) * bs
 
-    def allocate(self, request_id: str, num_total_tokens: int) -> list[int] | None:
-        """Grow the request's tables to cover `num_total_tokens` slots (computed + new + lookahead).
-        Returns the primary pool's newly added block ids ([] if none were needed), or None, changing
-        nothing, when some pool cannot cover them."""
+    def allocate(self, request_id: str, num_total_tokens: int,
+                 num_computed_tokens: int = 0) -> list[int] | None:
+        """Grow the request's tables to cover `num_total_tokens` slots (computed + new + lookahead)
+        and its drafting-cache reservation to cover both lengths. Returns the primary pool's newly
+        added block ids ([] if none were needed), or None, changing nothing, when something cannot
+        cover them."""
         need = -(-num_total_tokens // self.block_size)
         wanted = {name: need - len(self.block_tables[name].get(request_id, [])) for name in self.pools}
         if any(n > self.pools[name].num_free_blocks for name, n in wanted.items()):
+            return None
+        budget = self.draft_budget
+        if budget is not None and not budget.reserve(request_id, num_computed_tokens,
+                                                     num_total_tokens):
             return None
         added: list[int] = []
         for name, n in wanted.items():
@@ -99,6 +109,8 @@ class KVCacheManager:
             if table:
                 pool.free(table[::-1])
         self.block_hashes.pop(request_id, None)
+        if self.draft_budget is not None:
+            self.draft_budget.free(request_id)
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Index the request's blocks that are full of computed, committed tokens."""
@@ -123,6 +135,9 @@ class KVCacheManager:
                 for block_id in table:
                     owners[block_id] = owners.get(block_id, 0) + 1
             pool.check_integrity(owners)
+        if self.draft_budget is not None:
+            holders = {r for r, t in self.block_tables[self.primary.name].items() if t}
+            self.draft_budget.check_integrity(holders)
 
     def num_requests_holding_blocks(self) -> int:
         return sum(1 for t in self.block_tables[self.primary.name].values() if t)

@@ -26,7 +26,6 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None):
         self.config = config
         self.core = core or EngineCore(config)
-        self.core.async_owner = self          # tests wait for idle through this
         self.model_info = self.core.model_info
         self.on_step: Callable[[StepStats], None] | None = None    # metrics hook, engine thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,9 +92,10 @@ class AsyncEngine:
                 if not self._drain(block=not self.core.has_unfinished()):
                     return
                 if self.core.has_unfinished():
-                    self._deliver(self.core.step())
-                    if self.on_step is not None:
-                        self.on_step(self.core.scheduler.stats)
+                    step = self.core.step()
+                    self._deliver(step.outputs)
+                    if self.on_step is not None and step.stats is not None:
+                        self.on_step(step.stats)
         except BaseException as exc:              # noqa: BLE001 — any escape kills the engine
             logger.exception("engine loop died")
             self._dead = exc

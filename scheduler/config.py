@@ -1,59 +1,11 @@
 """Engine configuration: frozen dataclasses validated once. CLI flags map onto these fields."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
-SPEC_METHODS = ("ngram", "layer_skip", "token_recycling", "lossy_kv")
+from specserve.spec_phases.config import SPEC_METHODS, SpeculativeConfig, WorkerConfig
 
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """`--speculative-config` JSON, vLLM's key names where they exist (openai-api.md §11)."""
-    method: str
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
-    recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
-    adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
-    overlap_draft: bool = False                     # FASER overlap: with frontiers, draft the next step of
-                                                    # requests the first frontier decided on a thread
-                                                    # (n-gram only; measured: no gain, docs/BENCHMARKS.md)
-    frontier_size: int = 0                          # FASER early pruning: verify drafts in frontiers of
-                                                    # this many positions; a request whose drafts were
-                                                    # rejected skips the later ones. 0: one verify pass
-    kv_compressor: str = "mustafar"                 # lossy_kv: the drafting cache's compressor
-    kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings (JSON)
-    full_kv_in_host: bool | None = None             # lossy_kv: None -> host pool on CUDA, device on CPU
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if not 0 <= self.num_speculative_tokens <= 32:
-            raise ValueError("num_speculative_tokens must be in [0, 32]")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.overlap_draft and (self.method != "ngram" or not self.frontier_size):
-            raise ValueError("overlap_draft needs method ngram (a stateless drafter) and frontier_size > 0")
-        size = self.frontier_size
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 32:
-            raise ValueError(f"frontier_size must be an integer in [0, 32] (0: verify in one pass), got {size!r}")
-
-    @classmethod
-    def from_json(cls, text: str | dict | None) -> SpeculativeConfig | None:
-        if text is None or text == "":
-            return None
-        data = json.loads(text) if isinstance(text, str) else dict(text)
-        known = {f.name for f in fields(cls)} - {"extra"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown --speculative-config keys: {unknown}")
-        if data.get("skip_layers") is not None:
-            data["skip_layers"] = tuple(data["skip_layers"])
-        return cls(**data)
-
+__all__ = ["SPEC_METHODS", "EngineConfig", "SchedulerConfig", "SpeculativeConfig"]
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -94,3 +46,24 @@ class EngineConfig:
             if spec is None or spec.method != "lossy_kv" or spec.full_kv_in_host is False:
                 raise ValueError("host_kv_cache_memory_gb sizes the full-KV host pool of lossy_kv "
                                  "(--speculative-config '{\"method\": \"lossy_kv\"}', full_kv_in_host not false)")
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            kv_cache_memory_gb=self.kv_cache_memory_gb,
+            host_kv_cache_memory_gb=self.host_kv_cache_memory_gb,
+            num_kv_blocks=self.num_kv_blocks, seed=self.seed, num_threads=self.num_threads,
+            tiny_random_seed=self.tiny_random_seed, cpu_weight_packing=self.cpu_weight_packing,
+            speculative=self.speculative)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler's policy needs, derived by the engine from EngineConfig and the model."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_speculative_tokens: int = 0
+    adaptive: bool = False              # FASER's controller picks each request's draft length
+    frontier_size: int = 0              # FASER early pruning: verify drafts f positions at a time

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases.plan import TokenLogprob  # noqa: F401  (re-exported for the server)
 
 

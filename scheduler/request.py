@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -6,14 +6,14 @@ It covers prefill chunks, prefix hits, resuming after preemption and verify rows
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.scheduler.faser import DraftLengthController
 from specserve.scheduler.messages import RequestOutput, SpecStats
 from specserve.scheduler.request import Request, RequestStatus
-from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult
+from specserve.scheduler.config import SchedulerConfig
+from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult, needs_history
 
 
 @dataclass
@@ -41,34 +41,24 @@ class StepStats:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], num_speculative_tokens: int = 0,
-                 adaptive: bool = False, frontier_size: int = 0,
-                 draft_bytes_for: Callable[[int], int] | None = None, draft_capacity: int | None = None):
-        """draft_bytes_for(n) / draft_capacity (VeriCache, both or neither): the device bytes one
-        request's compressed drafting cache takes at n tokens, and the device budget for all of them.
-        Requests are then admitted and preempted by those bytes as well as by KV blocks."""
-        if (draft_bytes_for is None) != (draft_capacity is None):
-            raise ValueError("draft_bytes_for and draft_capacity go together")
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+        """kv answers for full blocks and, with VeriCache's drafting cache, for its device bytes:
+        requests are admitted and preempted by both."""
         self.kv = kv
-        self.draft_bytes_for = draft_bytes_for
-        self.draft_capacity = draft_capacity
-        self.reserved: dict[str, int] = {}           # request id -> compressed bytes reserved (running only)
-        self.reserved_total = 0
-        self._preempted_ids: list[str] = []
-        self.last_swap_h2d = 0                       # full-KV bytes the last step staged (FASER cost)
-        self.num_speculative_tokens = num_speculative_tokens
-        self.frontier_size = frontier_size
-        self.controller = DraftLengthController(num_speculative_tokens) if adaptive and num_speculative_tokens else None
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = config.eos_token_ids
+        self.num_speculative_tokens = k = config.num_speculative_tokens
+        self.controller = DraftLengthController(k) if config.adaptive and k else None
+        self.last_swap_h2d = 0                       # full-KV bytes the last step staged (FASER)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._finished_ids: list[str] = []
-        self.stats = StepStats()
+        self._finished_ids: list[str] = []           # to release with the next plan
+        self._preempted_ids: list[str] = []
+        self._stats = StepStats()                    # the step being planned and committed
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -93,18 +83,12 @@ class Scheduler:
                 outputs.append(self._output(req, [], None, error=message))
         return outputs
 
-    def take_finished_ids(self) -> list[str]:
-        """Requests finished since the last call: the engine releases their device-side state."""
-        finished, self._finished_ids = self._finished_ids, []
-        return finished
-
-    def take_preempted_ids(self) -> list[str]:
-        """Requests preempted since the last call: the engine drops their drafting caches."""
-        preempted, self._preempted_ids = self._preempted_ids, []
-        return preempted
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_work(self) -> bool:
+        """Requests to run, or device-side state to release with the next plan."""
+        return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids)
 
     @property
     def num_waiting(self) -> int:
@@ -112,7 +96,7 @@ class Scheduler:
 
     # -- schedule ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        self.stats = StepStats()
+        self._stats = StepStats()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []          # (request, tokens, draft slots)
         preempted = False
@@ -123,8 +107,7 @@ class Scheduler:
             num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # shorten drafts, not rows
             num_new = min(req.num_tokens - req.num_computed_tokens, budget - num_drafts) + num_drafts
             total = req.num_computed_tokens + num_new
-            while (not self._reserve(req, total)
-                   or self.kv.allocate(req.request_id, total) is None):
+            while self.kv.allocate(req.request_id, total, req.num_computed_tokens) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -142,7 +125,7 @@ class Scheduler:
 
     def draft_len(self, req: Request) -> int:
         """Draft slots for a decoding request this step: the configured k, capped per request and by
-        what is left of max_tokens and of the context. (FASER's controller will choose it.)"""
+        what is left of max_tokens and of the context (FASER's controller may choose fewer)."""
         if self.num_speculative_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
             return 0
         k = self.num_speculative_tokens
@@ -168,15 +151,13 @@ class Scheduler:
             if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
                 hit = self.kv.match_prefix(req.request_id, req.all_token_ids)
                 req.num_computed_tokens = hit
-                self.stats.prefix_cache_queries += req.num_tokens
-                self.stats.prefix_cache_hits += hit
+                self._stats.prefix_cache_queries += req.num_tokens
+                self._stats.prefix_cache_hits += hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             total = req.num_computed_tokens + num_new
-            if (not self._reserve(req, total)
-                    or self.kv.allocate(req.request_id, total) is None):
-                self._unreserve(req)
+            if self.kv.allocate(req.request_id, total, req.num_computed_tokens) is None:
                 self.kv.free(req.request_id)                   # release prefix hits; retry next step
                 req.num_computed_tokens = 0
                 break
@@ -187,55 +168,17 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    # -- compressed (device) bytes: VeriCache's drafting caches ----------------------------------
-    def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Reserve the compressed bytes `req`'s drafting cache may hold while it computes up to
-        num_tokens tokens; False, changing nothing, if they do not fit next to the others'.
-
-        The cache holds the verified prefix, whose size is not monotonic in the token count (a page
-        forming replaces dense tokens with packed ones), so the reservation is the maximum of the
-        request's previous one and the predicted bytes at its current and at its new length: it
-        covers whatever the cache holds now, during this step and after it commits."""
-        if self.draft_bytes_for is None:
-            return True
-        old = self.reserved.get(req.request_id, 0)
-        need = max(old, self.draft_bytes_for(req.num_computed_tokens), self.draft_bytes_for(num_tokens))
-        if self.reserved_total - old + need > self.draft_capacity:
-            return False
-        self.reserved[req.request_id] = need
-        self.reserved_total += need - old
-        return True
-
-    def _unreserve(self, req: Request) -> None:
-        self.reserved_total -= self.reserved.pop(req.request_id, 0)
-
-    def check_integrity(self) -> None:
-        """Compressed-byte reservations: held by running requests only, summed correctly, in budget."""
-        if self.draft_bytes_for is None:
-            if self.reserved or self.reserved_total:
-                raise AssertionError("draft-cache reservations without a draft-cache budget")
-            return
-        running = {r.request_id for r in self.running}
-        if set(self.reserved) != running:
-            raise AssertionError(f"reservations {sorted(self.reserved)[:5]} do not match the running requests "
-                                 f"{sorted(running)[:5]}")
-        if self.reserved_total != sum(self.reserved.values()):
-            raise AssertionError(f"reserved total {self.reserved_total} != sum {sum(self.reserved.values())}")
-        if self.reserved_total > self.draft_capacity:
-            raise AssertionError(f"reserved {self.reserved_total} bytes > capacity {self.draft_capacity}")
-
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the KV, keep the tokens, go back to the head of the queue."""
         self.running.remove(req)
         self.kv.free(req.request_id)
-        self._unreserve(req)
         self._preempted_ids.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         if req.num_output_tokens == 0:
             req.prompt_logprobs = []                           # recomputed with the prompt
-        self.stats.num_preemptions += 1
+        self._stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _plan(self, scheduled: list[tuple[Request, int, int]]) -> StepPlan:
@@ -243,22 +186,30 @@ class Scheduler:
         for req, num_new, num_drafts in scheduled:
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start:start + num_new]
-            sample = start + num_new >= req.num_tokens
             if start < req.num_prompt_tokens:
-                self.stats.num_prompt_tokens += min(num_new, req.num_prompt_tokens - start)
+                self._stats.num_prompt_tokens += min(num_new, req.num_prompt_tokens - start)
+            prompt_logprobs = (req.want_prompt_logprobs and req.num_output_tokens == 0
+                               and start < req.num_prompt_tokens)
+            history = needs_history(req.params, num_drafts, prompt_logprobs)
             out.append(ScheduledRequest(
-                request_id=req.request_id, token_ids=tokens, num_computed_tokens=start,
-                num_draft_tokens=num_drafts, block_ids=list(self.kv.block_ids(req.request_id)),
-                sample=sample, params=req.params, prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids,
-                want_prompt_logprobs=(req.want_prompt_logprobs and req.num_output_tokens == 0
-                                      and start < req.num_prompt_tokens)))
-        return StepPlan(out, frontier_size=self.frontier_size)
+                request_id=req.request_id, token_ids=tuple(tokens), num_computed_tokens=start,
+                num_draft_tokens=num_drafts, block_ids=tuple(self.kv.block_ids(req.request_id)),
+                sample=start + num_new >= req.num_tokens, params=req.params,
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                history=tuple(req.all_token_ids) if history else (),
+                want_prompt_logprobs=prompt_logprobs))
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        preempted, self._preempted_ids = tuple(self._preempted_ids), []
+        return StepPlan(tuple(out), frontier_size=self.config.frontier_size,
+                        finished_ids=finished, preempted_ids=preempted)
 
     # -- commit ------------------------------------------------------------------------------
-    def commit(self, plan: StepPlan, result: StepResult, swap_bytes: tuple[int, int] = (0, 0)) -> list[RequestOutput]:
-        """swap_bytes: (host->device, device->host) full-cache bytes the step moved (VeriCache)."""
+    def commit(self, plan: StepPlan,
+               result: StepResult) -> tuple[list[RequestOutput], StepStats]:
+        """Append accepted tokens, roll back rejected draft slots, finish, index full blocks.
+        Returns one output delta per request that produced something, and the step's stats."""
         outputs = []
+        stats = self._stats
         for sreq in plan.requests:
             req = self.requests.get(sreq.request_id)
             if req is None or req.status.is_finished:
@@ -269,21 +220,20 @@ class Scheduler:
             if not sreq.sample:
                 continue
             sampled = result.sampled[sreq.request_id]
-            tokens = sampled.token_ids
-            num_accepted = len(tokens) - 1
-            req.num_computed_tokens += num_accepted          # verified drafts; rejected ones roll back
+            num_accepted = len(sampled.token_ids) - 1
+            req.num_computed_tokens += num_accepted          # verified drafts; rejected roll back
             if sampled.num_drafted:
                 self._count_spec(req, sampled.num_drafted, num_accepted)
-                self.stats.num_pruned_tokens += sampled.num_pruned
+                stats.num_pruned_tokens += sampled.num_pruned
             if self.controller is not None and sreq.num_draft_tokens:
                 self.controller.observe(req.request_id, sampled.num_drafted, num_accepted)
             new_tokens = []
-            for tok in tokens:
+            for tok in sampled.token_ids:
                 req.append(tok)
                 new_tokens.append(tok)
                 if req.check_stop(self.eos_token_ids, self.max_model_len):
                     break
-            self.stats.num_generation_tokens += len(new_tokens)
+            stats.num_generation_tokens += len(new_tokens)
             logprobs = sampled.logprobs[:len(new_tokens)] if sampled.logprobs is not None else None
             if req.status.is_finished:
                 self._finish(req, req.status)
@@ -291,24 +241,26 @@ class Scheduler:
                 self.kv.rollback(req.request_id, req.num_tokens)
                 self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             outputs.append(self._output(req, new_tokens, logprobs))
-        self.stats.num_running, self.stats.num_waiting = len(self.running), len(self.waiting)
-        self.stats.kv_usage = self.kv.usage()
-        self.stats.swap_bytes_h2d, self.stats.swap_bytes_d2h = swap_bytes
-        self.last_swap_h2d = swap_bytes[0]
-        self.stats.step_time_s = result.step_time_s
-        self.stats.num_frontiers = result.num_frontiers
+        stats.num_running, stats.num_waiting = len(self.running), len(self.waiting)
+        stats.kv_usage = self.kv.usage()
+        stats.swap_bytes_h2d, stats.swap_bytes_d2h = result.swap_bytes
+        self.last_swap_h2d = result.swap_bytes[0]
+        stats.step_time_s = result.step_time_s
+        stats.num_frontiers = result.num_frontiers
         if self.controller is not None:
             drafted = [s.num_drafted for s in result.sampled.values()]
             self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),
-                                         result.step_time_s, swap_bytes=swap_bytes[0], draft_tokens=sum(drafted),
+                                         result.step_time_s, swap_bytes=result.swap_bytes[0],
+                                         draft_tokens=sum(drafted),
                                          draft_passes=result.draft_passes)
-        return outputs
+        self._stats = StepStats()
+        return outputs, stats
 
     def _count_spec(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         req.num_drafts += 1
         req.num_draft_tokens += num_drafted
         req.num_accepted_tokens += num_accepted
-        s = self.stats
+        s = self._stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafted
         s.num_accepted_tokens += num_accepted
@@ -326,12 +278,11 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
-        self._unreserve(req)
         self.requests.pop(req.request_id, None)
         if self.controller is not None:
             self.controller.release(req.request_id)
         self._finished_ids.append(req.request_id)
-        self.stats.finished.append((req.request_id, status.finish_reason or ""))
+        self._stats.finished.append((req.request_id, status.finish_reason or ""))
 
     def _output(self, req: Request, new_tokens: list[int], logprobs, error: str | None = None) -> RequestOutput:
         first = bool(new_tokens) and req.num_output_tokens == len(new_tokens)

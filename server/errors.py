@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from specserve.scheduler.messages import EngineDeadError, EngineOverloadedError
-from specserve.scheduler.sampling_params import ParamError
+from specserve.spec_phases.sampling_params import ParamError
 
 logger = logging.getLogger("specserve.server")
 

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest, TokenLogprob
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 
 
 @dataclass
@@ -50,7 +50,7 @@ class LLM:
             results[req.request_id] = GenerateOutput(ids, [], "", None, [])
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 res = results[out.request_id]
                 res.token_ids.extend(out.new_token_ids)
                 res.logprobs.extend(out.new_logprobs or [])

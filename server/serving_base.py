@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from specserve.scheduler.messages import EngineRequest, ModelInfo
-from specserve.scheduler.sampling_params import ParamError, SamplingParams
+from specserve.spec_phases.sampling_params import ParamError, SamplingParams
 from specserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_token_text
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, map_engine_exception

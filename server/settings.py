@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from specserve.kv_cache.compress import registry as kv_compressors
 from specserve.scheduler.config import SpeculativeConfig
-from specserve.scheduler.sampling_params import MAX_LOGPROBS
+from specserve.spec_phases.sampling_params import MAX_LOGPROBS
 
 VERSION = "0.1.0"
 

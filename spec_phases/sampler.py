@@ -1,9 +1,9 @@
 """Batched sampling: logit processors, greedy / temperature / top-k / top-p / min-p, raw logprobs.
 
 One row per position to sample (a request's last position, or each verify row once drafts exist).
-Rows of requests with a `seed` draw their noise from the request's own generator, so their output
-does not depend on what else is in the batch; other rows share one batched draw.
-Sampling uses the exponential race: argmax(p / E), E ~ Exp(1), is an exact draw from p.
+A row draws by inverse CDF from one uniform: the first token whose cumulative probability exceeds
+u. A seeded request's uniform at a position is a hash of (seed, position), so its text depends on
+neither the batch nor speculation; other rows share one generator.
 """
 from __future__ import annotations
 
@@ -11,24 +11,37 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.spec_phases.plan import TokenLogprob
+from specserve.spec_phases.plan import ScheduledRequest, TokenLogprob
+from specserve.spec_phases.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class SampleRow:
-    params: object                        # SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]           # history before this row (committed output + earlier drafts)
-    generator: torch.Generator | None     # the request's own generator when it has a seed
+    params: SamplingParams
+    num_output_tokens: int                # output tokens before this row (committed + drafts)
+    prompt_token_ids: tuple[int, ...] = ()    # for penalties only
+    output_token_ids: tuple[int, ...] = ()    # for penalties only: the history before this row
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that is a fixed function of (seed, position) (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * mult) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+_MASK64 = (1 << 64) - 1
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device | str,
-                 seed: int = 0):
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 device: torch.device | str, seed: int = 0):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)    # unseeded rows' uniforms (host)
 
     # -- logit processors ---------------------------------------------------------------------
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -38,7 +51,7 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias.keys()), device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
-            if len(row.output_token_ids) < p.min_tokens:
+            if row.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
@@ -67,16 +80,34 @@ class Sampler:
         logits[idx] = sub
 
     # -- sampling -----------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Processed logits [num_rows, vocab] -> token ids [num_rows]."""
-        greedy = [r.params.temperature == 0 for r in rows]
+    def uniforms(self, spans: list[tuple[ScheduledRequest, int]]) -> list[torch.Tensor]:
+        """One uniform per row for each (request, rows) starting at its next position: from
+        (seed, position) for seeded requests, from the shared generator for the others (drawn in
+        request order, so every way of splitting the rows sees the same numbers)."""
+        out = []
+        for r, n in spans:
+            seed = r.params.seed
+            if seed is None:
+                out.append(torch.rand(n, generator=self.generator, dtype=torch.float64))
+            else:
+                pos = r.next_position
+                out.append(torch.tensor([position_uniform(seed, pos + i) for i in range(n)],
+                                        dtype=torch.float64))
+        return out
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow],
+               uniforms: torch.Tensor) -> torch.Tensor:
+        """Processed logits [num_rows, vocab] -> token ids [num_rows]; uniforms [num_rows]."""
         tokens = logits.argmax(dim=-1)
-        if all(greedy):
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not sampled:
             return tokens
-        probs = self.probs(logits, rows)
-        noise = self.exponential_noise(rows, probs.shape[1], probs.device)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
+        idx = torch.tensor(sampled, device=logits.device)
+        cdf = self.probs(logits[idx], [rows[i] for i in sampled]).double().cumsum(dim=-1)
+        u = uniforms[sampled].to(cdf.device)[:, None] * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(cdf.shape[1] - 1)
+        tokens[idx] = drawn
+        return tokens
 
     def probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Target distribution of each row after temperature, min-p, top-k and top-p (greedy rows
@@ -94,17 +125,6 @@ class Sampler:
         if min(top_k) < self.vocab_size or min(top_p) < 1.0:
             logits = _top_k_top_p(logits, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
         return logits.softmax(dim=-1)
-
-    def exponential_noise(self, rows: list[SampleRow], vocab: int, device: torch.device) -> torch.Tensor:
-        noise = torch.empty(len(rows), vocab, device=device)
-        shared = [i for i, r in enumerate(rows) if r.generator is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(
-                generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
-        return noise
 
     # -- logprobs -----------------------------------------------------------------------------
     @staticmethod

@@ -1,20 +1,28 @@
-"""The worker: model + KV storage + runner on one device. The scheduler reaches the device only
-through `Worker.execute(plan)`; everything it needs to know comes back as plain numbers."""
+"""The worker: model, KV storage, drafter and verifier on one device. The scheduler reaches the
+device only through `Worker.execute(plan) -> StepResult` (spec_phases/plan.py)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
+from specserve.kv_cache.draft_pool import DraftBudget, DraftPool
 from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
+from specserve.spec_phases.config import SpeculativeConfig, WorkerConfig
+from specserve.spec_phases.frontiers import FrontierVerifier
 from specserve.spec_phases.loader import load_model
-from specserve.spec_phases.plan import StepPlan, StepResult
-from specserve.spec_phases.proposers.base import Proposer
+from specserve.spec_phases.overlap import DraftAhead
+from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult
+from specserve.spec_phases.proposers.base import DraftRequest, Proposer
 from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer, default_skip_layers
+from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer, build_compressor
 from specserve.spec_phases.proposers.ngram import NgramProposer
 from specserve.spec_phases.proposers.token_recycling import TokenRecyclingProposer
 from specserve.spec_phases.runner import ModelRunner
+from specserve.spec_phases.sampler import Sampler
+from specserve.spec_phases.verify import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -39,125 +47,151 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto", block_size: int = 16,
-                 kv_cache_memory_gb: float = 1.0, num_kv_blocks: int | None = None, seed: int = 0,
-                 num_threads: int | None = None, tiny_seed: int = 0, speculative=None,
-                 host_kv_cache_memory_gb: float | None = None, cpu_weight_packing: bool = True):
-        """kv_cache_memory_gb budgets the device KV: the full cache, or with lossy_kv keeping the full
-        cache in a HostKVPool, the compressed drafting caches; that host pool is then sized from
-        host_kv_cache_memory_gb (None: kv_cache_memory_gb). num_kv_blocks sizes the full cache."""
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        in_host = speculative is not None and speculative.method == "lossy_kv" and self._full_kv_in_host(speculative)
-        if host_kv_cache_memory_gb is not None and not in_host:           # refused before loading weights
-            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the full cache in "
-                             "host memory; on a CPU host set \"full_kv_in_host\": true in --speculative-config")
-        torch.manual_seed(seed)
-        self.model = load_model(model, self.dtype, self.device, tiny_seed=tiny_seed)
-        if cpu_weight_packing and self.model.pack_for_cpu():
+    def __init__(self, config: WorkerConfig):
+        """kv_cache_memory_gb budgets the device KV: the full cache, or with lossy_kv keeping the
+        full cache in a HostKVPool, the compressed drafting caches; that host pool is then sized
+        from host_kv_cache_memory_gb (None: kv_cache_memory_gb). num_kv_blocks sizes the full
+        cache."""
+        self.config = config
+        spec = config.speculative
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        in_host = spec is not None and spec.method == "lossy_kv" and self._full_kv_in_host(spec)
+        if config.host_kv_cache_memory_gb is not None and not in_host:   # before loading weights
+            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the full "
+                             "cache in host memory; on a CPU host set \"full_kv_in_host\": true in "
+                             "--speculative-config")
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, self.dtype, self.device,
+                                tiny_seed=config.tiny_random_seed)
+        if config.cpu_weight_packing and self.model.pack_for_cpu():
             logger.info("linear weights prepacked for oneDNN (fp32 on CPU)")
-        cfg = self.config = self.model.config
-        full_budget_gb = host_kv_cache_memory_gb if host_kv_cache_memory_gb is not None else kv_cache_memory_gb
-        self.num_blocks = num_kv_blocks or num_blocks_for_budget(
-            full_budget_gb * 2**30, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        cfg = self.model_config = self.model.config
+        budget_gb = config.host_kv_cache_memory_gb or config.kv_cache_memory_gb
+        bs = config.block_size
+        self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            budget_gb * 2**30, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget is too small for one block")
-        self.block_size = block_size
-        self.kv_cache_memory_gb = kv_cache_memory_gb
-        shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        self._swap_seen = (0, 0, 0)                    # pool h2d, pool d2h, drafter tokens encoded
-        self.last_swap_bytes = (0, 0)                  # (host->device, device->host) of the last step
+        shape = (cfg.num_layers, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if in_host:
-            self.storage = HostKVPool(*shape)          # VeriCache: the device keeps the compressed cache
+            self.storage = HostKVPool(*shape)      # VeriCache: the device keeps the compressed cache
         else:
             self.storage = KVStorage(*shape, self.device)
-        self.runner = ModelRunner(self.model, self.storage, cfg.eos_token_ids, seed)
-        self.runner.proposer = self._proposer(model, speculative)
-        if speculative is not None and speculative.overlap_draft:
-            self.runner.overlap_drafts, self.runner.overlap_max_len = True, speculative.num_speculative_tokens
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, block_size,
+        self.runner = ModelRunner(self.model, self.storage)
+        self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, self.device, config.seed)
+        self.draft_pool: DraftPool | None = None
+        self.proposer = self._proposer(spec, in_host)
+        self.verifier = Verifier(self.runner, self.sampler, self.proposer)
+        self.draft_ahead = None
+        if spec is not None and spec.overlap_draft and self.proposer is not None:
+            self.draft_ahead = DraftAhead(self.proposer, spec.num_speculative_tokens)
+        self._swap_seen = (0, 0, 0)                # pool h2d, pool d2h, drafting tokens encoded
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, bs,
                     self.storage.nbytes / 2**20, self.dtype, self.device)
 
-    def _full_kv_in_host(self, spec) -> bool:
+    def _full_kv_in_host(self, spec: SpeculativeConfig) -> bool:
         """lossy_kv keeps the full cache in host memory on GPU hosts by default; on a CPU host both
         pools are host memory anyway, so staging is opt-in there (`"full_kv_in_host": true`)."""
         choice = spec.full_kv_in_host
         return self.device.startswith("cuda") if choice is None else bool(choice)
 
-    def _proposer(self, model: str | None, spec) -> Proposer | None:
-        """spec: a SpeculativeConfig (duck-typed; spec_phases does not import scheduler)."""
+    def _proposer(self, spec: SpeculativeConfig | None, in_host: bool) -> Proposer | None:
         if spec is None or spec.num_speculative_tokens == 0:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         if spec.method == "token_recycling":
-            return TokenRecyclingProposer(self.config.vocab_size, spec.recycling_top_k, self.device)
+            return TokenRecyclingProposer(self.model_config.vocab_size, spec.recycling_top_k,
+                                          self.device)
         if spec.method == "layer_skip":
             skip = spec.skip_layers
             if skip is None:
-                skip = default_skip_layers(model, self.model, spec.num_speculative_tokens)
+                skip = default_skip_layers(self.config.model, self.model,
+                                           spec.num_speculative_tokens)
             logger.info("layer_skip drafter skips layers %s", list(skip))
-            return LayerSkipProposer(self.runner.forward_rows, self.config.num_layers, tuple(skip))
+            return LayerSkipProposer(self.runner.forward_rows, self.model_config.num_layers,
+                                     tuple(skip))
         if spec.method == "lossy_kv":
-            from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
-            # with the full cache in the host pool the device KV budget holds only the compressed caches
-            capacity = int(self.kv_cache_memory_gb * 2**30) if isinstance(self.storage, HostKVPool) else None
-            return LossyKVProposer(self.model, self.storage, spec.kv_compressor, dict(spec.kv_compressor_config),
-                                   capacity_bytes=capacity)
-        raise ValueError(f"speculative method {spec.method!r} is not available yet")
+            comp = build_compressor(spec.kv_compressor, self.model,
+                                    dict(spec.kv_compressor_config))
+            # with the full cache in the host pool the device budget holds only compressed caches
+            capacity = int(self.config.kv_cache_memory_gb * 2**30) if in_host else None
+            self.draft_pool = DraftPool(comp, self.storage, self.device, capacity)
+            return LossyKVProposer(self.model, self.draft_pool)
+        raise ValueError(f"speculative method {spec.method!r} is not available")
 
+    # -- the step ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        result = self.runner.execute(plan)
-        self.last_swap_bytes = self._swap_delta()
+        """Release what the plan names, draft, verify."""
+        start = time.perf_counter()
+        if self.draft_pool is not None:
+            self.draft_pool.release(plan.finished_ids + plan.preempted_ids)
+        if not plan.requests:
+            return StepResult()
+        drafts, passes, ahead = self._draft(plan.requests)            # draft phase
+        if plan.frontier_size:                                        # verify phase
+            on_decided = self.draft_ahead.submit if self.draft_ahead is not None else None
+            verifier = FrontierVerifier(self.runner, self.sampler, self.proposer,
+                                        frontier_size=plan.frontier_size, on_decided=on_decided)
+        else:
+            verifier = self.verifier
+        result = verifier.verify(plan.requests, drafts)
+        result.draft_passes, result.num_drafted_ahead = passes, ahead
+        result.swap_bytes = self._swap_delta()
+        result.step_time_s = time.perf_counter() - start
         return result
 
+    def _draft(self, reqs: tuple[ScheduledRequest, ...]
+               ) -> tuple[list[list[int]], list[tuple[int, float]], int]:
+        """Drafts per request (at most its num_draft_tokens), the drafter's passes, and how many
+        requests took drafts made ahead by the overlap thread."""
+        drafts: list[list[int]] = [[] for _ in reqs]
+        early = self.draft_ahead.take() if self.draft_ahead is not None else {}
+        wanted = [i for i, r in enumerate(reqs) if r.sample and r.num_draft_tokens > 0]
+        if self.proposer is None or not wanted:
+            return drafts, [], 0
+        rest = []
+        for i in wanted:
+            made_for, draft = early.get(reqs[i].request_id, (-1, []))
+            if made_for == len(reqs[i].history):              # drafted ahead for this context
+                drafts[i] = draft[:reqs[i].num_draft_tokens]
+            else:
+                rest.append(i)
+        if not rest:
+            return drafts, [], len(wanted)
+        asks = [DraftRequest(reqs[i].request_id, reqs[i].history, reqs[i].num_computed_tokens,
+                             reqs[i].block_ids) for i in rest]
+        out = self.proposer.propose(asks, [reqs[i].num_draft_tokens for i in rest])
+        for i, d in zip(rest, out.token_ids):
+            drafts[i] = d[:reqs[i].num_draft_tokens]
+        return drafts, out.passes, len(wanted) - len(rest)
+
     def _swap_delta(self) -> tuple[int, int]:
-        """Full-cache bytes moved since the last call, with the full cache in a HostKVPool (else 0, 0):
-        host->device = the verify pass's staging (`HostKVPool.bytes_h2d`) plus the drafter's sync reads
-        of newly verified tokens (tokens encoded x full bytes per token); device->host = write-back."""
+        """Full-cache bytes moved since the last call, with the full cache in a HostKVPool (else
+        0, 0): host->device = the verify pass's staging (`HostKVPool.bytes_h2d`) plus the drafting
+        pool's sync reads of newly verified tokens; device->host = write-back."""
         storage = self.storage
         if not isinstance(storage, HostKVPool):
             return 0, 0
-        encoded = getattr(self.runner.proposer, "num_encoded_tokens", 0)
+        encoded = self.draft_pool.num_encoded_tokens if self.draft_pool is not None else 0
         h2d, d2h, seen_encoded = self._swap_seen
         self._swap_seen = (storage.bytes_h2d, storage.bytes_d2h, encoded)
         return (storage.bytes_h2d - h2d + (encoded - seen_encoded) * storage.bytes_per_token,
                 storage.bytes_d2h - d2h)
 
-    def release(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.runner.generators.pop(request_id, None)
-        if self.runner.proposer is not None:
-            self.runner.proposer.release(request_ids)
+    # -- what the engine reads at start-up and in integrity checks ---------------------------
+    def draft_budget(self, max_tokens: int) -> DraftBudget | None:
+        """The drafting cache's byte ledger for contexts up to max_tokens, for the scheduler's KV
+        manager (None without a budgeted drafting pool)."""
+        return self.draft_pool.budget(max_tokens) if self.draft_pool is not None else None
 
-    def release_drafts(self, request_ids: list[str]) -> None:
-        """Drop the drafting caches of preempted requests (recompute preemption frees their compressed
-        bytes too; their sampling generators stay, so seeded sampling resumes where it was)."""
-        proposer = self.runner.proposer
-        if hasattr(proposer, "seq_bytes") and request_ids:           # lossy_kv only
-            proposer.release(request_ids)
-
-    def held_request_ids(self) -> set[str]:
-        """Requests the worker keeps per-request state for (sampling generators, drafter caches)."""
-        held = set(self.runner.generators)
-        if self.runner.proposer is not None:
-            held |= self.runner.proposer.held_request_ids()
-        return held
-
-    def draft_cache_usage(self) -> dict | None:
-        """VeriCache's compressed (device) pool: bytes used by the held drafting caches, the capacity
-        (None when not budgeted) and bytes per token per pool; None without the lossy_kv drafter."""
-        proposer = self.runner.proposer
-        return proposer.bytes_used() if hasattr(proposer, "seq_bytes") else None
-
-    def draft_cache_bytes_for(self, num_tokens: int) -> int | None:
-        """Compressed bytes one request's drafting cache will take at num_tokens tokens (None without
-        the lossy_kv drafter): with `draft_cache_usage()["capacity_bytes"]`, enough to admit by
-        device memory."""
-        proposer = self.runner.proposer
-        return proposer.seq_bytes(num_tokens) if hasattr(proposer, "seq_bytes") else None
+    def check_integrity(self, live_ids: set[str], reserved_bytes: int | None) -> None:
+        """Per-request device state is held only for live requests, within its reservation."""
+        if self.draft_pool is not None:
+            self.draft_pool.check_integrity(live_ids, reserved_bytes)
 
     @property
     def weight_bytes(self) -> int:

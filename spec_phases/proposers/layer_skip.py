@@ -18,35 +18,35 @@ import torch
 import torch.nn.functional as F
 
 from specserve.spec_phases.paths import cache_dir, resolve_model_path
-from specserve.spec_phases.proposers.base import DraftRequest, StatelessProposer
+from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
 logger = logging.getLogger(__name__)
 
 # (token id, position, block ids) per row -> raw logits [rows, vocab]
-RowForward = Callable[[list[tuple[int, int, list[int]]], list[int]], torch.Tensor]
+RowForward = Callable[[list[tuple[int, int, tuple[int, ...]]], list[int]], torch.Tensor]
 
-class LayerSkipProposer(StatelessProposer):
+class LayerSkipProposer(Proposer):
     name = "layer_skip"
 
     def __init__(self, forward: RowForward, num_layers: int, skip_layers: tuple[int, ...]):
         self.forward = forward
         self.layers = [i for i in range(num_layers) if i not in set(skip_layers)]
-        self.last_passes: list[tuple[int, float]] = []      # (rows, seconds) per draft forward, last call
 
-    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
         drafts: list[list[int]] = [[] for _ in requests]
         current = [r.token_ids[-1] for r in requests]
-        self.last_passes = []
+        passes = []
         for step in range(max(max_lens, default=0)):
             t = time.perf_counter()
             active = [i for i, k in enumerate(max_lens) if k > step]
-            rows = [(current[i], requests[i].num_computed_tokens + step, requests[i].block_ids) for i in active]
+            rows = [(current[i], requests[i].num_computed_tokens + step, requests[i].block_ids)
+                    for i in active]
             next_tokens = self.forward(rows, self.layers).argmax(dim=-1).tolist()
             for i, tok in zip(active, next_tokens):
                 drafts[i].append(tok)
                 current[i] = tok
-            self.last_passes.append((len(active), time.perf_counter() - t))
-        return drafts
+            passes.append((len(active), time.perf_counter() - t))
+        return Drafts(drafts, passes)
 
 
 def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

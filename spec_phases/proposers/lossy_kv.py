@@ -1,12 +1,11 @@
 """VeriCache's drafter: the target model decoding on a compressed (lossy) copy of each request's KV.
 
-Per request a compressor `SequenceState` mirrors the *verified* prefix of the full paged cache. Each
-`propose` first syncs it (encode the full-cache K/V of positions [verified, num_computed_tokens) read
-from `KVStorage` through the block table: prefill chunks, accepted drafts and bonus tokens all arrive
-by this one path), then runs the whole model greedily for `max_len` tokens. The draft tokens' own K/V
-never enter the compressed state: they live in a small dense per-round scratch. So a rejected draft
-costs nothing to undo (the scratch is dropped), no page is ever compressed from unverified K/V, and
-`truncate` is needed only after preemption (then the state is rebuilt from the recomputed cache).
+The drafting pool (`kv_cache/draft_pool.py`) keeps per request a compressor `SequenceState` that
+mirrors the *verified* prefix of the full paged cache. Each `propose` first has the pool sync it,
+then runs the whole model greedily for `max_len` tokens. The draft tokens' own K/V never enter the
+compressed state: they live in a small dense per-round scratch. So a rejected draft costs nothing to
+undo (the scratch is dropped), no page is ever compressed from unverified K/V, and after a
+preemption the pool rebuilds the state from the recomputed cache.
 
 Drafting is batched across requests: one model forward per draft position for every request still
 drafting, and per layer two attention calls for all of them: the compressor's `PagesBatch` over the
@@ -20,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 import torch
 from specserve.kv_cache.compress.base import (
@@ -32,9 +31,8 @@ from specserve.kv_cache.compress.base import (
     merge_attention,
 )
 from specserve.kv_cache.compress.registry import COMPRESSORS
-from specserve.kv_cache.host_pool import HostKVPool
-from specserve.kv_cache.storage import KVStorage
-from specserve.spec_phases.proposers.base import DraftRequest
+from specserve.kv_cache.draft_pool import DraftPool
+from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -175,124 +173,51 @@ class DraftAttention:
         return merge_attention([pages.attend(q, rows), dense])[0].to(q.dtype)
 
 
-class LossyKVProposer:
+class LossyKVProposer(Proposer):
+    """Drafts greedily with the target model over the drafting pool's compressed states."""
     name = "lossy_kv"
 
-    def __init__(self, model, storage: KVStorage | HostKVPool, compressor: str = "mustafar",
-                 settings: dict | None = None, capacity_bytes: int | None = None):
-        """capacity_bytes: the device memory the compressed caches may use (None: not budgeted, e.g.
-        when the full cache is device-resident too); reported by `bytes_used` and enforced by the
-        scheduler, which reserves `seq_bytes` per running request against it (docs/vericache.md)."""
-        self.model, self.storage = model, storage
-        self.capacity_bytes = capacity_bytes
-        self.comp = build_compressor(compressor, model, settings or {})
-        self.compressor_name = compressor
-        self.states: dict[str, SequenceState] = {}
-        self.state_dtype = torch.float16 if storage.k.dtype == torch.float32 else storage.k.dtype
-        # counters (monotonic)
-        self.last_passes: list[tuple[int, float]] = []      # (rows, seconds) per draft forward, last call
-        self.num_rounds = self.num_draft_steps = self.num_encoded_tokens = self.num_rebuilds = 0
-        self.encode_s = self.draft_s = 0.0
-
-    # -- sync --------------------------------------------------------------------------------------
-    def _sync(self, req: DraftRequest) -> SequenceState:
-        """Bring the state to exactly the full cache's first num_computed_tokens tokens."""
-        state = self.states.get(req.request_id)
-        target = req.num_computed_tokens
-        if state is not None and state.num_tokens > target:        # preempted and recomputed
-            state = None
-            self.num_rebuilds += 1
-        if state is None:
-            state = self.states[req.request_id] = self.comp.new_state(self.state_dtype, str(self.device))
-        start = state.num_tokens
-        if target > start:
-            bs = self.block_size
-            pos = torch.arange(start, target)
-            blocks = torch.tensor(req.block_ids)[pos // bs]
-            slots = (blocks * bs + pos % bs).to(self.storage.k.device)   # the full cache may be in host memory
-            for layer in range(len(state.layers)):
-                self.comp.encode(state, layer, self.storage.k[layer][slots].to(self.device),
-                                 self.storage.v[layer][slots].to(self.device))
-            self.num_encoded_tokens += target - start
-        return state
+    def __init__(self, model, pool: DraftPool):
+        self.model, self.pool = model, pool
+        self.num_rounds = self.num_draft_steps = 0         # counters (monotonic)
+        self.draft_s = 0.0
 
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    @property
-    def block_size(self) -> int:
-        return self.storage.block_size
-
-    # -- propose -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
-        t0 = time.perf_counter()
-        states = [self._sync(r) for r in requests]
+    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
+        states = [self.pool.sync(r.request_id, r.num_computed_tokens, r.block_ids)
+                  for r in requests]
         t1 = time.perf_counter()
-        self.encode_s += t1 - t0
         drafts: list[list[int]] = [[] for _ in requests]
-        self.last_passes = []
+        passes = []
         order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
         if order:
             num_steps = max_lens[order[0]]
-            attn = self._attention([states[i] for i in order], num_steps)
+            attn = DraftAttention(self.pool.comp, [states[i] for i in order], num_steps)
             dev = self.device
             current = torch.tensor([requests[i].token_ids[-1] for i in order], device=dev)
             start = torch.tensor([requests[i].num_computed_tokens for i in order], device=dev)
             for step in range(num_steps):
                 t = time.perf_counter()
-                rows = sum(1 for i in order if max_lens[i] > step)        # a prefix: sorted by length
+                rows = sum(1 for i in order if max_lens[i] > step)    # a prefix: sorted by length
                 attn.step = step
                 hidden = self.model(current[:rows], start[:rows] + step, attn)
                 current = self.model.compute_logits(hidden).argmax(-1)
-                for i, tok in zip(order, current.tolist()):             # .tolist() syncs: t is honest
+                for i, tok in zip(order, current.tolist()):         # .tolist() syncs: t is honest
                     drafts[i].append(tok)
                 self.num_draft_steps += 1
-                self.last_passes.append((rows, time.perf_counter() - t))
+                passes.append((rows, time.perf_counter() - t))
         self.num_rounds += 1
         self.draft_s += time.perf_counter() - t1
-        return drafts
-
-    def _attention(self, states: list[SequenceState], max_len: int) -> DraftAttention:
-        return DraftAttention(self.comp, states, max_len)
-
-    def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        pass
-
-    def release(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.states.pop(request_id, None)
-
-    def held_request_ids(self) -> set[str]:
-        return set(self.states)
-
-    # -- accounting --------------------------------------------------------------------------------
-    def bytes_used(self) -> dict[str, float]:
-        """Bytes per pool for the tokens the drafter holds: the compressed (draft, device) pool as
-        packed, the full pool as the paged cache stores those same tokens (storage dtype, all layers).
-        Per token, all layers: the measured compressed average, the steady-state rate of compressed
-        pages, the dense rate of sinks and window, and the full pool's rate."""
-        tokens = sum(s.num_tokens for s in self.states.values())
-        compressed = sum(self.comp.state_bytes(s) for s in self.states.values())
-        k = self.storage.k                                   # [layers, slots, kv_heads, head_dim]
-        full_per_token = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
-        layers = self.comp.config.num_layers
-        return {"num_tokens": tokens, "compressed_bytes": compressed, "full_bytes": tokens * full_per_token,
-                "compressed_bytes_per_token": compressed / tokens if tokens else 0.0,
-                "compressed_page_bytes_per_token": self.comp.bytes_per_token() * layers,
-                "dense_bytes_per_token": float(self.comp.config.dense_bytes_per_token() * layers),
-                "full_bytes_per_token": float(full_per_token),
-                "capacity_bytes": self.capacity_bytes}
-
-    def seq_bytes(self, num_tokens: int) -> int:
-        """Compressed (device) bytes of one request's drafting cache once it holds num_tokens tokens,
-        all layers, known in advance (see `Compressor.predict_state_bytes`): what admission by device
-        memory needs per request."""
-        return self.comp.predict_state_bytes(num_tokens)
+        return Drafts(drafts, passes)
 
     def stats(self) -> dict[str, float]:
-        return {"compressor": self.comp.name, "num_rounds": self.num_rounds,
-                "num_draft_steps": self.num_draft_steps, "num_encoded_tokens": self.num_encoded_tokens,
-                "num_rebuilds": self.num_rebuilds, "encode_s": self.encode_s, "draft_s": self.draft_s,
-                "num_requests": len(self.states), **self.bytes_used()}
+        pool = self.pool
+        return {"compressor": pool.comp.name, "num_rounds": self.num_rounds,
+                "num_draft_steps": self.num_draft_steps,
+                "num_encoded_tokens": pool.num_encoded_tokens, "num_rebuilds": pool.num_rebuilds,
+                "encode_s": pool.encode_s, "draft_s": self.draft_s,
+                **asdict(pool.usage())}

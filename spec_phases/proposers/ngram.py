@@ -5,18 +5,19 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specserve.spec_phases.proposers.base import DraftRequest, StatelessProposer
+from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
 
-class NgramProposer(StatelessProposer):
+class NgramProposer(Proposer):
     name = "ngram"
     drafts_from_tokens_only = True
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
-        return [lookup(r.token_ids, k, self.min_n, self.max_n) if k > 0 else [] for r, k in zip(requests, max_lens)]
+    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
+        return Drafts([lookup(r.token_ids, k, self.min_n, self.max_n) if k > 0 else []
+                       for r, k in zip(requests, max_lens)])
 
 
 def lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:

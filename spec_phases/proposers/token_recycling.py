@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec_phases.proposers.base import DraftRequest, StatelessProposer
+from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
 
-class TokenRecyclingProposer(StatelessProposer):   # the table is shared, not per request
+class TokenRecyclingProposer(Proposer):          # the table is shared, not per request
     name = "token_recycling"
+    learns_from_target = True
 
     def __init__(self, vocab_size: int, top_k: int = 8, device: str | torch.device = "cpu"):
         self.table = torch.full((vocab_size, top_k), -1, dtype=torch.long, device=device)
         self.top_k = top_k
 
-    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
         k_max = max(max_lens, default=0)
         if k_max == 0:
-            return [[] for _ in requests]
+            return Drafts([[] for _ in requests])
         current = torch.tensor([r.token_ids[-1] for r in requests], device=self.table.device)
         chain = []
         for _ in range(k_max):                                 # all requests step together
@@ -32,7 +33,7 @@ class TokenRecyclingProposer(StatelessProposer):   # the table is shared, not pe
         for path, k in zip(paths, max_lens):
             path = path[:k]
             drafts.append(path[:path.index(-1)] if -1 in path else path)
-        return drafts
+        return Drafts(drafts)
 
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         top = logits.topk(self.top_k, dim=-1).indices          # [rows, top_k]

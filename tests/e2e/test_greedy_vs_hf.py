@@ -10,7 +10,7 @@ import torch
 from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases.paths import embedded_model_path
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import pytest
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from specserve.kv_cache.compress.spherical_calib import local_texts
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import max_draft_len
 from specserve.scheduler.messages import EngineRequest
 from specserve.scheduler.request import Request
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
 
 SPEC = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=4, kv_compressor="quant",

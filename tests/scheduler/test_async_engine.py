@@ -5,7 +5,7 @@ import pytest
 from specserve.scheduler.async_engine import AsyncEngine
 from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.messages import EngineDeadError, EngineOverloadedError, EngineRequest
-from specserve.scheduler.sampling_params import ParamError, SamplingParams
+from specserve.spec_phases.sampling_params import ParamError, SamplingParams
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 import pytest
 
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import ParamError, SamplingParams
+from specserve.spec_phases.sampling_params import ParamError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import StepStats
 from specserve.server.cli import build_parser, engine_config
 from specserve.server.metrics import ServerMetrics

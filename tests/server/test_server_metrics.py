@@ -13,7 +13,7 @@ from specserve.scheduler.async_engine import AsyncEngine
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest, RequestOutput
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import StepStats
 from specserve.server.app import build_app
 from specserve.server.metrics import ServerMetrics, make_router

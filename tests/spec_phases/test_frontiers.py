@@ -7,7 +7,7 @@ import pytest
 import torch
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer
 
 K = 6

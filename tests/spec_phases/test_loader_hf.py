@@ -69,7 +69,7 @@ def test_qwen2_style_bias_is_loaded_and_used(tmp_path):
 
 def test_bfloat16_option_runs(make_engine):
     from specserve.scheduler.messages import EngineRequest
-    from specserve.scheduler.sampling_params import SamplingParams
+    from specserve.spec_phases.sampling_params import SamplingParams
     core = make_engine(dtype="bfloat16")
     assert core.worker.storage.k.dtype == torch.bfloat16
     core.add_request(EngineRequest("bf", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))

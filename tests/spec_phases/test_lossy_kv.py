@@ -5,7 +5,7 @@ import torch
 from specserve.kv_cache.storage import KVStorage
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases import loader
 from specserve.spec_phases.model import ModelConfig
 from specserve.spec_phases.proposers.base import DraftRequest

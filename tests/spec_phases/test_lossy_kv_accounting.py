@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 
 SPEC = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=4, kv_compressor="quant",
                          kv_compressor_config={"num_sink": 4, "window": 8, "page_size": 8, "key_bits": 4,

@@ -47,7 +47,7 @@ def test_cpu_packed_weights_match_dense_and_are_optional():
 
 def test_engine_greedy_tokens_do_not_depend_on_weight_packing(make_engine):
     from specserve.scheduler.messages import EngineRequest
-    from specserve.scheduler.sampling_params import SamplingParams
+    from specserve.spec_phases.sampling_params import SamplingParams
     outs = []
     for packing in (True, False):
         engine = make_engine(cpu_weight_packing=packing)

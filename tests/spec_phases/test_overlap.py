@@ -2,7 +2,7 @@
 frontier decided. The drafts it hands over are the drafts (stateless drafter): output identical."""
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 
 
 def prompts():

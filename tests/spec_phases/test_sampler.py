@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases.sampler import SampleRow, Sampler
 
 V = 10

@@ -4,7 +4,7 @@ import torch
 
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
-from specserve.scheduler.sampling_params import SamplingParams
+from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases.proposers.ngram import lookup
 from specserve.spec_phases.proposers.token_recycling import TokenRecyclingProposer
 from specserve.spec_phases.proposers.base import DraftRequest

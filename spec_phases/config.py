@@ -1,0 +1,72 @@
+"""What the worker is built from: plain frozen dataclasses (the engine's config maps onto them)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+SPEC_METHODS = ("ngram", "layer_skip", "token_recycling", "lossy_kv")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` JSON, vLLM's key names where they exist (openai-api.md §11)."""
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
+    recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
+    adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
+    overlap_draft: bool = False                     # FASER overlap: with frontiers, draft the next step of
+                                                    # requests the first frontier decided on a thread
+                                                    # (n-gram only; measured: no gain, docs/BENCHMARKS.md)
+    frontier_size: int = 0                          # FASER early pruning: verify drafts in frontiers of
+                                                    # this many positions; a request whose drafts were
+                                                    # rejected skips the later ones. 0: one verify pass
+    kv_compressor: str = "mustafar"                 # lossy_kv: the drafting cache's compressor
+    kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings (JSON)
+    full_kv_in_host: bool | None = None             # lossy_kv: None -> host pool on CUDA, device on CPU
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if not 0 <= self.num_speculative_tokens <= 32:
+            raise ValueError("num_speculative_tokens must be in [0, 32]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.overlap_draft and (self.method != "ngram" or not self.frontier_size):
+            raise ValueError("overlap_draft needs method ngram (a stateless drafter) and frontier_size > 0")
+        size = self.frontier_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 32:
+            raise ValueError(f"frontier_size must be an integer in [0, 32] (0: verify in one pass), got {size!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict | None) -> SpeculativeConfig | None:
+        if text is None or text == "":
+            return None
+        data = json.loads(text) if isinstance(text, str) else dict(text)
+        known = {f.name for f in fields(cls)} - {"extra"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown --speculative-config keys: {unknown}")
+        if data.get("skip_layers") is not None:
+            data["skip_layers"] = tuple(data["skip_layers"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str | None = None            # None: the embedded GGUF; "tiny-random"; a .gguf; a folder
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0     # device KV budget (lossy_kv with the full cache in host
+                                        # memory: the compressed drafting caches)
+    host_kv_cache_memory_gb: float | None = None   # lossy_kv + full_kv_in_host: the host pool
+    num_kv_blocks: int | None = None    # overrides the budget
+    seed: int = 0
+    num_threads: int | None = None
+    tiny_random_seed: int = 0
+    cpu_weight_packing: bool = True
+    speculative: SpeculativeConfig | None = None
