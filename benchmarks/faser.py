@@ -88,15 +88,16 @@ def serve(core: EngineCore, prompts: list[list[int]], arrivals: list[float], max
         if not core.has_unfinished():
             time.sleep(max(0.0, arrivals[order[nxt]] - now))
             continue
-        outs = core.step()
+        step = core.step()
+        outs = step.outputs
         t = time.perf_counter()
         for o in outs:
             if o.new_token_ids:
                 stamps[o.request_id].append(t)
                 counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
                 tokens += len(o.new_token_ids)
-        drafted += core.scheduler.stats.num_draft_tokens
-        accepted += core.scheduler.stats.num_accepted_tokens
+        drafted += step.stats.num_draft_tokens
+        accepted += step.stats.num_accepted_tokens
     makespan = time.perf_counter() - start - min(arrivals)
     core.check_integrity()
     return {"tokens": tokens, "makespan": makespan, "drafted": drafted, "accepted": accepted,

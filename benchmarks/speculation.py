@@ -72,8 +72,9 @@ def run(core: EngineCore, prompts: list[list[int]], batch: int, max_tokens: int)
         for i, ids in enumerate(prompts[first:first + batch]):
             core.add_request(EngineRequest(f"b{first + i}", ids, params))
         while core.has_unfinished():
-            tokens += sum(len(o.new_token_ids) for o in core.step())
-            s = core.scheduler.stats
+            step = core.step()
+            tokens += sum(len(o.new_token_ids) for o in step.outputs)
+            s = step.stats
             drafts, drafted, accepted = drafts + s.num_drafts, drafted + s.num_draft_tokens, accepted + s.num_accepted_tokens
     elapsed = time.perf_counter() - start
     core.check_integrity()

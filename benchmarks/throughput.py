@@ -49,9 +49,10 @@ def run(core: EngineCore, concurrency: int, prompt_len: int, output_len: int) ->
     while core.has_unfinished():
         contexts = [r.num_tokens for r in core.scheduler.running]
         t = time.perf_counter()
-        outs = core.step()
+        step = core.step()
+        outs = step.outputs
         dt = time.perf_counter() - t
-        stats = core.scheduler.stats
+        stats = step.stats
         tokens += sum(len(o.new_token_ids) for o in outs)
         if stats.num_prompt_tokens == 0 and contexts:            # a pure decode step
             decode_time += dt

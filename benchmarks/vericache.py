@@ -69,10 +69,11 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
         full = len(core.scheduler.running) == len(prompts)
         start = time.perf_counter()
         new = 0
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
             new += len(out.new_token_ids)
-        st = core.scheduler.stats
+        st = step.stats
         if st.num_prompt_tokens == 0:                 # decode-only steps: the throughput we compare
             decode_s += time.perf_counter() - start
             decode_tokens += new

@@ -160,13 +160,16 @@ class DraftPool:
             dense_bytes_per_token=float(self.comp.config.dense_bytes_per_token() * layers),
             full_bytes_per_token=float(full_per_token), capacity_bytes=self.capacity_bytes)
 
-    def check_integrity(self, live_ids: set[str], reserved_bytes: int | None) -> None:
-        """States only for live requests; with a budget, no more bytes than are reserved."""
-        stale = set(self.states) - live_ids
+    def check_integrity(self, live_ids: set[str], releasing: set[str],
+                        reserved_bytes: int | None) -> None:
+        """States only for live requests and those the next plan releases; with a budget, the live
+        ones hold no more bytes than are reserved."""
+        stale = set(self.states) - live_ids - releasing
         if stale:
             raise AssertionError(f"drafting caches held for finished requests: {sorted(stale)[:5]}")
         if reserved_bytes is not None:
-            used = sum(self.comp.state_bytes(s) for s in self.states.values())
+            used = sum(self.comp.state_bytes(s) for r, s in self.states.items()
+                       if r not in releasing)
             if used > reserved_bytes:
                 raise AssertionError(f"drafting caches hold {used} compressed bytes, more than the "
                                      f"{reserved_bytes} reserved")

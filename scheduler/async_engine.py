@@ -89,9 +89,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                if not self._drain(block=not self.core.has_unfinished()):
+                if not self._drain(block=not self.core.has_work()):
                     return
-                if self.core.has_unfinished():
+                if self.core.has_work():
                     step = self.core.step()
                     self._deliver(step.outputs)
                     if self.on_step is not None and step.stats is not None:

@@ -98,7 +98,10 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or device-side state still to release."""
+        return self.scheduler.has_unfinished()
+
+    def has_work(self) -> bool:
+        """Requests to run, or device-side state still to release: the loop steps while true."""
         return self.scheduler.has_work()
 
     # -- the loop ----------------------------------------------------------------------------
@@ -120,7 +123,7 @@ class EngineCore:
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:
         outputs = []
         for _ in range(max_steps):
-            if not self.has_unfinished():
+            if not self.has_work():
                 break
             outputs.extend(self.step().outputs)
         return outputs
@@ -129,7 +132,7 @@ class EngineCore:
         """Every pool balances; per-request device state is held only for live requests."""
         self.kv.check_integrity()
         budget = self.kv.draft_budget
-        self.worker.check_integrity(set(self.scheduler.requests),
+        self.worker.check_integrity(set(self.scheduler.requests), self.scheduler.releasing(),
                                     budget.reserved_total if budget is not None else None)
         if not self.scheduler.has_unfinished() and self.kv.num_requests_holding_blocks():
             raise AssertionError("idle engine still has requests holding KV blocks")

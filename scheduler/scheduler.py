@@ -34,6 +34,7 @@ class StepStats:
     draft_lens: list[int] = field(default_factory=list)
     num_pruned_tokens: int = 0           # draft tokens never computed: an earlier frontier rejected
     num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
+    num_drafted_ahead: int = 0           # requests whose drafts the overlap thread made
     finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
     step_time_s: float = 0.0
     swap_bytes_h2d: int = 0              # lossy_kv with the full cache in host memory: bytes moved this step
@@ -85,6 +86,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def releasing(self) -> set[str]:
+        """Requests whose device-side state the next plan releases."""
+        return set(self._finished_ids) | set(self._preempted_ids)
 
     def has_work(self) -> bool:
         """Requests to run, or device-side state to release with the next plan."""
@@ -247,6 +252,7 @@ class Scheduler:
         self.last_swap_h2d = result.swap_bytes[0]
         stats.step_time_s = result.step_time_s
         stats.num_frontiers = result.num_frontiers
+        stats.num_drafted_ahead = result.num_drafted_ahead
         if self.controller is not None:
             drafted = [s.num_drafted for s in result.sampled.values()]
             self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),

@@ -64,7 +64,7 @@ class ServerMetrics:
         Gauge("vllm:cache_config_info", "KV cache configuration (constant 1).", list(info),
               registry=self.registry).labels(**info).set(1)
         m, base = self.engine_metrics, {"model_name": labels.model_name, "engine": labels.engine}
-        per_token = worker.config.kv_bytes_per_token(worker.dtype)
+        per_token = worker.model_config.kv_bytes_per_token(worker.dtype)
         m.kv_bytes_per_token.labels(**base, pool="full", kv_compressor="none").set(per_token)
         m.kv_cache_bytes.labels(**base, pool="full", tier="device").set(
             per_token * worker.num_blocks * config.block_size)

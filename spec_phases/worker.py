@@ -124,6 +124,7 @@ class Worker:
         raise ValueError(f"speculative method {spec.method!r} is not available")
 
     # -- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Release what the plan names, draft, verify."""
         start = time.perf_counter()
@@ -188,10 +189,12 @@ class Worker:
         manager (None without a budgeted drafting pool)."""
         return self.draft_pool.budget(max_tokens) if self.draft_pool is not None else None
 
-    def check_integrity(self, live_ids: set[str], reserved_bytes: int | None) -> None:
-        """Per-request device state is held only for live requests, within its reservation."""
+    def check_integrity(self, live_ids: set[str], releasing: set[str],
+                        reserved_bytes: int | None) -> None:
+        """Per-request device state is held only for live requests (and those the next plan
+        releases), within its reservation."""
         if self.draft_pool is not None:
-            self.draft_pool.check_integrity(live_ids, reserved_bytes)
+            self.draft_pool.check_integrity(live_ids, releasing, reserved_bytes)
 
     @property
     def weight_bytes(self) -> int:

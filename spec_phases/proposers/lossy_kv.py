@@ -196,7 +196,7 @@ class LossyKVProposer(Proposer):
         order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
         if order:
             num_steps = max_lens[order[0]]
-            attn = DraftAttention(self.pool.comp, [states[i] for i in order], num_steps)
+            attn = self._attention([states[i] for i in order], num_steps)
             dev = self.device
             current = torch.tensor([requests[i].token_ids[-1] for i in order], device=dev)
             start = torch.tensor([requests[i].num_computed_tokens for i in order], device=dev)
@@ -213,6 +213,9 @@ class LossyKVProposer(Proposer):
         self.num_rounds += 1
         self.draft_s += time.perf_counter() - t1
         return Drafts(drafts, passes)
+
+    def _attention(self, states: list[SequenceState], max_len: int) -> DraftAttention:
+        return DraftAttention(self.pool.comp, states, max_len)
 
     def stats(self) -> dict[str, float]:
         pool = self.pool

@@ -36,9 +36,10 @@ def engine_greedy(prompts, **cfg):
     outs = {f"g{i}": [] for i in range(len(prompts))}
     preemptions = 0
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
-        preemptions += core.scheduler.stats.num_preemptions
+        preemptions += step.stats.num_preemptions
     core.check_integrity()
     return [outs[f"g{i}"] for i in range(len(prompts))], preemptions, core
 

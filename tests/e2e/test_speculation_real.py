@@ -34,9 +34,10 @@ def greedy(tokenizer, spec=None):
                                        SamplingParams(max_tokens=32, temperature=0, num_speculative_tokens=cap)))
     outs, accepted = {f"s{i}": [] for i in range(len(TEXTS))}, 0
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
-        accepted += core.scheduler.stats.num_accepted_tokens
+        accepted += step.stats.num_accepted_tokens
     core.check_integrity()
     return [outs[f"s{i}"] for i in range(len(TEXTS))], accepted
 

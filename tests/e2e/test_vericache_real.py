@@ -38,10 +38,11 @@ def greedy(prompts, spec=None):
                                                                    ignore_eos=True)))
     outs, drafted, accepted = {f"s{i}": [] for i in range(len(prompts))}, 0, 0
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
-        drafted += core.scheduler.stats.num_draft_tokens
-        accepted += core.scheduler.stats.num_accepted_tokens
+        drafted += step.stats.num_draft_tokens
+        accepted += step.stats.num_accepted_tokens
     core.check_integrity()
     return [outs[f"s{i}"] for i in range(len(prompts))], drafted, accepted, core
 
@@ -58,6 +59,6 @@ def test_vericache_is_lossless_on_the_real_model(prompts, plain, name):
     out, drafted, accepted, core = greedy(prompts, spec)
     assert out == plain
     assert drafted > 0 and accepted > 0, f"{name}: no draft accepted ({accepted}/{drafted})"
-    stats = core.worker.runner.proposer.stats()
+    stats = core.worker.proposer.stats()
     assert stats["num_encoded_tokens"] >= sum(len(p) for p in prompts)
     print(f"\n{name}: accepted {accepted}/{drafted} drafts ({accepted / drafted:.0%}), {stats}")

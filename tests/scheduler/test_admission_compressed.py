@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 from specserve.kv_cache.blocks import BlockPool
+from specserve.kv_cache.draft_pool import DraftBudget
 from specserve.kv_cache.manager import KVCacheManager
-from specserve.scheduler.config import EngineConfig, SpeculativeConfig
-from specserve.scheduler.engine import max_draft_len
+from specserve.scheduler.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.scheduler.request import Request
-from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
+from specserve.spec_phases.sampling_params import SamplingParams
 
 SPEC = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=4, kv_compressor="quant",
                          kv_compressor_config={"num_sink": 4, "window": 8, "page_size": 8, "key_bits": 4,
@@ -38,15 +38,16 @@ def run(core, n, max_tokens=MAX_TOKENS, abort=None, on_step=None):
     outs = {f"r{i}": [] for i in range(n)}
     steps = max_running = preemptions = 0
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
         steps += 1
-        stats = core.scheduler.stats
+        stats = step.stats
         max_running = max(max_running, stats.num_running)
         preemptions += stats.num_preemptions
         core.check_integrity()
         if on_step is not None:
-            on_step(core)
+            on_step(core, stats)
         if abort is not None and steps == abort[0]:
             for rid in abort[1]:
                 core.abort_request(rid)
@@ -56,7 +57,7 @@ def run(core, n, max_tokens=MAX_TOKENS, abort=None, on_step=None):
 
 def peak(core, num_tokens):
     """The most compressed bytes one request's cache takes at any length up to num_tokens."""
-    return max(core.worker.draft_cache_bytes_for(n) for n in range(num_tokens + 1))
+    return max(core.worker.draft_pool.bytes_at(n) for n in range(num_tokens + 1))
 
 
 def full_bytes(core, num_tokens):
@@ -80,10 +81,10 @@ def test_more_sequences_run_than_full_kv_would_allow(make_engine, probe):
 
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=budget / GB,
                        host_kv_cache_memory_gb=HOST_GB)
-    assert core.scheduler.draft_capacity == int(budget / GB * GB)
+    assert core.kv.draft_budget.capacity == int(budget / GB * GB)
     assert core.worker.num_blocks * core.config.block_size * core.worker.storage.bytes_per_token > 5 * budget
     peak_full = []
-    out, running, preemptions = run(core, 8, on_step=lambda c: peak_full.append(
+    out, running, preemptions = run(core, 8, on_step=lambda c, s: peak_full.append(
         sum(full_bytes(c, r.num_computed_tokens) for r in c.scheduler.running)))
     assert out == plain
     assert running == 8 and preemptions == 0
@@ -93,37 +94,37 @@ def test_more_sequences_run_than_full_kv_would_allow(make_engine, probe):
 def test_preemption_when_compressed_bytes_run_out_is_lossless(make_engine, probe):
     w = probe.worker
     # three prompts fit on admission; grown by a decode step and its drafts, three do not
-    capacity = 3 * w.draft_cache_bytes_for(PROMPT_LEN) + 16
-    assert 3 * w.draft_cache_bytes_for(PROMPT_LEN + 1 + SPEC.num_speculative_tokens) > capacity
+    capacity = 3 * w.draft_pool.bytes_at(PROMPT_LEN) + 16
+    assert 3 * w.draft_pool.bytes_at(PROMPT_LEN + 1 + SPEC.num_speculative_tokens) > capacity
     plain, _, _ = run(make_engine(num_threads=1), 5)
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=capacity / GB,
                        host_kv_cache_memory_gb=HOST_GB)
     reserved = []
-    out, running, preemptions = run(core, 5, on_step=lambda c: reserved.append(c.scheduler.reserved_total))
+    out, running, preemptions = run(core, 5, on_step=lambda c, s: reserved.append(c.kv.draft_budget.reserved_total))
     assert out == plain
     assert preemptions > 0 and running == 3
-    assert max(reserved) <= core.scheduler.draft_capacity
+    assert max(reserved) <= core.kv.draft_budget.capacity
     assert core.kv.usage() < 0.5                                 # blocks were never the limit
-    assert core.scheduler.reserved == {} and core.scheduler.reserved_total == 0
-    assert core.worker.draft_cache_usage()["compressed_bytes"] == 0
+    assert core.kv.draft_budget.reserved == {} and core.kv.draft_budget.reserved_total == 0
+    assert core.worker.draft_pool.usage().compressed_bytes == 0
 
 
 def test_abort_mid_round_releases_reservations(make_engine, probe):
-    capacity = 3 * probe.worker.draft_cache_bytes_for(PROMPT_LEN) + 16
+    capacity = 3 * probe.worker.draft_pool.bytes_at(PROMPT_LEN) + 16
     plain, _, _ = run(make_engine(num_threads=1), 5, max_tokens=20)
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=capacity / GB,
                        host_kv_cache_memory_gb=HOST_GB)
     seen = {}
 
-    def watch(c):
-        if c.scheduler.stats.num_draft_tokens and "held" not in seen:
-            seen["held"] = set(c.scheduler.reserved)
+    def watch(c, s):
+        if s.num_draft_tokens and "held" not in seen:
+            seen["held"] = set(c.kv.draft_budget.reserved)
     out, _, _ = run(core, 5, max_tokens=20, abort=(4, ["r0", "r2"]), on_step=watch)
     assert seen["held"] & {"r0", "r2"}                          # aborted while holding reservations
     for rid in ("r1", "r3", "r4"):
         assert out[rid] == plain[rid]
     assert all(len(out[rid]) < 20 for rid in ("r0", "r2"))
-    assert core.scheduler.reserved == {} and core.worker.runner.proposer.states == {}
+    assert core.kv.draft_budget.reserved == {} and core.worker.draft_pool.states == {}
 
 
 def test_preempted_requests_drop_their_drafting_caches(make_engine, probe):
@@ -136,27 +137,28 @@ def test_preempted_requests_drop_their_drafting_caches(make_engine, probe):
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=capacity / GB,
                        host_kv_cache_memory_gb=HOST_GB)
     worker, dropped, held_while_waiting = core.worker, [], []
-    release = worker.release_drafts
+    execute = worker.execute
 
-    def spy(ids):
-        dropped.append(set(ids) & worker.held_request_ids())
-        release(ids)
-    worker.release_drafts = spy
+    def spy(plan):                                           # the plan names the preempted
+        dropped.append(set(plan.preempted_ids) & worker.draft_pool.held_request_ids())
+        return execute(plan)
+    worker.execute = spy
 
-    def watch(c):
+    def watch(c, s):
         waiting = {r.request_id for r in c.scheduler.waiting}
-        held_while_waiting.append(waiting & worker.runner.proposer.held_request_ids())
+        held_while_waiting.append(waiting & worker.draft_pool.held_request_ids())
     out, running, preemptions = run(core, 2, max_tokens=long, on_step=watch)
     assert out == plain and running == 2 and preemptions > 0
     assert any(dropped)                                          # a preempted request held a cache
-    assert not any(held_while_waiting) and worker.runner.proposer.num_rebuilds == 0
+    assert not any(held_while_waiting) and worker.draft_pool.num_rebuilds == 0
 
 
 # -- the scheduler alone: a fake byte model, no model at all -------------------------------------
 def scheduler(capacity, num_blocks=1000, per_token=10):
-    kv = KVCacheManager([BlockPool(num_blocks, 16, False, name="full")])
-    return Scheduler(kv, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=4096, eos_token_ids=(2,),
-                     draft_bytes_for=lambda n: per_token * n, draft_capacity=capacity)
+    budget = DraftBudget(capacity, [per_token * n for n in range(4097)])
+    kv = KVCacheManager([BlockPool(num_blocks, 16, False, name="full")], draft_budget=budget)
+    return Scheduler(kv, SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096,
+                                         max_model_len=4096, eos_token_ids=(2,)))
 
 
 def add(sched, rid, n):
@@ -169,16 +171,16 @@ def test_admission_stops_where_the_compressed_bytes_run_out():
         add(sched, f"s{i}", 100)                               # 1000 bytes each at admission
     plan = sched.schedule()
     assert [r.request_id for r in plan.requests] == ["s0", "s1"]
-    assert sched.reserved == {"s0": 1000, "s1": 1000} and sched.reserved_total == 2000
+    assert sched.kv.draft_budget.reserved == {"s0": 1000, "s1": 1000} and sched.kv.draft_budget.reserved_total == 2000
     assert [r.request_id for r in sched.waiting] == ["s2", "s3"]
     assert sched.kv.block_ids("s2") == []                      # refused before any block was taken
-    sched.check_integrity()
+    sched.kv.check_integrity()
     sched.abort("s0")
-    assert sched.reserved == {"s1": 1000} and sched.reserved_total == 1000
-    sched.check_integrity()
-    sched.reserved_total += 1                                 # a leak is caught
+    assert sched.kv.draft_budget.reserved == {"s1": 1000} and sched.kv.draft_budget.reserved_total == 1000
+    sched.kv.check_integrity()
+    sched.kv.draft_budget.reserved_total += 1                                 # a leak is caught
     with pytest.raises(AssertionError, match="reserved total"):
-        sched.check_integrity()
+        sched.kv.check_integrity()
 
 
 def test_growth_past_the_capacity_preempts_the_newest():
@@ -186,38 +188,39 @@ def test_growth_past_the_capacity_preempts_the_newest():
     for rid in "abc":
         add(sched, rid, 100)
     sched.schedule()
-    assert sched.reserved_total == 3000
+    assert sched.kv.draft_budget.reserved_total == 3000
     for rid in "abc":                                          # as if the prompts were computed and sampled
         req = sched.requests[rid]
         req.num_computed_tokens = 100
         req.append(7)
     plan = sched.schedule()                                    # a needs 1010: c (newest) is preempted
     assert [r.request_id for r in plan.requests] == ["a", "b"]
-    assert sched.stats.num_preemptions == 1 and sched.take_preempted_ids() == ["c"]
-    assert sched.reserved == {"a": 1010, "b": 1010} and sched.requests["c"].num_computed_tokens == 0
+    assert plan.preempted_ids == ("c",)
+    assert sched.kv.draft_budget.reserved == {"a": 1010, "b": 1010} and sched.requests["c"].num_computed_tokens == 0
     assert sched.kv.block_ids("c") == [] and [r.request_id for r in sched.waiting] == ["c"]
-    sched.check_integrity()
+    sched.kv.check_integrity()
 
 
 def test_reservation_covers_the_cache_held_when_bytes_shrink():
     """A page forming can make the predicted bytes fall: the reservation never drops below them."""
-    kv = KVCacheManager([BlockPool(100, 16, False, name="full")])
-    sizes = {0: 0, 50: 900, 51: 400}
-    sched = Scheduler(kv, 8, 4096, 4096, (2,), draft_bytes_for=lambda n: sizes[n], draft_capacity=1000)
+    sizes = [0] * 50 + [900, 400]
+    kv = KVCacheManager([BlockPool(100, 16, False, name="full")],
+                        draft_budget=DraftBudget(1000, sizes))
+    sched = Scheduler(kv, SchedulerConfig(8, 4096, 4096, (2,)))
     add(sched, "a", 50)
     sched.schedule()
     req = sched.requests["a"]
     req.num_computed_tokens = 50
     req.append(7)
     sched.schedule()
-    assert sched.reserved["a"] == 900
+    assert sched.kv.draft_budget.reserved["a"] == 900
 
 
 def test_max_draft_len_uses_the_peak_up_to_each_length():
     sizes = [0, 5, 10, 15, 8, 9, 30]
-    assert max_draft_len(lambda n: sizes[n], 15, 6) == 5       # 5 tokens fit even though 4 < 3's peak
-    assert max_draft_len(lambda n: sizes[n], 100, 6) == 6
-    assert max_draft_len(lambda n: sizes[n], 4, 6) == 0
+    assert DraftBudget(15, sizes).max_tokens_alone() == 5       # 5 fit even though 4 < 3's peak
+    assert DraftBudget(100, sizes).max_tokens_alone() == 6
+    assert DraftBudget(4, sizes).max_tokens_alone() == 0
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -225,15 +228,15 @@ def test_the_host_budget_sizes_the_full_pool_and_the_device_budget_the_compresse
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=0.001, host_kv_cache_memory_gb=0.004)
     bpt, bs = core.worker.storage.bytes_per_token, core.config.block_size
     assert core.worker.num_blocks == int(0.004 * GB) // (bpt * bs)
-    assert core.scheduler.draft_capacity == int(0.001 * GB)
+    assert core.kv.draft_budget.capacity == int(0.001 * GB)
     # without the flag the host pool is sized from kv_cache_memory_gb, as before
     same = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=0.004)
     assert same.worker.num_blocks == core.worker.num_blocks
     # not lossy_kv with the host pool: no compressed-byte admission
     plain = make_engine(num_threads=1)
-    assert plain.scheduler.draft_bytes_for is None and plain.scheduler.draft_capacity is None
+    assert plain.kv.draft_budget is None
     resident = make_engine(speculative=replace(SPEC, full_kv_in_host=False), num_threads=1)
-    assert resident.scheduler.draft_capacity is None
+    assert resident.kv.draft_budget is None
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -278,8 +281,8 @@ def test_swap_bytes_per_step_add_up_to_the_pool_counters_and_reach_the_metric(ma
     metrics = ServerMetrics(SimpleNamespace(config=core.config, model_info=core.model_info, core=core,
                                             on_step=None), ServerSettings(served_model_names=("tiny",)))
     steps = []
-    run(core, 3, on_step=lambda c: (steps.append(c.scheduler.stats), metrics.steps.record(c.scheduler.stats)))
-    pool, prop = core.worker.storage, core.worker.runner.proposer
+    run(core, 3, on_step=lambda c, s: (steps.append(s), metrics.steps.record(s)))
+    pool, prop = core.worker.storage, core.worker.draft_pool
     h2d, d2h = sum(s.swap_bytes_h2d for s in steps), sum(s.swap_bytes_d2h for s in steps)
     assert d2h == pool.bytes_d2h > 0                               # write-back of every computed token
     assert h2d == pool.bytes_h2d + prop.num_encoded_tokens * pool.bytes_per_token > pool.bytes_h2d > 0
@@ -289,5 +292,5 @@ def test_swap_bytes_per_step_add_up_to_the_pool_counters_and_reach_the_metric(ma
 
     resident = make_engine(speculative=replace(SPEC, full_kv_in_host=False), num_threads=1)
     steps.clear()
-    run(resident, 2, on_step=lambda c: steps.append(c.scheduler.stats))
+    run(resident, 2, on_step=lambda c, s: steps.append(s))
     assert steps and all(s.swap_bytes_h2d == s.swap_bytes_d2h == 0 for s in steps)

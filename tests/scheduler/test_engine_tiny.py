@@ -17,7 +17,8 @@ def run(core, token_lists, params=GREEDY, prefix="r"):
         core.add_request(EngineRequest(f"{prefix}{i}", ids, params))
     finish = {}
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             if out.request_id not in outs:                 # another caller's request
                 continue
             outs[out.request_id].extend(out.new_token_ids)
@@ -47,9 +48,10 @@ def test_preemption_happens_and_is_lossless(make_engine):
         core.add_request(EngineRequest(f"p{i}", p, GREEDY))
     outs = {f"p{i}": [] for i in range(4)}
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
-        preemptions += core.scheduler.stats.num_preemptions
+        preemptions += step.stats.num_preemptions
     assert preemptions > 0
     alone = [run(make_engine(), [p])[0][0] for p in ps]
     assert [outs[f"p{i}"] for i in range(4)] == alone
@@ -68,15 +70,16 @@ def test_prefix_cache_hit_reuses_blocks_and_keeps_output(make_engine):
     core = make_engine(block_size=4)
     prompt = [(11 * j) % 500 + 3 for j in range(23)]
     first, _ = run(core, [prompt], prefix="a")
-    core.step()
+    step = core.step()
     core.add_request(EngineRequest("b0", prompt, GREEDY))
-    core.step()
-    hits = core.scheduler.stats.prefix_cache_hits
+    step = core.step()
+    hits = step.stats.prefix_cache_hits
     assert hits == 20                                   # 5 full blocks of 4 tokens
     second = []
     second.extend(core.scheduler.requests["b0"].output_token_ids)
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             pass
     assert core.scheduler.requests.get("b0") is None
     again, _ = run(core, [prompt], prefix="c")
@@ -103,8 +106,8 @@ def test_abort_frees_blocks_mid_generation(make_engine):
     core = make_engine()
     for i, p in enumerate(prompts(3)):
         core.add_request(EngineRequest(f"a{i}", p, SamplingParams(max_tokens=50, temperature=0)))
-    core.step()
-    core.step()
+    step = core.step()
+    step = core.step()
     out = core.abort_request("a1")
     assert out.finished and out.finish_reason == "abort"
     assert core.abort_request("a1") is None               # idempotent
@@ -116,7 +119,8 @@ def test_step_failure_fails_only_its_requests(make_engine, monkeypatch):
     core = make_engine()
     core.add_request(EngineRequest("f0", prompts(1)[0], GREEDY))
     monkeypatch.setattr(core.worker, "execute", lambda plan: (_ for _ in ()).throw(RuntimeError("boom")))
-    outs = core.step()
+    step = core.step()
+    outs = step.outputs
     assert [(o.request_id, o.finish_reason) for o in outs] == [("f0", "error")]
     assert "boom" in outs[0].error
     monkeypatch.undo()

@@ -116,5 +116,5 @@ def test_the_engine_builds_the_flagged_compressor(make_engine):
                      "--kv-draft-compressor", "quant",
                      "--kv-draft-compressor-config", '{"key_bits": 8, "value_bits": 2, "page_size": 8}').speculative
     core = make_engine(speculative=spec, num_threads=1)
-    comp = core.worker.runner.proposer.comp
+    comp = core.worker.draft_pool.comp
     assert (comp.name, comp.config.page_size) == ("int8k-int2v", 8)

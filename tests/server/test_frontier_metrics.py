@@ -89,8 +89,8 @@ def test_counters_from_real_steps_match_the_step_stats():
                                                                        ignore_eos=True)))
     pruned = frontiers = spec_steps = drafted = 0
     while core.has_unfinished():
-        core.step()
-        stats = core.scheduler.stats
+        step = core.step()
+        stats = step.stats
         metrics.steps.record(stats)
         if stats.num_drafts:
             spec_steps += 1

@@ -132,10 +132,11 @@ def test_counters_from_real_steps_agree_with_per_request_spec_stats():
     final: dict[str, RequestOutput] = {}
     generated = 0
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             generated += len(out.new_token_ids)
             final[out.request_id] = out
-        metrics.steps.record(core.scheduler.stats)
+        metrics.steps.record(step.stats)
     specs = [o.spec for o in final.values() if o.spec is not None]
     assert specs, "the n-gram drafter proposed nothing on a repetitive prompt"
     found = samples(metrics)

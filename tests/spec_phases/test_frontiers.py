@@ -8,6 +8,7 @@ import torch
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
+from specserve.spec_phases.proposers.base import Proposer
 from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer
 
 K = 6
@@ -24,7 +25,7 @@ def ngram(frontier_size: int, **kw) -> SpeculativeConfig:
                              frontier_size=frontier_size, **kw)
 
 
-class OwnGreedyDrafts:
+class OwnGreedyDrafts(Proposer):
     """Drafts the target's own greedy continuation (every layer, so a greedy verify accepts all of
     them), except that the draft at index `wrong_at[request_id]` is replaced by another token: the
     verify pass must reject exactly there."""
@@ -32,33 +33,25 @@ class OwnGreedyDrafts:
 
     def __init__(self, core, wrong_at: dict[str, int] | None = None):
         runner = core.worker.runner
-        self.inner = LayerSkipProposer(runner.forward_rows, core.worker.config.num_layers, ())
-        self.vocab = core.worker.config.vocab_size
+        cfg = core.worker.model_config
+        self.inner = LayerSkipProposer(runner.forward_rows, cfg.num_layers, ())
+        self.vocab = cfg.vocab_size
         self.wrong_at = wrong_at or {}
 
     def propose(self, requests, max_lens):
         drafts = self.inner.propose(requests, max_lens)
-        for r, d in zip(requests, drafts):
+        for r, d in zip(requests, drafts.token_ids):
             c = self.wrong_at.get(r.request_id)
             if c is not None and c < len(d):
                 d[c] = (d[c] + 1) % self.vocab
         return drafts
-
-    def observe(self, input_token_ids, logits):
-        pass
-
-    def release(self, request_ids):
-        pass
-
-    def held_request_ids(self):
-        return set()
 
 
 def run(core, params_list, aborts=None, proposer=None, logprobs=False):
     """Every prompt with its params; `aborts` maps a step number to request ids aborted before it.
     Returns (tokens per request, logprobs per request, per-step (frontiers, pruned, draft_lens))."""
     if proposer is not None:
-        core.worker.runner.proposer = proposer
+        core.worker.proposer = proposer                   # the worker's drafter, swapped
     for i, (ids, p) in enumerate(zip(prompts(), params_list)):
         core.add_request(EngineRequest(f"q{i}", ids, p))
     tokens = {f"q{i}": [] for i in range(len(params_list))}
@@ -67,11 +60,12 @@ def run(core, params_list, aborts=None, proposer=None, logprobs=False):
     while core.has_unfinished():
         for rid in (aborts or {}).get(step, []):
             core.abort_request(rid)
-        for out in core.step():
+        engine_step = core.step()
+        for out in engine_step.outputs:
             tokens[out.request_id].extend(out.new_token_ids)
             if out.new_logprobs:
                 lps[out.request_id].extend((lp.token_id, lp.logprob, lp.top_token_ids) for lp in out.new_logprobs)
-        s = core.scheduler.stats
+        s = engine_step.stats
         steps.append((s.num_frontiers, s.num_pruned_tokens, list(s.draft_lens), s.num_accepted_tokens))
         core.kv.check_integrity()                         # after every step, not only at the end
         step += 1
@@ -205,33 +199,3 @@ def test_aborts_mid_run_with_frontiers(make_engine, size):
     assert chunked == single
     assert sum(s[0] for s in steps) > len(steps) and sum(s[1] for s in steps) > 0
     assert all(len(single[i]) < 30 for i in (0, 1, 4, 6)) and all(len(single[i]) == 30 for i in (2, 3, 5, 7))
-
-
-def test_rejection_sample_in_chunks_equals_one_call():
-    """The reference op on positions [lo, hi) with the same uniforms slice and noise decides exactly
-    what one call over all positions decides (the runner's frontier acceptance relies on it)."""
-    from specserve.kernels.dispatch import get_op
-    op = get_op("rejection_sample")
-    g = torch.Generator().manual_seed(0)
-    batch, k, vocab = 64, 6, 5
-    target = (4 * torch.randn(batch, k + 1, vocab, generator=g)).softmax(dim=-1)
-    drafts = target[:, :k].argmax(dim=-1)                 # likely drafts, some made unlikely
-    drafts = torch.where(torch.rand(batch, k, generator=g) < 0.1, (drafts + 1) % vocab, drafts)
-    uniforms = 1.0 - torch.rand(batch, k, generator=g)
-    noise = torch.empty(batch, vocab).exponential_(generator=g)
-    whole, num_whole = op(target, drafts, torch.full((batch,), k), None, uniforms, noise)
-    for b in range(batch):
-        lo, tokens = 0, []
-        while True:
-            hi = min(k, lo + 2)
-            t, a = op(target[b:b + 1, lo:hi + 1], drafts[b:b + 1, lo:hi], torch.tensor([hi - lo]), None,
-                      uniforms[b:b + 1, lo:hi], noise[b:b + 1])
-            a = int(a[0])
-            if a < hi - lo or hi == k:
-                tokens = drafts[b, :lo].tolist() + t[0, :a + 1].tolist()
-                break
-            lo = hi
-        n = int(num_whole[b])
-        assert tokens == whole[b, :n + 1].tolist()
-    assert 0 < int((num_whole == k).sum()) < batch         # all accepted (bonus row) and rejections,
-    assert int(((num_whole >= 2) & (num_whole < k)).sum()) > 0   # some past the first chunk

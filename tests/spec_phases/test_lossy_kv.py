@@ -8,6 +8,7 @@ from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases import loader
 from specserve.spec_phases.model import ModelConfig
+from specserve.kv_cache.draft_pool import DraftPool
 from specserve.spec_phases.proposers.base import DraftRequest
 from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer, build_compressor
 
@@ -42,15 +43,16 @@ def generate(core, params_list, abort_after=None):
         core.add_request(EngineRequest(f"q{i}", ids, p))
     outs = {f"q{i}": [] for i in range(len(params_list))}
     drafted = accepted = steps = 0
-    prop = core.worker.runner.proposer
+    pool = core.worker.draft_pool
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
-        if prop is not None and prop.states:
-            core.last_bytes_used = prop.bytes_used()      # while requests are held
-        drafted += core.scheduler.stats.num_draft_tokens
-        accepted += core.scheduler.stats.num_accepted_tokens
-        core.total_preemptions = getattr(core, "total_preemptions", 0) + core.scheduler.stats.num_preemptions
+        if pool is not None and pool.states:
+            core.last_bytes_used = pool.usage()           # while requests are held
+        drafted += step.stats.num_draft_tokens
+        accepted += step.stats.num_accepted_tokens
+        core.total_preemptions = getattr(core, "total_preemptions", 0) + step.stats.num_preemptions
         steps += 1
         if abort_after is not None and steps == abort_after:
             for rid in list(outs)[::2]:
@@ -79,14 +81,15 @@ def test_greedy_output_is_identical_for_every_compressor(engine, name):
     out, drafted, accepted = generate(core, GREEDY)
     assert out == plain
     assert drafted > 0 and 0 <= accepted <= drafted
-    prop = core.worker.runner.proposer
+    prop = core.worker.proposer
     stats = prop.stats()
     assert stats["num_encoded_tokens"] >= sum(len(p) for p in prompts(3))
     assert stats["num_draft_steps"] >= 8
     # pages really were compressed: the held states are smaller than fp16 dense
     used = core.last_bytes_used
-    dense = used["num_tokens"] * prop.comp.config.dense_bytes_per_token() * core.worker.config.num_layers
-    assert used["num_tokens"] > 0 and used["compressed_bytes"] < 0.8 * dense
+    dense = (used.num_tokens * prop.pool.comp.config.dense_bytes_per_token()
+             * core.worker.model_config.num_layers)
+    assert used.num_tokens > 0 and used.compressed_bytes < 0.8 * dense
 
 
 @pytest.mark.parametrize("name", ["window", "mustafar"])
@@ -104,8 +107,8 @@ def test_abort_mid_round_drops_states_and_frees_blocks(engine):
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for _ in range(4)]
     out, _, _ = generate(core, params, abort_after=6)
     assert [len(o) for o in out][1::2] == [40, 40] and all(len(o) < 40 for o in out[::2])
-    core.step()                                        # releases the last finished requests
-    assert core.worker.runner.proposer.states == {}
+    step = core.step()                                        # releases the last finished requests
+    assert core.worker.draft_pool.states == {}
     core.check_integrity()
 
 
@@ -140,21 +143,25 @@ def test_sync_mirrors_the_full_cache_and_rebuilds_after_rollback():
     tokens = [(5 * j) % 300 + 3 for j in range(31)]
 
     def ask(prop, n):
-        return prop.propose([DraftRequest("r", tokens[:n + 1], n, blocks)], [4])[0]
+        return prop.propose([DraftRequest("r", tuple(tokens[:n + 1]), n, blocks)], [4]).token_ids[0]
 
-    prop = LossyKVProposer(model, storage, "quant", dict(SMALL_PAGES))
+    def drafter():
+        comp = build_compressor("quant", model, dict(SMALL_PAGES))
+        return LossyKVProposer(model, DraftPool(comp, storage, "cpu"))
+
+    prop = drafter()
     ask(prop, 30)
-    state = prop.states["r"]
+    state = prop.pool.states["r"]
     assert state.num_tokens == 30 and len(state.layers[0].pages) == 2
     slots = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(4)])
     assert torch.equal(state.layers[1].sink_k, storage.k[1][slots].half())
     tail = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(state.layers[0].tail_start, 30)])
     assert torch.equal(state.layers[0].tail_v, storage.v[0][tail].half())
     rolled = ask(prop, 12)                                    # preempted, recomputed to a shorter prefix
-    assert prop.num_rebuilds == 1 and prop.states["r"].num_tokens == 12
-    assert rolled == ask(LossyKVProposer(model, storage, "quant", dict(SMALL_PAGES)), 12)
-    prop.release(["r"])
-    assert prop.states == {} and prop.bytes_used()["num_tokens"] == 0
+    assert prop.pool.num_rebuilds == 1 and prop.pool.states["r"].num_tokens == 12
+    assert rolled == ask(drafter(), 12)
+    prop.pool.release(["r"])
+    assert prop.pool.states == {} and prop.pool.usage().num_tokens == 0
 
 
 def test_compressor_settings_are_checked():

@@ -18,11 +18,11 @@ def run(core, num=3, max_tokens=10):
                                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
     seen = []
     while core.has_unfinished():
-        core.step()
-        usage = core.worker.draft_cache_usage()
-        prop = core.worker.runner.proposer
-        if prop.states:
-            predicted = sum(core.worker.draft_cache_bytes_for(s.num_tokens) for s in prop.states.values())
+        step = core.step()
+        pool = core.worker.draft_pool
+        usage = pool.usage()
+        if pool.states:
+            predicted = sum(pool.bytes_at(s.num_tokens) for s in pool.states.values())
             seen.append((usage, predicted))
     return seen
 
@@ -31,27 +31,27 @@ def test_used_bytes_equal_the_prediction_and_undercut_the_full_pool(make_engine)
     core = make_engine(speculative=SPEC, num_threads=1)
     seen = run(core)
     assert seen
-    cfg = core.worker.config
+    cfg = core.worker.model_config
     for usage, predicted in seen:
-        assert usage["compressed_bytes"] == predicted > 0
-        assert usage["compressed_bytes"] < usage["full_bytes"]
-        assert usage["full_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
-        assert usage["dense_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        assert 0 < usage["compressed_page_bytes_per_token"] < usage["dense_bytes_per_token"]
-        assert usage["capacity_bytes"] is None                 # full cache device-resident: not budgeted
+        assert usage.compressed_bytes == predicted > 0
+        assert usage.compressed_bytes < usage.full_bytes
+        assert usage.full_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
+        assert usage.dense_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        assert 0 < usage.compressed_page_bytes_per_token < usage.dense_bytes_per_token
+        assert usage.capacity_bytes is None                 # full cache device-resident: not budgeted
     # a long request's cache grows by the page rate, not the dense rate
     w = core.worker
-    grow = w.draft_cache_bytes_for(1000 + 800) - w.draft_cache_bytes_for(1000)
-    assert grow == pytest.approx(800 * seen[0][0]["compressed_page_bytes_per_token"])
-    core.step()
-    assert core.worker.draft_cache_usage()["compressed_bytes"] == 0      # released with the requests
+    grow = w.draft_pool.bytes_at(1000 + 800) - w.draft_pool.bytes_at(1000)
+    assert grow == pytest.approx(800 * seen[0][0].compressed_page_bytes_per_token)
+    step = core.step()
+    assert core.worker.draft_pool.usage().compressed_bytes == 0      # released with the requests
 
 
 def test_capacity_is_the_device_budget_when_the_full_cache_is_in_host_memory(make_engine):
     core = make_engine(speculative=replace(SPEC, full_kv_in_host=True), num_threads=1, kv_cache_memory_gb=0.03)
-    assert core.worker.draft_cache_usage()["capacity_bytes"] == int(0.03 * 2**30)
+    assert core.worker.draft_pool.usage().capacity_bytes == int(0.03 * 2**30)
 
 
 def test_no_drafting_cache_without_lossy_kv(make_engine):
     core = make_engine(speculative=SpeculativeConfig(method="ngram"))
-    assert core.worker.draft_cache_usage() is None and core.worker.draft_cache_bytes_for(100) is None
+    assert core.worker.draft_pool is None and core.kv.draft_budget is None

@@ -8,6 +8,7 @@ from specserve.kv_cache.compress.base import dense_attention, merge_attention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases import loader
 from specserve.spec_phases.model import ModelConfig
+from specserve.kv_cache.draft_pool import DraftPool
 from specserve.spec_phases.proposers.base import DraftRequest
 from specserve.spec_phases.proposers.lossy_kv import DraftAttention, LossyKVProposer, build_compressor
 
@@ -101,7 +102,7 @@ def test_batched_attention_equals_the_per_request_reference(name, per_request, d
 
 class ReferenceProposer(LossyKVProposer):
     def _attention(self, states, max_len):
-        return PerRequestAttention(self.comp, states, max_len)
+        return PerRequestAttention(self.pool.comp, states, max_len)
 
 
 @pytest.mark.parametrize("name", ["window", "quant", "mustafar"])
@@ -119,12 +120,13 @@ def test_propose_drafts_the_same_tokens_as_the_per_request_path(name):
         blocks = list(range(first, first + -(-(n + 8) // bs)))[::-1]     # scattered order
         first += len(blocks)
         tokens = [(11 * j + 7 * i) % 500 + 3 for j in range(n + 1)]
-        reqs.append(DraftRequest(f"r{i}", tokens, n, blocks))
+        reqs.append(DraftRequest(f"r{i}", tuple(tokens), n, tuple(blocks)))
     max_lens = [3, 6, 0, 6]                                # ragged, one request not drafting
     settings = COMPRESSORS[name][1]
-    new = LossyKVProposer(model, storage, name, dict(settings))
-    ref = ReferenceProposer(model, storage, name, dict(settings))
-    got, want = new.propose(reqs, max_lens), ref.propose(reqs, max_lens)
+    def pool():
+        return DraftPool(build_compressor(name, model, dict(settings)), storage, "cpu")
+    new, ref = LossyKVProposer(model, pool()), ReferenceProposer(model, pool())
+    got, want = new.propose(reqs, max_lens).token_ids, ref.propose(reqs, max_lens).token_ids
     assert [len(d) for d in got] == max_lens
     assert got == want
     assert new.num_draft_steps == ref.num_draft_steps == 6

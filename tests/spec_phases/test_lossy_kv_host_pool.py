@@ -17,7 +17,7 @@ def test_staged_verify_forward_matches_the_device_resident_cache():
     storage.v.normal_()
     pool.k.copy_(storage.k)
     pool.v.copy_(storage.v)
-    runner = ModelRunner(model, storage, cfg.eos_token_ids)
+    runner = ModelRunner(model, storage)
     # three requests, ragged verify rows [last token + drafts] after 21, 9 and 30 cached tokens
     tables = [[7, 3, 20, 11, 5, 0, 30], [2, 9, 14, 26], [1, 4, 6, 8, 10, 12, 16, 18, 22, 24]]
     tokens = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15]]

@@ -12,19 +12,21 @@ def prompts():
 
 
 def generate(make_engine, overlap: bool, seeded: bool) -> tuple[dict, int]:
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_max=3, frontier_size=2)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_max=3,
+                             frontier_size=2, overlap_draft=overlap)
     core = make_engine(speculative=spec)
-    runner = core.worker.runner
-    runner.overlap_drafts, runner.overlap_max_len = overlap, 6
+    ahead = 0
     for i, p in enumerate(prompts()):
         params = (SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True) if seeded and i % 2
                   else SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         core.add_request(EngineRequest(f"r{i}", p, params))
     out: dict[str, list[int]] = {}
     while core.has_unfinished():
-        for o in core.step():
+        step = core.step()
+        for o in step.outputs:
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return out, runner.num_drafted_ahead
+        ahead += step.stats.num_drafted_ahead
+    return out, ahead
 
 
 def test_overlapped_drafts_give_identical_output(make_engine):
@@ -38,7 +40,8 @@ def test_overlapped_drafts_give_identical_output(make_engine):
 
 
 def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_engine):
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, frontier_size=1)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3,
+                             frontier_size=1, overlap_draft=True)
     prompt = [11, 12, 13, 14, 15] * 4
 
     class Ready:                                          # stands in for the thread's future
@@ -50,42 +53,35 @@ def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_en
 
     for length, used in ((10**6, 0), (len(prompt) + 1, 1)):
         core = make_engine(speculative=spec)
-        runner = core.worker.runner
-        runner.overlap_drafts, runner.overlap_max_len = True, 4
+        ahead = core.worker.draft_ahead
         core.add_request(EngineRequest("r0", prompt, SamplingParams(max_tokens=8, temperature=0)))
         core.step()                                       # the prefill: one token, no drafts
-        runner._early = Ready({"r0": (length, [99, 98, 97, 96])})
-        core.step()                                       # drafts for prompt + 1 token
-        assert runner.num_drafted_ahead == used
-        assert not isinstance(runner._early, Ready)      # valid for one step only
+        ahead.pending = Ready({"r0": (length, [99, 98, 97, 96])})
+        step = core.step()                                # drafts for prompt + 1 token
+        assert step.stats.num_drafted_ahead == used
+        assert not isinstance(ahead.pending, Ready)       # valid for one step only
 
 
 def test_the_flag_reaches_the_runner_and_bad_combinations_are_refused(make_engine):
     import pytest
     spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 5, "frontier_size": 2, '
                                        '"overlap_draft": true}')
-    runner = make_engine(speculative=spec).worker.runner
-    assert runner.overlap_drafts and runner.overlap_max_len == 5
-    assert not make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=5,
-                                                         frontier_size=2)).worker.runner.overlap_drafts
+    ahead = make_engine(speculative=spec).worker.draft_ahead
+    assert ahead is not None and ahead.max_len == 5
+    assert make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=5,
+                                                     frontier_size=2)).worker.draft_ahead is None
     for bad in ('{"method": "ngram", "num_speculative_tokens": 5, "overlap_draft": true}',
                 '{"method": "layer_skip", "num_speculative_tokens": 3, "frontier_size": 1, "overlap_draft": true}'):
         with pytest.raises(ValueError, match="overlap_draft"):
             SpeculativeConfig.from_json(bad)
 
 
-def test_no_drafting_ahead_for_a_drafter_the_target_teaches(make_engine):
-    """Token recycling's table is updated by every verified row: its drafts are not a function of the
-    tokens alone, so the runner never computes them on the thread, whatever the flag says."""
-    spec = SpeculativeConfig(method="token_recycling", num_speculative_tokens=4, frontier_size=1)
-    core = make_engine(speculative=spec)
-    runner = core.worker.runner
-    runner.overlap_drafts, runner.overlap_max_len = True, 4
-    for i, p in enumerate(prompts()[:4]):
-        core.add_request(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)))
-    frontiers = 0
-    while core.has_unfinished():
-        core.step()
-        frontiers = max(frontiers, core.scheduler.stats.num_frontiers)
-        assert runner._early is None
-    assert frontiers > 1 and runner.num_drafted_ahead == 0        # later frontiers ran, nothing ahead
+def test_no_drafting_ahead_for_a_drafter_the_target_teaches():
+    """Token recycling's table is updated by every verified row: its drafts are not a function of
+    the tokens alone, so drafting ahead refuses it."""
+    import pytest
+
+    from specserve.spec_phases.overlap import DraftAhead
+    from specserve.spec_phases.proposers.token_recycling import TokenRecyclingProposer
+    with pytest.raises(ValueError, match="tokens"):
+        DraftAhead(TokenRecyclingProposer(vocab_size=10), 4)

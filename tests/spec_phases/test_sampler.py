@@ -9,9 +9,13 @@ from specserve.spec_phases.sampler import SampleRow, Sampler
 V = 10
 
 
-def rows(params, outputs=None, prompt=None, gens=None):
-    return [SampleRow(p, prompt[i] if prompt else [], outputs[i] if outputs else [], gens[i] if gens else None)
-            for i, p in enumerate(params)]
+def rows(params, outputs=None, prompt=None):
+    return [SampleRow(p, len(outputs[i]) if outputs else 0, tuple(prompt[i]) if prompt else (),
+                      tuple(outputs[i]) if outputs else ()) for i, p in enumerate(params)]
+
+
+def uniform(n, seed=0):
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def sampler():
@@ -33,7 +37,7 @@ def test_temperature_sampling_follows_the_distribution():
     s = sampler()
     target = torch.tensor([0.5, 0.25, 0.125, 0.125] + [0.0] * 6)
     logits = torch.log(target.clamp_min(1e-30))[None].repeat(4000, 1)
-    draws = s.sample(logits, rows([SamplingParams(temperature=1.0)] * 4000))
+    draws = s.sample(logits, rows([SamplingParams(temperature=1.0)] * 4000), uniform(4000))
     freq = torch.bincount(draws, minlength=V).float() / 4000
     assert torch.allclose(freq[:4], target[:4], atol=0.03) and freq[4:].sum() == 0
 
@@ -50,22 +54,42 @@ def test_penalties_and_bias_and_min_tokens():
     assert out[3, 9] == float("-inf")                                      # EOS masked below min_tokens
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_seeded_uniforms_depend_on_seed_and_position_only():
+    """A seeded request's uniform at a position is a fixed function of (seed, position): the same
+    in any batch and any split of its rows; unseeded rows share one generator."""
+    from specserve.spec_phases.plan import ScheduledRequest
+    from specserve.spec_phases.sampler import position_uniform
+
+    def req(rid, seed, computed):
+        return ScheduledRequest(rid, (5,), computed, 0, (0,), True,
+                                SamplingParams(temperature=1.0, seed=seed), 3, computed - 2)
     s = sampler()
-    logits = torch.zeros(1, V)
-    p = SamplingParams(temperature=1.0)
-    a = [int(s.sample(logits.clone(), rows([p], gens=[torch.Generator().manual_seed(7)]))) for _ in range(1)]
-    batch = torch.zeros(5, V)
-    gens = [None, None, torch.Generator().manual_seed(7), None, None]
-    b = s.sample(batch, rows([p] * 5, gens=gens))
-    assert int(b[2]) == a[0]
+    whole = s.uniforms([(req("a", 7, 9), 4)])[0]
+    split = torch.cat([s.uniforms([(req("b", None, 3), 2), (req("a", 7, 9), 2)])[1],
+                       s.uniforms([(req("a", 7, 11), 2)])[0]])
+    assert torch.equal(whole, split)
+    assert whole.tolist() == [position_uniform(7, p) for p in range(10, 14)]
+    assert len(set(whole.tolist())) == 4 and all(0 <= u < 1 for u in whole.tolist())
+    assert position_uniform(8, 10) != position_uniform(7, 10)
+    draws = [position_uniform(1234, p) for p in range(20000)]
+    counts = torch.histc(torch.tensor(draws), bins=10, min=0, max=1)
+    assert counts.min() > 1800 and counts.max() < 2200       # uniform: 2000 per bin
+
+
+def test_inverse_cdf_draw_skips_zero_probability_tokens():
+    s = sampler()
+    logits = torch.log(torch.tensor([[0.0, 0.5, 0.0, 0.5] + [0.0] * 6]).clamp_min(1e-45))
+    logits[logits < -100] = float("-inf")
+    out = [int(s.sample(logits.clone(), rows([SamplingParams(temperature=1.0)]),
+                        torch.tensor([u], dtype=torch.float64))) for u in (0.0, 0.49, 0.5, 0.999)]
+    assert out == [1, 1, 3, 3]
 
 
 def test_greedy_rows_take_the_argmax_after_processing():
     s = sampler()
     logits = torch.tensor([[0.0, 5.0, 4.9] + [0.0] * 7])
     out = s.sample(s.process(logits.clone(), rows([SamplingParams(temperature=0, logit_bias={2: 1.0})])),
-                   rows([SamplingParams(temperature=0)]))
+                   rows([SamplingParams(temperature=0)]), uniform(1))
     assert int(out[0]) == 2
 
 

@@ -28,9 +28,10 @@ def generate(core, params_list):
     outs = {f"q{i}": [] for i in range(len(params_list))}
     drafted = 0
     while core.has_unfinished():
-        for out in core.step():
+        step = core.step()
+        for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
-        drafted += core.scheduler.stats.num_draft_tokens
+        drafted += step.stats.num_draft_tokens
     return [outs[f"q{i}"] for i in range(len(params_list))], drafted
 
 
@@ -46,8 +47,8 @@ def test_token_recycling_walks_the_table():
     logits[0, 4], logits[1, 6], logits[2, 1] = 5, 5, 5
     prop.observe(torch.tensor([3, 4, 6]), logits)       # 3 -> 4 -> 6 -> 1
     req = DraftRequest("r", [9, 3], 1, [0])
-    assert prop.propose([req, req], [3, 1]) == [[4, 6, 1], [4]]
-    assert prop.propose([DraftRequest("r", [8], 0, [0])], [3]) == [[]]   # unseen token: no drafts
+    assert prop.propose([req, req], [3, 1]).token_ids == [[4, 6, 1], [4]]
+    assert prop.propose([DraftRequest("r", (8,), 0, (0,))], [3]).token_ids == [[]]   # unseen: none
 
 
 @pytest.mark.parametrize("method", list(SPECS))
@@ -92,7 +93,7 @@ def test_abort_mid_verification_frees_everything(make_engine):
     for i, ids in enumerate(prompts()[:4]):
         core.add_request(EngineRequest(f"a{i}", ids, SamplingParams(max_tokens=40, temperature=0)))
     for _ in range(4):
-        core.step()
+        step = core.step()
     for i in range(4):
         core.abort_request(f"a{i}")
     assert not core.has_unfinished()
