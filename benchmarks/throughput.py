@@ -43,7 +43,7 @@ def run(core: EngineCore, concurrency: int, prompt_len: int, output_len: int) ->
     for i in range(concurrency):
         ids = torch.randint(100, 40000, (prompt_len,), generator=g).tolist()
         core.add_request(EngineRequest(f"c{concurrency}-{i}", ids, params))
-    cfg = core.worker.config
+    cfg = core.worker.model_config
     kv_per_token = cfg.kv_bytes_per_token(core.worker.dtype)
     start, decode_time, decode_bytes, tokens = time.perf_counter(), 0.0, 0, 0
     while core.has_unfinished():

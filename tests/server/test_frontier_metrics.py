@@ -46,11 +46,11 @@ def test_cli_frontier_size_flows_into_the_engine():
     config = engine_config(args)
     assert config.speculative.frontier_size == 2
     core = EngineCore(EngineConfig(model="tiny-random", num_kv_blocks=32, speculative=config.speculative))
-    assert core.scheduler.frontier_size == 2
+    assert core.scheduler.config.frontier_size == 2
     core.add_request(EngineRequest("r", [3, 4, 5], SamplingParams(max_tokens=2)))
     assert core.scheduler.schedule().frontier_size == 2   # the plan carries it to the runner
-    core.scheduler.abort("r")
-    core.worker.release(core.scheduler.take_finished_ids())
+    core.abort_request("r")
+    core.run_until_idle()                                 # the next plan releases it
     assert SpeculativeConfig.from_json('{"method": "ngram"}').frontier_size == 0   # off by default
 
 

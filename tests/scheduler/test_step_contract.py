@@ -1,0 +1,139 @@
+"""The step contract alone: schedule() -> StepPlan, commit(plan, result) -> (outputs, stats), driven
+with fabricated results (no model), and the plan and result as serialisable snapshots."""
+import pickle
+
+from specserve.kv_cache.blocks import BlockPool
+from specserve.kv_cache.manager import KVCacheManager
+from specserve.scheduler.config import SchedulerConfig
+from specserve.scheduler.messages import EngineRequest
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import Scheduler
+from specserve.spec_phases.plan import SampledTokens, StepResult, TokenLogprob
+from specserve.spec_phases.sampling_params import SamplingParams
+
+BS = 4
+
+
+def scheduler(num_blocks=64, k=0, max_num_seqs=8, budget=4096):
+    kv = KVCacheManager([BlockPool(num_blocks, BS, False, name="full")])
+    return Scheduler(kv, SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                         max_model_len=256, eos_token_ids=(2,),
+                                         num_speculative_tokens=k))
+
+
+def add(sched, rid, n, **params):
+    params.setdefault("max_tokens", 32)
+    params.setdefault("temperature", 0)
+    sched.add(Request(EngineRequest(rid, [10 + j for j in range(n)], SamplingParams(**params))))
+
+
+def result(plan, tokens: dict[str, list[int]], drafted: dict[str, int] | None = None):
+    """The worker's answer, fabricated: `tokens[rid]` accepted drafts + one token per request."""
+    drafted = drafted or {}
+    sampled = {r.request_id: SampledTokens(tokens[r.request_id], drafted.get(r.request_id, 0))
+               for r in plan.requests if r.sample}
+    return StepResult(sampled=sampled)
+
+
+def prefill(sched, rid_tokens: dict[str, int]):
+    plan = sched.schedule()
+    outputs, _ = sched.commit(plan, result(plan, rid_tokens and
+                                           {rid: [t] for rid, t in rid_tokens.items()}))
+    return outputs
+
+
+def test_plan_and_result_round_trip_through_pickle():
+    sched = scheduler(k=3)
+    add(sched, "a", 6, temperature=0.7, seed=5, logit_bias={3: 1.5}, stop_token_ids=[9],
+        repetition_penalty=1.2)
+    prefill(sched, {"a": 40})
+    plan = sched.schedule()
+    assert plan.requests[0].num_draft_tokens == 3 and plan.requests[0].history[-1] == 40
+    assert isinstance(plan.requests, tuple) and isinstance(plan.requests[0].block_ids, tuple)
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy == plan and copy.requests[0].params == plan.requests[0].params
+    lp = TokenLogprob(41, -0.5, 1, [41], [-0.5])
+    res = StepResult(sampled={"a": SampledTokens([41, 42], 3, 1, [lp, lp])},
+                     draft_passes=[(1, 0.01)], swap_bytes=(10, 20), num_frontiers=2)
+    assert pickle.loads(pickle.dumps(res)) == res
+    outputs, stats = sched.commit(copy, pickle.loads(pickle.dumps(res)))
+    assert outputs[0].new_token_ids == [41, 42]
+    assert stats.swap_bytes_h2d == 10 and stats.num_frontiers == 2 and stats.num_accepted_tokens == 1
+
+
+def test_plain_decoding_plans_carry_no_history():
+    sched = scheduler()
+    add(sched, "a", 5)
+    prefill(sched, {"a": 7})
+    plan = sched.schedule()
+    assert plan.requests[0].token_ids == (7,) and plan.requests[0].history == ()
+    assert plan.requests[0].num_output_tokens == 1 and plan.requests[0].next_position == 6
+
+
+def test_rejected_drafts_roll_back_across_a_block_boundary():
+    sched = scheduler(k=4)
+    add(sched, "a", 6)                                      # 6 prompt tokens: blocks 0-1
+    prefill(sched, {"a": 50})                               # 7 tokens, the 7th not computed yet
+    plan = sched.schedule()
+    r = plan.requests[0]
+    assert r.num_computed_tokens == 6 and r.num_draft_tokens == 4
+    assert len(r.block_ids) == 3                            # slots for 7 + 4 = 11 tokens
+    outputs, stats = sched.commit(plan, result(plan, {"a": [51]}, {"a": 4}))  # all rejected
+    assert outputs[0].new_token_ids == [51]
+    req = sched.requests["a"]
+    assert req.num_computed_tokens == 7 and req.num_tokens == 8
+    assert len(sched.kv.block_ids("a")) == 2                # the third block went back
+    assert stats.num_draft_tokens == 4 and stats.num_accepted_tokens == 0
+    sched.kv.check_integrity()
+
+
+def test_preemption_takes_the_newest_running_request_and_names_it_in_the_plan():
+    sched = scheduler(num_blocks=6)
+    for rid in "abc":
+        add(sched, rid, 8)                                  # two blocks each: all six
+    prefill(sched, {"a": 1, "b": 1, "c": 1})                # each now needs a third block
+    plan = sched.schedule()                                 # c's two blocks go to a and b
+    assert [r.request_id for r in plan.requests] == ["a", "b"] and plan.preempted_ids == ("c",)
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert sched.requests["c"].num_computed_tokens == 0 and sched.kv.block_ids("c") == []
+    outputs, stats = sched.commit(plan, result(plan, {"a": [3], "b": [4]}))
+    assert stats.num_preemptions == 1 and [o.new_token_ids for o in outputs] == [[3], [4]]
+    assert sched.schedule().preempted_ids == ()             # named once
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
+    sched = scheduler(k=4)
+    add(sched, "a", 5, stop_token_ids=[77])
+    prefill(sched, {"a": 60})
+    plan = sched.schedule()
+    outputs, stats = sched.commit(plan, result(plan, {"a": [61, 77, 62, 63, 64]}, {"a": 4}))
+    out = outputs[0]
+    assert out.new_token_ids == [61, 77] and out.finished and out.finish_reason == "stop"
+    assert out.stop_reason == 77 and "a" not in sched.requests
+    assert stats.finished == [("a", "stop")]
+    follow = sched.schedule()                               # the worker is told to release it
+    assert follow.finished_ids == ("a",) and not follow.requests
+    sched.kv.check_integrity()
+
+
+def test_max_tokens_reached_mid_draft_finishes_with_length():
+    sched = scheduler(k=4)
+    add(sched, "a", 5, max_tokens=3)
+    prefill(sched, {"a": 60})
+    plan = sched.schedule()
+    assert plan.requests[0].num_draft_tokens == 1           # capped by what max_tokens leaves
+    outputs, _ = sched.commit(plan, result(plan, {"a": [61, 62, 63, 64]}, {"a": 1}))
+    assert outputs[0].new_token_ids == [61, 62] and outputs[0].finish_reason == "length"
+    assert sched.kv.num_requests_holding_blocks() == 0
+
+
+def test_an_aborted_request_is_released_by_the_next_plan():
+    sched = scheduler()
+    add(sched, "a", 5)
+    add(sched, "b", 5)
+    prefill(sched, {"a": 1, "b": 1})
+    sched.abort("a")
+    assert sched.has_work() and sched.releasing() == {"a"}
+    plan = sched.schedule()
+    assert plan.finished_ids == ("a",) and [r.request_id for r in plan.requests] == ["b"]
+    assert sched.releasing() == set()
