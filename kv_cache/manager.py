@@ -7,7 +7,7 @@ VeriCache's drafting cache (`kv_cache/draft_pool.py`) the request's compressed b
 too. An allocation succeeds in all of them or changes nothing.
 
 A request's slots:
-    | computed (prefix hit | computed here) | new tokens | lookahead (drafts) | unused tail of block |
+    | computed (prefix hit | computed here) | new tokens | lookahead (drafts) | unused tail |
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class KVCacheManager:
         # prefix caching needs every pool to hold the same tokens: only with one pool for now
         self.enable_caching = len(pools) == 1 and pools[0].enable_caching
         self.block_tables: dict[str, dict[str, list[int]]] = {p.name: {} for p in pools}
-        self.block_hashes: dict[str, list[int]] = {}      # chained hashes of a request's cached blocks
+        self.block_hashes: dict[str, list[int]] = {}      # chained hashes of cached blocks
         self.draft_budget = draft_budget
 
     @property
@@ -72,7 +72,8 @@ class KVCacheManager:
         added block ids ([] if none were needed), or None, changing nothing, when something cannot
         cover them."""
         need = -(-num_total_tokens // self.block_size)
-        wanted = {name: need - len(self.block_tables[name].get(request_id, [])) for name in self.pools}
+        wanted = {name: need - len(self.block_tables[name].get(request_id, []))
+                  for name in self.pools}
         if any(n > self.pools[name].num_free_blocks for name, n in wanted.items()):
             return None
         budget = self.draft_budget
@@ -112,7 +113,8 @@ class KVCacheManager:
         if self.draft_budget is not None:
             self.draft_budget.free(request_id)
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: list[int],
+                          num_computed_tokens: int) -> None:
         """Index the request's blocks that are full of computed, committed tokens."""
         if not self.enable_caching:
             return

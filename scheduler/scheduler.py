@@ -37,7 +37,7 @@ class StepStats:
     num_drafted_ahead: int = 0           # requests whose drafts the overlap thread made
     finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
     step_time_s: float = 0.0
-    swap_bytes_h2d: int = 0              # lossy_kv with the full cache in host memory: bytes moved this step
+    swap_bytes_h2d: int = 0              # lossy_kv, full cache in host memory: bytes moved
     swap_bytes_d2h: int = 0
 
 
@@ -109,8 +109,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # shorten drafts, not rows
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget - num_drafts) + num_drafts
+            num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # drafts, not rows
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget - num_drafts)
+            num_new += num_drafts
             total = req.num_computed_tokens + num_new
             while self.kv.allocate(req.request_id, total, req.num_computed_tokens) is None:
                 victim = self.running[-1]
@@ -136,7 +137,8 @@ class Scheduler:
         k = self.num_speculative_tokens
         if req.params.num_speculative_tokens is not None:
             k = min(k, req.params.num_speculative_tokens)
-        k = min(k, req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1)
         return max(k, 0)
 
     def _choose_draft_lens(self) -> dict[str, int]:
@@ -144,10 +146,12 @@ class Scheduler:
         if self.controller is None or not caps:
             return caps
         ids = list(caps)
-        other = len(self.running) + sum(min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
-                                        for r in self.running if r.request_id not in caps) - len(ids)
+        other = len(self.running) - len(ids) + sum(
+            min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
+            for r in self.running if r.request_id not in caps)
+        # the last step's swap bytes: contexts move slowly
         ks = self.controller.choose(ids, [caps[i] for i in ids], max(other, 0) + len(ids),
-                                    swap_bytes=self.last_swap_h2d)   # the last step's: contexts move slowly
+                                    swap_bytes=self.last_swap_h2d)
         return dict(zip(ids, ks))
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> int:
@@ -163,7 +167,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             total = req.num_computed_tokens + num_new
             if self.kv.allocate(req.request_id, total, req.num_computed_tokens) is None:
-                self.kv.free(req.request_id)                   # release prefix hits; retry next step
+                self.kv.free(req.request_id)           # release prefix hits; retry next step
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -244,7 +248,8 @@ class Scheduler:
                 self._finish(req, req.status)
             else:
                 self.kv.rollback(req.request_id, req.num_tokens)
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
+                                          req.num_computed_tokens)
             outputs.append(self._output(req, new_tokens, logprobs))
         stats.num_running, stats.num_waiting = len(self.running), len(self.waiting)
         stats.kv_usage = self.kv.usage()
@@ -290,7 +295,8 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
         self._stats.finished.append((req.request_id, status.finish_reason or ""))
 
-    def _output(self, req: Request, new_tokens: list[int], logprobs, error: str | None = None) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list[int], logprobs,
+                error: str | None = None) -> RequestOutput:
         first = bool(new_tokens) and req.num_output_tokens == len(new_tokens)
         prompt_logprobs = None
         if first and req.want_prompt_logprobs:
@@ -298,7 +304,8 @@ class Scheduler:
         speculating = self.num_speculative_tokens > 0 and req.params.num_speculative_tokens != 0
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_tokens, finished=req.status.is_finished,
-            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, new_logprobs=logprobs,
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            new_logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             spec=SpecStats(req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens,

@@ -17,29 +17,32 @@ class SpeculativeConfig:
     skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
     recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
     adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
-    overlap_draft: bool = False                     # FASER overlap: with frontiers, draft the next step of
-                                                    # requests the first frontier decided on a thread
-                                                    # (n-gram only; measured: no gain, docs/BENCHMARKS.md)
-    frontier_size: int = 0                          # FASER early pruning: verify drafts in frontiers of
-                                                    # this many positions; a request whose drafts were
-                                                    # rejected skips the later ones. 0: one verify pass
+    # FASER overlap: with frontiers, draft the next step of requests the first frontier decided
+    # on a thread (n-gram only; measured: no gain, docs/BENCHMARKS.md)
+    overlap_draft: bool = False
+    # FASER early pruning: verify drafts in frontiers of this many positions; a request whose
+    # drafts were rejected skips the later ones. 0: one verify pass
+    frontier_size: int = 0
     kv_compressor: str = "mustafar"                 # lossy_kv: the drafting cache's compressor
-    kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings (JSON)
-    full_kv_in_host: bool | None = None             # lossy_kv: None -> host pool on CUDA, device on CPU
+    kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings
+    full_kv_in_host: bool | None = None             # lossy_kv: None -> host pool on CUDA only
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
         if not 0 <= self.num_speculative_tokens <= 32:
             raise ValueError("num_speculative_tokens must be in [0, 32]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.overlap_draft and (self.method != "ngram" or not self.frontier_size):
-            raise ValueError("overlap_draft needs method ngram (a stateless drafter) and frontier_size > 0")
+            raise ValueError("overlap_draft needs method ngram (a stateless drafter) and "
+                             "frontier_size > 0")
         size = self.frontier_size
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 32:
-            raise ValueError(f"frontier_size must be an integer in [0, 32] (0: verify in one pass), got {size!r}")
+            raise ValueError(f"frontier_size must be an integer in [0, 32] (0: verify in one "
+                             f"pass), got {size!r}")
 
     @classmethod
     def from_json(cls, text: str | dict | None) -> SpeculativeConfig | None:

@@ -22,7 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     rank: int                            # 1-based rank of token_id in the raw distribution
-    top_token_ids: list[int]             # the top-N alternatives, best first (N = requested logprobs)
+    top_token_ids: list[int]             # the top-N alternatives, best first (N = logprobs asked)
     top_logprobs: list[float]
 
 
@@ -69,7 +69,7 @@ def needs_history(params: SamplingParams, num_draft_tokens: int, prompt_logprobs
 class StepPlan:
     requests: tuple[ScheduledRequest, ...]
     frontier_size: int = 0          # > 0: verify drafts this many positions at a time (pruning)
-    finished_ids: tuple[str, ...] = ()    # finished or aborted since the last plan: drop their state
+    finished_ids: tuple[str, ...] = ()    # finished or aborted since the last plan: drop state
     preempted_ids: tuple[str, ...] = ()   # preempted (recompute): drop their drafting caches
 
     @property
@@ -82,7 +82,7 @@ class StepPlan:
 
 @dataclass(slots=True)
 class SampledTokens:
-    token_ids: list[int]                        # accepted drafts + exactly one bonus/recovered token
+    token_ids: list[int]                        # accepted drafts + exactly one more token
     num_drafted: int = 0                        # drafts proposed for verification
     num_pruned: int = 0                         # of those, drafts the target never computed: an
                                                 # earlier frontier already rejected (0 without)

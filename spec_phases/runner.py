@@ -21,12 +21,13 @@ from specserve.spec_phases.sampler import Sampler
 class PagedAttention:
     """Per-step attention over the paged cache: write the new K/V at their slots, then attend."""
 
-    def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata, slot_mapping: torch.Tensor,
-                 scale: float):
+    def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata,
+                 slot_mapping: torch.Tensor, scale: float):
         self.storage, self.meta, self.slot_mapping, self.scale = storage, meta, slot_mapping, scale
         self.op = get_op("paged_attention", str(storage.k.device))
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         self.storage.write(layer, self.slot_mapping, k, v)
         return self.op(q, self.storage.k[layer], self.storage.v[layer], self.meta, self.scale)
 
@@ -42,7 +43,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, token_lists: list[tuple[int, ...]], starts: list[int],
-                block_tables: list[tuple[int, ...]], layers: list[int] | None = None) -> torch.Tensor:
+                block_tables: list[tuple[int, ...]],
+                layers: list[int] | None = None) -> torch.Tensor:
         """Request i computes token_lists[i] at positions starts[i], starts[i] + 1, ... over the
         paged cache: hidden states [total tokens, hidden]."""
         return self.model(*self._inputs(token_lists, starts, block_tables), layers=layers)
@@ -69,8 +71,8 @@ class ModelRunner:
         tables = torch.tensor([list(b) + [0] * (width - len(b)) for b in block_tables])
         slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
         if isinstance(self.storage, HostKVPool):
-            attn = StagedPagedAttention(self.storage, query_start, seq_lens, block_tables, slot_mapping.to(dev),
-                                        self.scale, dev)
+            attn = StagedPagedAttention(self.storage, query_start, seq_lens, block_tables,
+                                        slot_mapping.to(dev), self.scale, dev)
         else:
             meta = PagedAttentionMetadata(query_start, seq_lens, block_tables, bs, dev)
             attn = PagedAttention(self.storage, meta, slot_mapping.to(dev), self.scale)
@@ -93,8 +95,8 @@ class ModelRunner:
             start, end = end, end + r.num_new_tokens + len(d)
             if not r.want_prompt_logprobs:
                 continue
-            num_prompt = len(r.prompt_token_ids)
-            first, last = r.num_computed_tokens, min(r.num_computed_tokens + r.num_new_tokens, num_prompt - 1)
+            first = r.num_computed_tokens
+            last = min(first + r.num_new_tokens, r.num_prompt_tokens - 1)
             if last <= first:
                 out[r.request_id] = []
                 continue

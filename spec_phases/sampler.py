@@ -57,10 +57,12 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         pen = [i for i, row in enumerate(rows) if row.params.has_penalties]
         if pen:
-            self._apply_penalties(logits, [rows[i] for i in pen], torch.tensor(pen, device=logits.device))
+            self._apply_penalties(logits, [rows[i] for i in pen],
+                                  torch.tensor(pen, device=logits.device))
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow], idx: torch.Tensor) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow],
+                         idx: torch.Tensor) -> None:
         dev, n, vocab = logits.device, len(rows), logits.shape[1]
         counts = torch.zeros(n, vocab, device=dev)
         seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
@@ -118,17 +120,20 @@ class Sampler:
         min_p = [r.params.min_p for r in rows]
         if any(min_p):
             probs = logits.softmax(dim=-1)
-            limit = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            top = probs.max(dim=-1, keepdim=True).values
+            limit = torch.tensor(min_p, device=dev)[:, None] * top
             logits = logits.masked_fill(probs < limit, float("-inf"))
         top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in rows]
         top_p = [r.params.top_p for r in rows]
         if min(top_k) < self.vocab_size or min(top_p) < 1.0:
-            logits = _top_k_top_p(logits, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+            logits = _top_k_top_p(logits, torch.tensor(top_k, device=dev),
+                                  torch.tensor(top_p, device=dev))
         return logits.softmax(dim=-1)
 
     # -- logprobs -----------------------------------------------------------------------------
     @staticmethod
-    def logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
+    def logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
+                 num_top: list[int]) -> list[TokenLogprob]:
         """Raw logprobs (vLLM's default `raw_logprobs` mode) of the chosen tokens plus top-N."""
         logprobs = raw_logits.float().log_softmax(dim=-1)
         chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
@@ -145,7 +150,7 @@ class Sampler:
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask everything outside each row's top-k and its top-p nucleus (the first token always stays)."""
+    """Mask everything outside each row's top-k and its top-p nucleus (the first token stays)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
     drop = ranks >= top_k[:, None]

@@ -27,7 +27,8 @@ from specserve.spec_phases.verify import Verifier
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16}
 
 
 def resolve_device(device: str) -> str:
@@ -60,9 +61,9 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         in_host = spec is not None and spec.method == "lossy_kv" and self._full_kv_in_host(spec)
         if config.host_kv_cache_memory_gb is not None and not in_host:   # before loading weights
-            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the full "
-                             "cache in host memory; on a CPU host set \"full_kv_in_host\": true in "
-                             "--speculative-config")
+            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the "
+                             "full cache in host memory; on a CPU host set "
+                             "\"full_kv_in_host\": true in --speculative-config")
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
                                 tiny_seed=config.tiny_random_seed)
@@ -77,7 +78,7 @@ class Worker:
             raise ValueError("the KV cache budget is too small for one block")
         shape = (cfg.num_layers, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if in_host:
-            self.storage = HostKVPool(*shape)      # VeriCache: the device keeps the compressed cache
+            self.storage = HostKVPool(*shape)      # VeriCache: the device keeps compressed KV
         else:
             self.storage = KVStorage(*shape, self.device)
         self.runner = ModelRunner(self.model, self.storage)

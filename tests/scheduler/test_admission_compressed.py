@@ -37,7 +37,7 @@ def run(core, n, max_tokens=MAX_TOKENS, abort=None, on_step=None):
         core.add_request(EngineRequest(f"r{i}", ids, greedy(max_tokens)))
     outs = {f"r{i}": [] for i in range(n)}
     steps = max_running = preemptions = 0
-    while core.has_unfinished():
+    while core.has_work():
         step = core.step()
         for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
