@@ -58,3 +58,34 @@ def test_seeded_sampling_is_identical_with_speculation_on_and_off(make_engine, n
 def test_different_seeds_give_different_texts(make_engine):
     out, _, _ = generate(make_engine, None, [1, 2])
     assert sum(out[f"p{i}-s1"] != out[f"p{i}-s2"] for i in range(len(prompts()))) >= 4
+
+
+def test_unseeded_sampling_keeps_the_target_distribution_under_speculation(make_engine):
+    """Two-sample chi-squared over the joint of the first three sampled tokens (top_k 2: eight
+    outcomes), speculation off vs drafts of the target's own greedy continuation (layer_skip with
+    no layer skipped, so every step carries drafts that are often, not always, accepted)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    def joint(spec):
+        core = make_engine(speculative=spec, max_num_seqs=128)
+        params = SamplingParams(max_tokens=3, temperature=1.5, top_k=2, ignore_eos=True)
+        for i in range(800):
+            core.add_request(EngineRequest(f"j{i}", [11, 12, 13, 14, 15] * 3, params))
+        out, drafted = {}, 0
+        while core.has_work():
+            step = core.step()
+            for o in step.outputs:
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            drafted += step.stats.num_draft_tokens if step.stats is not None else 0
+        return Counter(tuple(t) for t in out.values()), drafted
+
+    plain, _ = joint(None)
+    spec, drafted = joint(SpeculativeConfig(method="layer_skip", num_speculative_tokens=2,
+                                            skip_layers=()))
+    assert drafted > 0
+    keys = sorted(set(plain) | set(spec))
+    assert 4 <= len(keys) <= 8
+    table = [[plain[k] for k in keys], [spec[k] for k in keys]]
+    assert chi2_contingency(table).pvalue > 0.001
