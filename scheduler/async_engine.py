@@ -16,7 +16,7 @@ from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, EngineRequest,
                                           RequestOutput)
-from specserve.scheduler.scheduler import StepStats
+from specserve.scheduler.messages import StepStats
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -27,6 +27,7 @@ class AsyncEngine:
         self.config = config
         self.core = core or EngineCore(config)
         self.model_info = self.core.model_info
+        self.engine_info = self.core.engine_info
         self.on_step: Callable[[StepStats], None] | None = None    # metrics hook, engine thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

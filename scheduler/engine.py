@@ -12,10 +12,11 @@ from pathlib import Path
 from specserve.kv_cache.blocks import BlockPool
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.scheduler.config import EngineConfig, SchedulerConfig
-from specserve.scheduler.messages import EngineRequest, ModelInfo, RequestOutput
+from specserve.scheduler.messages import (EngineInfo, EngineRequest, ModelInfo, RequestOutput,
+                                          StepStats)
 from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import Scheduler
 from specserve.spec_phases.sampling_params import ParamError
-from specserve.scheduler.scheduler import Scheduler, StepStats
 from specserve.spec_phases.paths import TINY_RANDOM, resolve_model_path
 from specserve.spec_phases.worker import Worker
 
@@ -69,6 +70,17 @@ class EngineCore:
         self.model_info = ModelInfo(name=name, path=str(path), vocab_size=cfg.vocab_size,
                                     max_model_len=max_len, eos_token_ids=cfg.eos_token_ids,
                                     bos_token_id=cfg.bos_token_id)
+        worker = self.worker
+        draft = worker.draft_pool.usage() if worker.draft_pool is not None else None
+        self.engine_info = EngineInfo(
+            block_size=config.block_size, num_blocks=worker.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            dtype=str(worker.dtype).removeprefix("torch."), device=worker.device,
+            kv_bytes_per_token=cfg.kv_bytes_per_token(worker.dtype),
+            spec_method=spec.method if spec else None,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            kv_compressor=spec.kv_compressor if spec and spec.method == "lossy_kv" else None,
+            draft_kv_bytes_per_token=draft.compressed_page_bytes_per_token if draft else None)
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:

@@ -1,23 +1,24 @@
 """The message boundary between the server and the engine.
 
-Everything that crosses it is a plain, picklable dataclass, so the engine can move from a background
-thread to its own process by changing only `server/engine_client.py`.
+Everything that crosses it is a plain, picklable dataclass, so the engine loop can move from a
+background thread to its own process by changing only `scheduler/async_engine.py`, the engine's
+side of the boundary; the server reaches the engine only through `server/engine_client.py`.
 
     server --EngineRequest--> engine      (submit)
     server --request_id-----> engine      (abort)
     server <--RequestOutput-- engine      (one delta per engine step that produced something)
+    server <--StepStats------ engine      (one per step, for metrics)
+    server <--ModelInfo, EngineInfo--     (once, at start-up)
 """
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases.plan import TokenLogprob  # noqa: F401  (re-exported for the server)
-
-
+from specserve.spec_phases.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,32 @@ class RequestOutput:
     error: str | None = None             # set with finish_reason "error": this request failed alone
 
 
+@dataclass
+class StepStats:
+    """What one step did, for metrics and logs (no work beyond counting)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_prompt_tokens: int = 0           # prompt tokens computed this step
+    num_generation_tokens: int = 0       # tokens emitted this step
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)
+    num_pruned_tokens: int = 0           # draft tokens never computed: an earlier frontier rejected
+    num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
+    num_drafted_ahead: int = 0           # requests whose drafts the overlap thread made
+    finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
+    first_scheduled: list[str] = field(default_factory=list)   # requests scheduled for the 1st time
+    step_time_s: float = 0.0
+    swap_bytes_h2d: int = 0              # lossy_kv, full cache in host memory: bytes moved
+    swap_bytes_d2h: int = 0
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the server needs to know about the served model, without touching torch."""
@@ -63,6 +90,21 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine is, for metrics and logs: sent once, plain data (no torch, no live object)."""
+    block_size: int
+    num_blocks: int                      # full-cache blocks
+    enable_prefix_caching: bool
+    dtype: str                           # "float32", "bfloat16", ...
+    device: str                          # "cpu", "cuda", ...
+    kv_bytes_per_token: int              # full cache, all layers, K + V
+    spec_method: str | None = None       # None: speculation off
+    num_speculative_tokens: int = 0
+    kv_compressor: str | None = None     # lossy_kv: the drafting cache's compressor
+    draft_kv_bytes_per_token: float | None = None   # lossy_kv: compressed pages, all layers
 
 
 class EngineDeadError(RuntimeError):
@@ -78,6 +120,8 @@ class EngineClientProtocol(Protocol):
     tests may pass a fake with the same methods). All methods are called from the asyncio loop."""
 
     model_info: ModelInfo
+    engine_info: EngineInfo
+    on_step: Callable[[StepStats], None] | None     # set by the metrics; called per engine step
 
     @property
     def is_dead(self) -> bool: ...

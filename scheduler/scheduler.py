@@ -6,39 +6,13 @@ It covers prefill chunks, prefix hits, resuming after preemption and verify rows
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.scheduler.faser import DraftLengthController
-from specserve.scheduler.messages import RequestOutput, SpecStats
+from specserve.scheduler.messages import RequestOutput, SpecStats, StepStats
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.scheduler.config import SchedulerConfig
 from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult, needs_history
-
-
-@dataclass
-class StepStats:
-    """What one step did, for metrics and logs (no work beyond counting)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_prompt_tokens: int = 0           # prompt tokens computed this step
-    num_generation_tokens: int = 0       # tokens emitted this step
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    draft_lens: list[int] = field(default_factory=list)
-    num_pruned_tokens: int = 0           # draft tokens never computed: an earlier frontier rejected
-    num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
-    num_drafted_ahead: int = 0           # requests whose drafts the overlap thread made
-    finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
-    step_time_s: float = 0.0
-    swap_bytes_h2d: int = 0              # lossy_kv, full cache in host memory: bytes moved
-    swap_bytes_d2h: int = 0
 
 
 class Scheduler:
@@ -171,6 +145,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:          # not a preempted one coming back
+                self._stats.first_scheduled.append(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, num_new, 0))

@@ -17,6 +17,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, H
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.responses import Response
 
+from specserve.scheduler.messages import EngineInfo
 from specserve.server.metrics_catalog import EngineMetrics, MetricLabels
 from specserve.server.metrics_recorders import RequestTracker, StepRecorder
 from specserve.server.settings import ServerSettings
@@ -41,33 +42,29 @@ class ServerMetrics:
         self.steps: StepRecorder | None = None
         if settings.disable_log_stats:
             return
-        config = getattr(engine, "config", None)
-        spec = getattr(config, "speculative", None)
-        labels = MetricLabels(model_name=settings.model_name,
-                              spec_method=spec.method if spec is not None else None,
-                              num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-                              kv_compressor=getattr(config, "kv_compressor", None) or "none")
+        info = engine.engine_info
+        labels = MetricLabels(model_name=settings.model_name, spec_method=info.spec_method,
+                              num_speculative_tokens=info.num_speculative_tokens,
+                              kv_compressor=info.kv_compressor or "none")
         self.engine_metrics = EngineMetrics(self.registry, labels, engine.model_info.max_model_len)
-        core = getattr(engine, "core", None)
-        running = (lambda: core.scheduler.running) if core is not None else None
-        self.steps = StepRecorder(self.engine_metrics, running, settings.log_stats_interval_s)
-        if core is not None:
-            self._describe_cache(core, labels)
-        if hasattr(engine, "on_step"):
-            engine.on_step = self.steps.record
+        self.steps = StepRecorder(self.engine_metrics, settings.log_stats_interval_s)
+        self._describe_cache(info, labels)
+        engine.on_step = self.steps.record
 
-    def _describe_cache(self, core, labels: MetricLabels) -> None:
-        worker, config = core.worker, core.config
-        info = {"block_size": str(config.block_size), "num_gpu_blocks": str(worker.num_blocks),
-                "enable_prefix_caching": str(config.enable_prefix_caching),
-                "cache_dtype": str(worker.dtype).removeprefix("torch."), "engine": labels.engine}
-        Gauge("vllm:cache_config_info", "KV cache configuration (constant 1).", list(info),
-              registry=self.registry).labels(**info).set(1)
+    def _describe_cache(self, info: EngineInfo, labels: MetricLabels) -> None:
+        cache = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
+                 "enable_prefix_caching": str(info.enable_prefix_caching),
+                 "cache_dtype": info.dtype, "engine": labels.engine}
+        Gauge("vllm:cache_config_info", "KV cache configuration (constant 1).", list(cache),
+              registry=self.registry).labels(**cache).set(1)
         m, base = self.engine_metrics, {"model_name": labels.model_name, "engine": labels.engine}
-        per_token = worker.model_config.kv_bytes_per_token(worker.dtype)
-        m.kv_bytes_per_token.labels(**base, pool="full", kv_compressor="none").set(per_token)
+        m.kv_bytes_per_token.labels(**base, pool="full", kv_compressor="none").set(
+            info.kv_bytes_per_token)
         m.kv_cache_bytes.labels(**base, pool="full", tier="device").set(
-            per_token * worker.num_blocks * config.block_size)
+            info.kv_bytes_per_token * info.num_blocks * info.block_size)
+        if info.draft_kv_bytes_per_token is not None:
+            m.kv_bytes_per_token.labels(**base, pool="draft", kv_compressor=labels.kv_compressor
+                                        ).set(info.draft_kv_bytes_per_token)
 
     def tracker(self, requests, n: int = 1) -> RequestTracker | None:
         if self.engine_metrics is None:
@@ -75,9 +72,6 @@ class ServerMetrics:
         return RequestTracker(self.engine_metrics, self.steps, requests, n)
 
     def expose(self) -> bytes:
-        core = getattr(self.engine, "core", None)
-        if self.steps is not None and core is not None and not core.has_unfinished():
-            self.steps.set_idle(core.kv.usage())
         return generate_latest(self.registry)
 
 

@@ -6,8 +6,7 @@
                                                                 sizes, request_success, prompt tokens
 
 Only counting happens on the engine thread: a handful of inc/set/observe calls per step, a loop over
-the step's draft lengths, and (only in steps that computed prompt tokens) one pass over the running
-list to note when each request was first scheduled (StepStats carries no scheduled ids).
+the step's draft lengths, and one entry per request the step scheduled for the first time.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.scheduler.messages import EngineRequest, RequestOutput
-from specserve.scheduler.scheduler import StepStats
+from specserve.scheduler.messages import StepStats
 from specserve.server.metrics_catalog import EngineMetrics
 
 logger = logging.getLogger("specserve.metrics")
@@ -50,12 +49,11 @@ class Totals:
 
 
 class StepRecorder:
-    """StepStats → Prometheus, on the engine thread. `running` returns the scheduler's running list."""
+    """StepStats → Prometheus, on the engine thread."""
 
-    def __init__(self, metrics: EngineMetrics, running: Callable[[], list] | None = None,
-                 log_interval_s: float | None = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, metrics: EngineMetrics, log_interval_s: float | None = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.metrics = metrics
-        self.running = running
         self.clock = clock
         self.totals = Totals()
         self.first_scheduled: dict[str, float] = {}      # engine request id -> monotonic time
@@ -88,8 +86,8 @@ class StepRecorder:
             self._record_spec(stats)
         if stats.swap_bytes_h2d:                   # VeriCache: full-cache bytes brought to the device
             m.swap_bytes.inc(stats.swap_bytes_h2d)
-        if stats.num_prompt_tokens and self.running is not None:
-            self._note_scheduled(now - stats.step_time_s)
+        if stats.first_scheduled:
+            self._note_scheduled(stats.first_scheduled, now - stats.step_time_s)
         if self.log_interval_s is not None and now - self._last_log_time >= self.log_interval_s:
             self.log(now)
 
@@ -140,26 +138,15 @@ class StepRecorder:
             alive += ends[pos]
             m.spec_drafted_per_pos[pos].inc(alive)
 
-    def _note_scheduled(self, step_start: float) -> None:
+    def _note_scheduled(self, request_ids: list[str], step_start: float) -> None:
         seen = self.first_scheduled
-        for req in self.running():
-            if req.request_id not in seen:
-                seen[req.request_id] = step_start
+        for request_id in request_ids:
+            seen.setdefault(request_id, step_start)
         while len(seen) > MAX_TRACKED_SCHEDULED:        # oldest first: entries nobody popped
             del seen[next(iter(seen))]
 
     def add_prompt_tokens(self, num: int) -> None:
         self.totals.prompt_tokens += num
-
-    def set_idle(self, kv_usage: float) -> None:
-        """Called at scrape time when the engine has nothing to do: the last step may have preceded
-        an abort, so the gauges are reset here rather than left at that step's values."""
-        m = self.metrics
-        m.num_running.set(0)
-        m.num_waiting.set(0)
-        m.waiting_by_reason["capacity"].set(0)
-        m.kv_usage.set(kv_usage)
-        m.gpu_kv_usage.set(kv_usage)
 
     # -- the periodic log line (vLLM's fields) --------------------------------------------------
     def log(self, now: float | None = None) -> list[str]:

@@ -278,8 +278,8 @@ def test_swap_bytes_per_step_add_up_to_the_pool_counters_and_reach_the_metric(ma
     from specserve.server.settings import ServerSettings
 
     core = make_engine(speculative=SPEC, num_threads=1, host_kv_cache_memory_gb=HOST_GB)
-    metrics = ServerMetrics(SimpleNamespace(config=core.config, model_info=core.model_info, core=core,
-                                            on_step=None), ServerSettings(served_model_names=("tiny",)))
+    engine = SimpleNamespace(model_info=core.model_info, engine_info=core.engine_info, on_step=None)
+    metrics = ServerMetrics(engine, ServerSettings(served_model_names=("tiny",)))
     steps = []
     run(core, 3, on_step=lambda c, s: (steps.append(s), metrics.steps.record(s)))
     pool, prop = core.worker.storage, core.worker.draft_pool

@@ -10,7 +10,7 @@ from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
-from specserve.scheduler.scheduler import StepStats
+from specserve.scheduler.messages import StepStats
 from specserve.server.cli import build_parser, engine_config
 from specserve.server.metrics import ServerMetrics
 from specserve.server.settings import ServerSettings
@@ -25,7 +25,8 @@ def core_with(spec) -> EngineCore:
 
 
 def metrics_for(core: EngineCore) -> ServerMetrics:
-    engine = types.SimpleNamespace(config=core.config, model_info=core.model_info, core=core, on_step=None)
+    engine = types.SimpleNamespace(model_info=core.model_info, engine_info=core.engine_info,
+                                   on_step=None)
     return ServerMetrics(engine, ServerSettings(served_model_names=("tiny",)))
 
 

@@ -14,7 +14,7 @@ from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest, RequestOutput
 from specserve.spec_phases.sampling_params import SamplingParams
-from specserve.scheduler.scheduler import StepStats
+from specserve.scheduler.messages import StepStats
 from specserve.server.app import build_app
 from specserve.server.metrics import ServerMetrics, make_router
 from specserve.server.metrics_catalog import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
@@ -33,7 +33,8 @@ def tiny_core(spec=NGRAM) -> EngineCore:
 
 def stand_in(core: EngineCore):
     """What ServerMetrics reads from an AsyncEngine, without its thread."""
-    return types.SimpleNamespace(config=core.config, model_info=core.model_info, core=core, on_step=None)
+    return types.SimpleNamespace(model_info=core.model_info, engine_info=core.engine_info,
+                                 on_step=None)
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple, float]:
@@ -273,3 +274,25 @@ def test_cli_flag_and_router_attach(served):
     client, _ = served
     assert client.app.state.serving.client.tracker_factory is not None
     assert httpx.codes.OK == client.get("/metrics").status_code
+
+
+def test_kv_compressor_label_names_the_drafting_cache_under_lossy_kv():
+    """The label comes from the engine's info message (it was always "none" when read from the
+    engine config's top level, where the compressor is not)."""
+    spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=2, kv_compressor="quant",
+                             kv_compressor_config={"window": 8, "page_size": 8})
+    core = tiny_core(spec)
+    assert core.engine_info.kv_compressor == "quant" and core.engine_info.spec_method == "lossy_kv"
+    metrics = ServerMetrics(stand_in(core), ServerSettings(served_model_names=("tiny",)))
+    core.add_request(EngineRequest("r", [5, 6, 7, 8] * 6, SamplingParams(max_tokens=8,
+                                                                       temperature=0)))
+    while core.has_work():
+        metrics.steps.record(core.step().stats)
+    found = samples(metrics)
+    spec_labels = {"method": "lossy_kv", "kv_compressor": "quant"}
+    assert value(found, "specserve:spec_decode_num_drafts_total", **spec_labels) > 0
+    draft_rate = value(found, "specserve:kv_bytes_per_token", pool="draft", kv_compressor="quant")
+    full_rate = value(found, "specserve:kv_bytes_per_token", pool="full", kv_compressor="none")
+    assert 0 < draft_rate < full_rate
+    assert not [k for k in found if dict(k[1]).get("kv_compressor") == "none"
+                and k[0].startswith("specserve:spec_decode")]
