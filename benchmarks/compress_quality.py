@@ -28,7 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from specserve.kv_cache.compress.base import CompressorConfig, dense_attention, merge_attention  # noqa: E402
+from specserve.kernels.reference.attention import dense_attention, merge_attention  # noqa: E402
+from specserve.kv_cache.compress.base import CompressorConfig  # noqa: E402
 from specserve.kv_cache.compress.mustafar import MustafarCompressor  # noqa: E402
 from specserve.kv_cache.compress.quant import QuantCompressor  # noqa: E402
 from specserve.kv_cache.compress.spherical import SphericalCompressor  # noqa: E402

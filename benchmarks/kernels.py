@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import dispatch
-from specserve.kernels.reference.bitmap_encode import bitmap_encode as ref_bitmap_encode
+from specserve.kernels.reference.mustafar_encode import mustafar_encode as ref_mustafar_encode
 
 
 def bench(fn, device: str, reps: int) -> float:
@@ -65,8 +65,8 @@ def bitmap_inputs(heads: int, kv_heads: int, q: int, t: int, d: int, sparsity: f
     for x in (keys, vals):                     # per-token magnitude pruning, as Mustafar does
         thresh = x.abs().quantile(sparsity, dim=-1, keepdim=True)
         x[x.abs() < thresh] = 0
-    kb, ko, kv = ref_bitmap_encode(keys.reshape(kv_heads, nb, 64, d).transpose(2, 3).reshape(-1, 64))
-    vb, vo, vv = ref_bitmap_encode(vals.reshape(-1, 64))
+    kb, ko, kv = ref_mustafar_encode(keys.reshape(kv_heads, nb, 64, d).transpose(2, 3).reshape(-1, 64))
+    vb, vo, vv = ref_mustafar_encode(vals.reshape(-1, 64))
     args = (kb.view(kv_heads, nb, d), ko.view(kv_heads, nb, d), kv,
             vb.view(kv_heads, t, d // 64), vo.view(kv_heads, t, d // 64), vv)
     query = torch.randn(q, heads, d, generator=g)
@@ -83,7 +83,7 @@ def dense_fn(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 def paged_inputs(batch: int, q: int, t: int, heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
     """A batch of `batch` requests with `t` tokens of context each, `q` new query rows each, in a paged
     cache of 16-token blocks scattered at random."""
-    from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+    from specserve.kernels.metadata import PagedAttentionMetadata
     g = torch.Generator(device="cpu").manual_seed(batch * t + q)
     bs, per = 16, -(-t // 16)
     perm = torch.randperm(batch * per, generator=g).tolist()
@@ -143,15 +143,15 @@ def main() -> None:
             rows.append(row)
             # ---- Mustafar bitmap sparsity ----
             bm, keys, vals = bitmap_inputs(args.heads, args.kv_heads, q, t, d, args.sparsity, dev)
-            ref = dispatch.reference("bitmap_attention")
+            ref = dispatch.reference("mustafar_attention")
             out_ref, _ = ref(*bm, scale)
             k_dense, v_dense = keys.to(device=dev, dtype=dtype), vals.to(device=dev, dtype=dtype)
             dense = dense_fn(bm[0], k_dense, v_dense, scale)
-            row = {"op": "bitmap_attention", "T": t, "Q": q,
+            row = {"op": "mustafar_attention", "T": t, "Q": q,
                    "dense_ms": bench(dense, dev, args.reps), "ref_ms": bench(lambda: ref(*bm, scale), dev, args.reps),
                    "dense_bytes": nbytes(k_dense, v_dense), "bytes": nbytes(*bm[1:])}
             if cuda:
-                fast = dispatch.triton_kernel("bitmap_attention")
+                fast = dispatch.triton_kernel("mustafar_attention")
                 out, _ = fast(*bm, scale)
                 row["triton_rel_err"] = rel_err(out, out_ref)
                 row["triton_ms"] = bench(lambda: fast(*bm, scale), dev, args.reps)
@@ -189,11 +189,11 @@ def main() -> None:
         tiles = torch.randn(args.kv_heads * t * d // 64, 64, generator=g)
         tiles[tiles.abs() < tiles.abs().quantile(args.sparsity, dim=-1, keepdim=True)] = 0
         tiles = tiles.half().to(dev)
-        ref = dispatch.reference("bitmap_encode")
-        row = {"op": "bitmap_encode", "T": t, "Q": 0, "ref_ms": bench(lambda: ref(tiles), dev, args.reps),
+        ref = dispatch.reference("mustafar_encode")
+        row = {"op": "mustafar_encode", "T": t, "Q": 0, "ref_ms": bench(lambda: ref(tiles), dev, args.reps),
                "bytes": nbytes(tiles)}
         if cuda:
-            fast = dispatch.triton_kernel("bitmap_encode")
+            fast = dispatch.triton_kernel("mustafar_encode")
             row["triton_exact"] = all(torch.equal(x, y) for x, y in zip(ref(tiles), fast(tiles)))
             row["triton_ms"] = bench(lambda: fast(tiles), dev, args.reps)
         rows.append(row)

@@ -39,7 +39,7 @@ from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.server.tokenizer import load_tokenizer
 from specserve.spec_phases.loader import load_model
-from specserve.spec_phases.proposers.lossy_kv import _DenseCache, build_compressor
+from specserve.spec_phases.calibration import DenseCache, build_compressor
 
 SETTINGS = {"window": {"window": 192}, "quant": {"key_bits": 4, "value_bits": 4},
             "mustafar": {"sparsity": 0.7}, "spherical": {"tier": 1, "value_bits": 8}}
@@ -117,7 +117,7 @@ def capacity(model, ids: list[int], budget_gb: float, variants: list[tuple[str, 
     variant; sequences that fit in `budget_gb` of device memory with full fp16 KV vs with the
     compressed drafting cache."""
     cfg, dev = model.config, model.embed_tokens.weight.device
-    cache = _DenseCache(cfg.num_layers)
+    cache = DenseCache(cfg.num_layers)
     for start in range(0, len(ids), chunk):
         part = torch.tensor(ids[start:start + chunk], device=dev)
         model(part, torch.arange(start, start + len(part), device=dev), cache)

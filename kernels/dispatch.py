@@ -1,7 +1,11 @@
-"""The single place that chooses between an op's PyTorch reference and its Triton kernel.
+"""The single place that chooses between an op's PyTorch reference and its Triton kernel, and that
+falls back from one to the other.
 
-Convention: op `foo` is the function `foo` in `kernels/reference/foo.py` and, where a kernel exists,
-the function `foo` with the same signature in `kernels/triton/foo.py`.
+`OPS` names every op and its module: the function `op` in `kernels/reference/<module>.py` and,
+where a kernel exists, the function `op` with the same signature in `kernels/triton/<module>.py`.
+A Triton module says what it supports: `supports(*args) -> bool` (inputs it cannot take go to the
+reference) and `FAILURES`, the exceptions that mean it cannot run on this machine (then the
+reference serves every later call; logged once).
 
 Choice, per call site (`get_op(name, device)`):
 - SPECSERVE_KERNELS=reference forces the reference; SPECSERVE_KERNELS=triton forces Triton.
@@ -13,8 +17,27 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
-from typing import Callable
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+OPS = {
+    "paged_attention": "paged_attention",
+    "dense_attention": "attention",
+    "batched_attention": "attention",
+    "merge_attention": "attention",
+    "mustafar_encode": "mustafar_encode",
+    "mustafar_decode": "mustafar_encode",
+    "mustafar_attention": "mustafar_attention",
+    "mustafar_keys": "mustafar_attention",
+    "mustafar_values": "mustafar_attention",
+    "spherical_encode": "spherical_encode",
+    "spherical_decode": "spherical_encode",
+    "spherical_attention": "spherical_attention",
+    "rejection_sample": "rejection_sample",
+}
 
 
 @functools.cache
@@ -26,26 +49,50 @@ def _triton_available() -> bool:
     return True
 
 
-@functools.cache
-def _load(kind: str, name: str) -> Callable | None:
+def _module(kind: str, name: str):
+    if name not in OPS:
+        raise KeyError(f"unknown op {name!r}; one of {sorted(OPS)}")
     try:
-        module = importlib.import_module(f"specserve.kernels.{kind}.{name}")
+        return importlib.import_module(f"specserve.kernels.{kind}.{OPS[name]}")
     except ModuleNotFoundError as exc:
-        if exc.name and exc.name.endswith(f"{kind}.{name}"):
+        if exc.name and exc.name.endswith(f"{kind}.{OPS[name]}"):
             return None
         raise
-    return getattr(module, name)
 
 
 def reference(name: str) -> Callable:
-    fn = _load("reference", name)
-    if fn is None:
-        raise KeyError(f"no reference implementation for op {name!r}")
-    return fn
+    return getattr(_module("reference", name), name)
 
 
-def triton_kernel(name: str) -> Callable | None:
-    return _load("triton", name) if _triton_available() else None
+class Kernel:
+    """A Triton kernel with its fallback to the reference: for inputs the kernel does not support,
+    and for good once it failed to compile or fit on this machine."""
+
+    def __init__(self, name: str, module):
+        self.name, self.kernel, self.fallback = name, getattr(module, name), reference(name)
+        self.supports = module.supports if "supports" in vars(module) else None
+        self.failures: tuple = vars(module).get("FAILURES", ())
+        self.unusable: str | None = None               # why, once the kernel failed here
+
+    def __call__(self, *args, **kwargs):
+        if self.unusable is None and (self.supports is None or self.supports(*args, **kwargs)):
+            try:
+                return self.kernel(*args, **kwargs)
+            except self.failures as exc:
+                self.unusable = f"{type(exc).__name__}: {exc}"
+                logger.error("Triton %s unusable here (%s); using the PyTorch reference",
+                             self.name, self.unusable)
+        return self.fallback(*args, **kwargs)
+
+
+@functools.cache
+def triton_kernel(name: str) -> Kernel | None:
+    if not _triton_available():
+        return None
+    module = _module("triton", name)
+    if module is None or name not in vars(module):
+        return None
+    return Kernel(name, module)
 
 
 def get_op(name: str, device: str = "cpu") -> Callable:
@@ -55,7 +102,7 @@ def get_op(name: str, device: str = "cpu") -> Callable:
     kernel = triton_kernel(name)
     if mode == "triton":
         if kernel is None:
-            raise RuntimeError(f"SPECSERVE_KERNELS=triton but op {name!r} has no usable Triton kernel")
+            raise RuntimeError(f"SPECSERVE_KERNELS=triton but op {name!r} has no Triton kernel")
         return kernel
     if kernel is not None and str(device).startswith("cuda"):
         return kernel

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+from specserve.kernels.metadata import PagedAttentionMetadata
 
 
 class HostKVPool:

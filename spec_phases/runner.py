@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import LlamaModel

@@ -10,6 +10,7 @@ import torch
 from specserve.kv_cache.draft_pool import DraftBudget, DraftPool
 from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
+from specserve.spec_phases.calibration import build_compressor
 from specserve.spec_phases.config import SpeculativeConfig, WorkerConfig
 from specserve.spec_phases.frontiers import FrontierVerifier
 from specserve.spec_phases.loader import load_model
@@ -17,7 +18,7 @@ from specserve.spec_phases.overlap import DraftAhead
 from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult
 from specserve.spec_phases.proposers.base import DraftRequest, Proposer
 from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer, default_skip_layers
-from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer, build_compressor
+from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
 from specserve.spec_phases.proposers.ngram import NgramProposer
 from specserve.spec_phases.proposers.token_recycling import TokenRecyclingProposer
 from specserve.spec_phases.runner import ModelRunner

@@ -13,37 +13,23 @@ every layer reuses them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
+
+from specserve.kernels.metadata import PagedAttentionMetadata
 
 SHORT_QUERY = 16
 
 
-@dataclass
-class PagedAttentionMetadata:
-    query_start: list[int]           # [num_reqs + 1] cumulative query counts (host)
-    seq_lens: list[int]              # [num_reqs] context length including this step's tokens (host)
-    block_tables: list[list[int]]    # per request, block ids covering seq_len slots
-    block_size: int
-    device: torch.device | str = "cpu"
-    _groups: list | None = field(default=None, repr=False)
-    _cache: dict = field(default_factory=dict, repr=False)     # per-step tensors other implementations build
+def groups(meta: PagedAttentionMetadata) -> list[tuple]:
+    """(row_index [B, Q] or None, query slice, block ids [B, n], mask [B, 1, Q, n * block_size] or
+    None), built once per step."""
+    return meta.memo("reference_groups", lambda: _build_groups(meta))
 
-    def groups(self) -> list[tuple]:
-        """(row_index [B, Q] or None, query slice, block ids [B, n], mask [B, 1, Q, n * block_size] or
-        None)."""
-        if self._groups is None:
-            self._groups = _build_groups(self)
-        return self._groups
 
-    def chunk_groups(self) -> list[tuple]:
-        """The long prefill chunks' groups only (for kernels that serve short queries themselves)."""
-        if "chunks" not in self._cache:
-            self._cache["chunks"] = (_build_groups(self, with_short=False) if self._groups is None
-                                     else [g for g in self._groups if g[0] is None])
-        return self._cache["chunks"]
+def chunk_groups(meta: PagedAttentionMetadata) -> list[tuple]:
+    """The long prefill chunks' groups only (for kernels that serve short queries themselves)."""
+    return meta.memo("reference_chunks", lambda: _build_groups(meta, with_short=False))
 
 
 def _blocks(block_table: list[int], seq_len: int, block_size: int) -> list[int]:
@@ -118,7 +104,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     bs = meta.block_size
-    for rows, where, blocks, mask in meta.groups():
+    for rows, where, blocks, mask in groups(meta):
         if rows is None:                                        # one prefill chunk
             out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, bs)
             continue
@@ -129,11 +115,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = gather_blocks(v_cache, blocks, bs).to(q.dtype)
         qg = q[rows].view(num_reqs, q_max, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(num_reqs, num_kv_heads, group * q_max, head_dim)
-        key = ("grouped_mask", group)
-        if key not in meta._cache:
-            meta._cache[key] = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(
-                num_reqs, 1, group * q_max, mask.shape[-1])
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta._cache[key], scale=scale)
+        grouped = meta.memo(f"reference_grouped_mask_{group}", lambda: mask[:, :, None].expand(
+            -1, -1, group, -1, -1).reshape(num_reqs, 1, group * q_max, mask.shape[-1]))
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=grouped, scale=scale)
         o = o.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
         out[rows.flatten()] = o.reshape(num_reqs * q_max, num_heads, head_dim)  # padding rows rewrite their last row
     return out

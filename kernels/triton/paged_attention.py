@@ -12,21 +12,18 @@ Same contract as kernels/reference/paged_attention.py.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from specserve.kernels.reference.paged_attention import SHORT_QUERY, PagedAttentionMetadata, chunk_attention
-from specserve.kernels.reference.paged_attention import paged_attention as reference_paged_attention
+from specserve.kernels.metadata import PagedAttentionMetadata
+from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
 from specserve.kernels.triton.splits import combine_splits, plan_splits
 
 BN = 64
-logger = logging.getLogger(__name__)
-UNUSABLE: list[str] = []     # why the kernel cannot run on this machine; once set, the reference serves
+FAILURES = (CompilationError, OutOfResources)   # the kernel cannot run here: the reference serves
 
 
 @triton.jit
@@ -80,53 +77,48 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
 
 
 def _short_requests(meta: PagedAttentionMetadata, device) -> tuple | None:
-    """(request index, first row, q_len, seq_len, block tables [B, W] int32, rows, max context) of the
-    short-query requests; built once per step and shared by every layer."""
-    if "triton_short" not in meta._cache:
-        reqs, firsts, qlens, lens, rows = [], [], [], [], []
-        for b, seq_len in enumerate(meta.seq_lens):
-            start, end = meta.query_start[b], meta.query_start[b + 1]
-            if 0 < end - start <= SHORT_QUERY:
-                reqs.append(b)
-                firsts.append(start)
-                qlens.append(end - start)
-                lens.append(seq_len)
-                rows.extend(range(start, end))
-        if not reqs:
-            meta._cache["triton_short"] = None
-        else:
-            width = max(len(t) for t in meta.block_tables) or 1
-            tables = torch.zeros(len(meta.block_tables), width, dtype=torch.int32)
-            for b, table in enumerate(meta.block_tables):
-                tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            as_dev = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-            meta._cache["triton_short"] = (as_dev(reqs), as_dev(firsts), as_dev(qlens), as_dev(lens),
-                                           tables.to(device), torch.tensor(rows).to(device), max(lens))
-    return meta._cache["triton_short"]
+    """(request index, first row, q_len, seq_len, block tables [B, W] int32, rows, max context) of
+    the short-query requests; built once per step and shared by every layer."""
+    return meta.memo("triton_short", lambda: _build_short(meta, device))
+
+
+def _build_short(meta: PagedAttentionMetadata, device) -> tuple | None:
+    reqs, firsts, qlens, lens, rows = [], [], [], [], []
+    for b, seq_len in enumerate(meta.seq_lens):
+        start, end = meta.query_start[b], meta.query_start[b + 1]
+        if 0 < end - start <= SHORT_QUERY:
+            reqs.append(b)
+            firsts.append(start)
+            qlens.append(end - start)
+            lens.append(seq_len)
+            rows.extend(range(start, end))
+    if not reqs:
+        return None
+    width = max(len(t) for t in meta.block_tables) or 1
+    tables = torch.zeros(len(meta.block_tables), width, dtype=torch.int32)
+    for b, table in enumerate(meta.block_tables):
+        tables[b, :len(table)] = torch.tensor(list(table), dtype=torch.int32)
+
+    def as_dev(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
+    return (as_dev(reqs), as_dev(firsts), as_dev(qlens), as_dev(lens), tables.to(device),
+            torch.tensor(rows).to(device), max(lens))
+
+
+def supports(q: torch.Tensor, *args, **kwargs) -> bool:
+    """Head sizes the kernel can tile: a power of two, at least 16 (others go to the reference)."""
+    head_dim = q.shape[2]
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as kernels/reference/paged_attention.py. Head sizes the kernel cannot tile (not a
-    power of two, or under 16) go to the reference; so does every call after the kernel failed to
-    compile or fit on this GPU (logged once): serving slower beats not serving."""
-    head_dim = q.shape[2]
-    if UNUSABLE or head_dim < 16 or head_dim & (head_dim - 1):
-        return reference_paged_attention(q, k_cache, v_cache, meta, scale)
-    try:
-        return _paged_attention(q, k_cache, v_cache, meta, scale)
-    except (CompilationError, OutOfResources) as exc:
-        UNUSABLE.append(f"{type(exc).__name__}: {exc}")
-        logger.error("Triton paged attention unusable here (%s); using the PyTorch reference", UNUSABLE[0])
-        return reference_paged_attention(q, k_cache, v_cache, meta, scale)
-
-
-def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Same contract as kernels/reference/paged_attention.py (dispatch falls back to it for
+    unsupported head sizes and when the kernel cannot run here)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
-    for _, where, blocks, mask in meta.chunk_groups():             # long prefill chunks
+    for _, where, blocks, mask in chunk_groups(meta):               # long prefill chunks
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, meta.block_size)
     short = _short_requests(meta, q.device)
     if short is not None:

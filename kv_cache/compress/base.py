@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from specserve.kernels.dispatch import get_op
+
 FP16_BYTES = 2
 
 
@@ -84,67 +86,6 @@ class SequenceState:
         return self.layers[0].num_tokens
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                    q_positions: torch.Tensor | None = None,
-                    k_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain GQA attention returning (out [num_q, num_heads, D], lse [num_q, num_heads]), fp32.
-
-    q: [num_q, num_heads, D]; k, v: [n, num_kv_heads, D]. With positions, key j is visible to query i
-    only if k_positions[j] <= q_positions[i]. A query that sees nothing gets out 0 and lse -inf.
-    """
-    num_q, num_heads, _ = q.shape
-    n, num_kv_heads, _ = k.shape
-    if n == 0:
-        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((num_q, num_heads), -math.inf,
-                                                                      dtype=torch.float32)
-    group = num_heads // num_kv_heads
-    kf = k.float().repeat_interleave(group, dim=1)                     # [n, num_heads, D]
-    vf = v.float().repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * sm_scale    # [num_heads, num_q, n]
-    if q_positions is not None:
-        visible = k_positions[None, :] <= q_positions[:, None]          # [num_q, n]
-        logits = logits.masked_fill(~visible[None], -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)                               # [num_heads, num_q]
-    probs = torch.exp(logits - lse[..., None].clamp_min(-1e30)).nan_to_num(0.0)
-    out = torch.einsum("hqk,khd->qhd", probs, vf)
-    return out, lse.transpose(0, 1).contiguous()
-
-
-def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of attention over disjoint key sets: softmax weights renormalised by lse.
-
-    parts: (out [num_q, num_heads, D], lse [num_q, num_heads]) each. Parts with lse = -inf add nothing.
-    """
-    lses = torch.stack([lse for _, lse in parts])                       # [P, num_q, num_heads]
-    lse = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - lse.clamp_min(-1e30)[None]).nan_to_num(0.0)
-    out = sum(w[..., None] * o.float() for w, (o, _) in zip(weights, parts))
-    return out, lse
-
-
-def batched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per sequence over that sequence's padded keys, all sequences in one call (fp32).
-
-    q [R, num_heads, D]; k, v [R, num_kv_heads, n, D] (head-major: two batched matmuls, no copies of
-    strided views); valid [R, n] bool (None: all keys visible).
-    -> (out [R, num_heads, D], lse [R, num_heads]); a row that sees nothing gets out 0, lse -inf.
-    """
-    num_rows, num_heads, d = q.shape
-    num_kv_heads, n = k.shape[1], k.shape[2]
-    if n == 0:
-        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((num_rows, num_heads), -math.inf,
-                                                                      dtype=torch.float32)
-    qg = q.float().reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, d)   # head h -> kv h // group
-    logits = torch.matmul(qg, k.float().transpose(-1, -2)) * sm_scale     # [R, kv_heads, group, n]
-    if valid is not None:
-        logits = logits.masked_fill(~valid[:, None, None, :], -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)                                 # [R, kv_heads, group]
-    probs = torch.exp(logits - lse[..., None].clamp_min(-1e30)).nan_to_num(0.0)
-    out = torch.matmul(probs, v.float())                                  # [R, kv_heads, group, D]
-    return out.reshape(num_rows, num_heads, d), lse.reshape(num_rows, num_heads)
-
-
 class PagesBatch:
     """Attention over the compressed pages of one layer of several sequences, built once per draft
     round. Default: each sequence's prepared pages attended one at a time."""
@@ -173,7 +114,7 @@ class DecodedPagesBatch(PagesBatch):
         self.comp, self.k, self.v, self.valid = comp, k, v, valid
 
     def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return batched_attention(q, self.k[:num_rows], self.v[:num_rows], self.comp.sm_scale,
+        return get_op("batched_attention")(q, self.k[:num_rows], self.v[:num_rows], self.comp.sm_scale,
                                  self.valid[:num_rows])
 
 
@@ -259,15 +200,15 @@ class Compressor(ABC):
                q_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_q, num_heads, D] over everything encoded -> (out fp32, lse fp32 [num_q, num_heads])."""
         ls = state.layers[layer]
-        parts = [dense_attention(q, ls.sink_k, ls.sink_v, self.sm_scale)]
+        parts = [get_op("dense_attention")(q, ls.sink_k, ls.sink_v, self.sm_scale)]
         paged = self._attend_pages(layer, q, ls) if ls.pages else None
         if paged is not None:
             parts.append(paged)
         k_pos = None
         if q_positions is not None:
             k_pos = torch.arange(ls.tail_start, ls.num_tokens, device=q_positions.device)
-        parts.append(dense_attention(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions, k_pos))
-        return merge_attention(parts)
+        parts.append(get_op("dense_attention")(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions, k_pos))
+        return get_op("merge_attention")(parts)
 
     # CPU drafting decodes the round's pages once (see draft_pages) while all layers' decoded pages of
     # the round fit in this many bytes; past it, pages are attended per request as on the GPU.
@@ -379,6 +320,6 @@ class Compressor(ABC):
         for i, page in enumerate(ls.pages):
             dense = self._decode_page(page)
             if dense is not None:
-                _, lse = dense_attention(q, dense[0], dense[1], self.sm_scale)
+                _, lse = get_op("dense_attention")(q, dense[0], dense[1], self.sm_scale)
                 mass[i] = torch.exp(lse - total).mean()
         return mass

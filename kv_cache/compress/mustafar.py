@@ -2,8 +2,8 @@
 
 Each token keeps its `head_dim - int(sparsity * head_dim)` largest-magnitude channels (per kv head),
 separately for K and V; the newest tokens (the dense window) and the sinks are never pruned. Pages
-(a multiple of 64 tokens) are packed with `bitmap_encode`: keys in column tiles (one channel × 64
-tokens), values in row tiles (one token × 64 channels); layout in kernels/reference/bitmap_attention.py.
+(a multiple of 64 tokens) are packed with `mustafar_encode`: keys in column tiles (one channel × 64
+tokens), values in row tiles (one token × 64 channels); layout in kernels/reference/mustafar_attention.py.
 
 Bytes per tile in the packed format: 8 (bitmap) + 4 (int32 offset) + 2 × non-zeros. (In memory
 offsets are int64 for simplicity; the accounting uses the format's int32.)
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.reference.bitmap_attention import dense_keys, dense_values
 from specserve.kv_cache.compress.base import Compressor, CompressorConfig, LayerState
 
 TILE = 64
@@ -56,7 +55,7 @@ class MustafarCompressor(Compressor):
 
     def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> MustafarPage:
         p, h, d = k.shape
-        encode = get_op("bitmap_encode", str(k.device))
+        encode = get_op("mustafar_encode", str(k.device))
         kp = magnitude_prune(k.half(), self.key_sparsity).transpose(0, 1)        # [H, P, D]
         vp = magnitude_prune(v.half(), self.value_sparsity).transpose(0, 1)
         k_tiles = kp.reshape(h, p // TILE, TILE, d).transpose(2, 3).reshape(-1, TILE)   # (h, b, c) rows
@@ -66,8 +65,8 @@ class MustafarCompressor(Compressor):
                             vb.view(h, p, d // TILE), vo.view(h, p, d // TILE), vv)
 
     def _decode_page(self, page: MustafarPage) -> tuple[torch.Tensor, torch.Tensor]:
-        k = dense_keys(page.k_bitmaps, page.k_offsets, page.k_values)            # [H, P, D]
-        v = dense_values(page.v_bitmaps, page.v_offsets, page.v_values)
+        k = get_op("mustafar_keys")(page.k_bitmaps, page.k_offsets, page.k_values)            # [H, P, D]
+        v = get_op("mustafar_values")(page.v_bitmaps, page.v_offsets, page.v_values)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
@@ -88,7 +87,7 @@ class MustafarCompressor(Compressor):
         return {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1) for name, ts in parts.items()}
 
     def _attend_prepared(self, layer: int, q: torch.Tensor, cat: dict[str, torch.Tensor]):
-        attend = get_op("bitmap_attention", str(q.device))
+        attend = get_op("mustafar_attention", str(q.device))
         return attend(q, cat["kb"], cat["ko"], cat["kv"], cat["vb"], cat["vo"], cat["vv"], self.sm_scale)
 
     def page_bytes(self, page: MustafarPage) -> int:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kv_cache.compress.base import Compressor, CompressorConfig, LayerState, PagesBatch, dense_attention
+from specserve.kernels.dispatch import get_op
+from specserve.kv_cache.compress.base import Compressor, CompressorConfig, LayerState, PagesBatch
 
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -97,7 +98,7 @@ class QuantCompressor(Compressor):
         decoded = [self._decode_page(p) for p in state.pages]
         k = torch.cat([d[0] for d in decoded])
         v = torch.cat([d[1] for d in decoded])
-        return dense_attention(q, k, v, self.sm_scale)
+        return get_op("dense_attention")(q, k, v, self.sm_scale)
 
     def draft_pages(self, layer: int, states: list[LayerState]) -> QuantPagesBatch | None:
         if not any(ls.pages for ls in states):

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.reference.spherical_encode import spherical_decode
 from specserve.kv_cache.compress.base import (
-    Compressor, CompressorConfig, LayerState, SequenceState, merge_attention)
+    Compressor, CompressorConfig, LayerState, SequenceState)
 from specserve.kv_cache.compress.quant import dequantize, pack_bits, quantize, unpack_bits
 from specserve.kv_cache.compress import rdr
 
@@ -113,7 +112,7 @@ class SphericalCompressor(Compressor):
     def _decode_page(self, page: SphericalPage):
         if page.tier == DROP:
             return None
-        k = spherical_decode(page.theta, page.radius, page.scale, self.codebooks[page.tier][page.layer],
+        k = get_op("spherical_decode")(page.theta, page.radius, page.scale, self.codebooks[page.tier][page.layer],
                              page.theta.shape[1])
         return k.transpose(0, 1), self._values(page).transpose(0, 1)
 
@@ -142,7 +141,7 @@ class SphericalCompressor(Compressor):
         parts = [attend(q, theta, radius, scale, self.codebooks[tier][layer], self._dense_values(v),
                         self.sm_scale, self.config.page_size)
                  for tier, theta, radius, scale, v in prepared]
-        return merge_attention(parts) if parts else None
+        return get_op("merge_attention")(parts) if parts else None
 
     def _dense_values(self, v) -> torch.Tensor:
         """Values as stored (fp16, or packed codes + per-token scale/zero) -> [H, T, D] float32."""

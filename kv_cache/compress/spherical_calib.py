@@ -1,14 +1,18 @@
 """Spherical-KV codebooks: spherical k-means on the model's own post-RoPE keys, cached on disk.
 
 `calibrate(keys)` learns, for every (layer, kv head, group) and tier, K unit codewords maximising
-the summed cosine to the key groups assigned to them. `load_or_calibrate` wraps it with a disk
-cache in `cache_dir()/spherical/` keyed by the model file and the calibration settings; the keys
-come from `collect_keys`, which runs HF transformers over local text (no data set is downloaded).
+the summed cosine to the key groups assigned to them. `codebooks` is what serving uses: the keys
+of the model's own text (computed by the caller, `spec_phases/calibration.py`), calibrated once
+per model fingerprint and cached in the specserve cache directory, with progress in the log.
+`load_or_calibrate` does the same for the quality benchmark, on keys `collect_keys` gets from HF
+transformers over local text (no data set is downloaded).
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +20,8 @@ import torch
 
 from specserve.kv_cache.compress.spherical import TIERS
 
-CALIB_VERSION = 1
+CALIB_VERSION = 2
+logger = logging.getLogger(__name__)
 
 
 def spherical_kmeans(x: torch.Tensor, num_codes: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
@@ -106,3 +111,26 @@ def load_or_calibrate(model_path: Path, get_keys: Callable[[], torch.Tensor], se
     torch.save(books, tmp)
     tmp.replace(path)
     return books
+
+
+def codebooks(own_keys: Callable[[int], torch.Tensor], num_tokens: int, head_dim: int,
+              fingerprint: str, root: Path, device: str = "cpu",
+              iters: int = 20) -> dict[int, torch.Tensor]:
+    """Codebooks for every tier that fits the head size, from the disk cache under `root` (the
+    specserve cache directory) or calibrated now on `own_keys(num_tokens)` and stored."""
+    from specserve.kv_cache.compress.spherical import TIERS
+    key = hashlib.sha256(f"{fingerprint}:{num_tokens}:{iters}:{CALIB_VERSION}".encode())
+    path = root / "spherical" / f"lossy_kv-{key.hexdigest()[:16]}.pt"
+    if path.exists():
+        return {t: b.to(device) for t, b in torch.load(path, map_location=device).items()}
+    logger.info("spherical codebooks: calibrating on %d tokens of the model's own text (once; "
+                "cached in %s)", num_tokens, path.parent)
+    start = time.perf_counter()
+    tiers = {t: s for t, s in TIERS.items() if head_dim % s.group == 0}
+    books = calibrate(own_keys(num_tokens), iters=iters, tiers=tiers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(books, tmp)
+    tmp.replace(path)
+    logger.info("spherical codebooks calibrated in %.1fs -> %s", time.perf_counter() - start, path)
+    return {t: b.to(device) for t, b in books.items()}

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from specserve.spec_phases.calibration import DenseCache, own_text
 from specserve.spec_phases.paths import cache_dir, resolve_model_path
 from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
@@ -49,12 +49,6 @@ class LayerSkipProposer(Proposer):
         return Drafts(drafts, passes)
 
 
-def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       is_causal=True, enable_gqa=True)
-    return o.transpose(0, 1)
-
-
 @torch.inference_mode()
 def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...], dict]:
     """Pick the skip set maximising the expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)), where a is
@@ -64,13 +58,22 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
     ids = torch.tensor(token_ids, device=model.embed_tokens.weight.device)
     pos = torch.arange(len(ids), device=ids.device)
     n = model.config.num_layers
-    ref = model.compute_logits(model(ids, pos, _causal)).argmax(-1)
+
+    def argmax(layers: list[int] | None = None) -> torch.Tensor:
+        return model.compute_logits(model(ids, pos, DenseCache(n), layers)).argmax(-1)
+
+    ref = argmax()
+    start = time.perf_counter()
 
     def agreement(skip: set[int]) -> float:
-        layers = [i for i in range(n) if i not in skip]
-        return float((model.compute_logits(model(ids, pos, _causal, layers)).argmax(-1) == ref).float().mean())
+        return float((argmax([i for i in range(n) if i not in skip]) == ref).float().mean())
 
-    single = {layer: agreement({layer}) for layer in range(1, n - 1)}     # first and last always kept
+    single = {}
+    for layer in range(1, n - 1):                                         # first, last always kept
+        single[layer] = agreement({layer})
+        if layer % 10 == 0:
+            logger.info("layer_skip calibration: layer %d/%d scored (%.1fs)", layer, n - 2,
+                        time.perf_counter() - start)
     order = sorted(single, key=single.get, reverse=True)                  # least important first
     best, best_speedup, trace = (), 0.0, []
     for num_skip in range(1, len(order) + 1):
@@ -83,22 +86,12 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
             best, best_speedup = tuple(sorted(skip)), speedup
         if a < 0.2:
             break
+    logger.info("layer_skip calibration: %d skip sets tried in %.1fs", len(trace),
+                time.perf_counter() - start)
     if best_speedup <= 1.0:
         logger.warning("layer_skip is not expected to pay on this model: best skip set %s gives an estimated "
                        "%.2fx at k=%d", list(best), best_speedup, k)
     return best, {"single_layer_agreement": single, "trace": trace, "expected_speedup": best_speedup}
-
-
-@torch.inference_mode()
-def _own_generation(model, length: int = 160) -> list[int]:
-    """Calibration text without any tokenizer (spec_phases knows no text): the model's own greedy
-    continuation of its BOS token, the same for the engine and the calibration command."""
-    dev = model.embed_tokens.weight.device
-    ids = [model.config.bos_token_id if model.config.bos_token_id is not None else 1]
-    for _ in range(length):
-        x = torch.tensor(ids, device=dev)
-        ids.append(int(model.compute_logits(model(x, torch.arange(len(ids), device=dev), _causal)[-1:])[0].argmax()))
-    return ids
 
 
 def _cache_file(model: str | None) -> "object":
@@ -112,7 +105,8 @@ def default_skip_layers(model: str | None, llama, k: int = 4) -> tuple[int, ...]
     file = _cache_file(model)
     if file.exists():
         return tuple(json.loads(file.read_text())["skip_layers"])
-    token_ids = _own_generation(llama)
+    logger.info("layer_skip: calibrating the skip set (once; cached in %s)", file.parent)
+    token_ids = own_text(llama, 1, 160, temperature=0, what="layer_skip calibration").token_ids[0]
     skip, report = calibrate(llama, token_ids, k)
     file.parent.mkdir(parents=True, exist_ok=True)
     file.write_text(json.dumps({"skip_layers": list(skip), **report}, indent=1))

@@ -16,115 +16,14 @@ The verify pass reads and writes only the full cache, so output is identical to 
 """
 from __future__ import annotations
 
-import hashlib
-import logging
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
-from specserve.kv_cache.compress.base import (
-    Compressor,
-    CompressorConfig,
-    SequenceState,
-    batched_attention,
-    dense_attention,
-    merge_attention,
-)
-from specserve.kv_cache.compress.registry import COMPRESSORS
+from specserve.kernels.dispatch import get_op
+from specserve.kv_cache.compress.base import Compressor, SequenceState
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
-
-logger = logging.getLogger(__name__)
-
-_LAYOUT = {f.name for f in fields(CompressorConfig)} - {"num_layers", "num_kv_heads", "head_dim"}
-
-
-def build_compressor(name: str, model, settings: dict) -> Compressor:
-    """`kv_compressor` + `kv_compressor_config` -> a compressor sized for `model`. Layout keys
-    (num_sink, window, page_size) go to CompressorConfig, the rest to the compressor; unknown keys raise."""
-    cfg_m = model.config
-    settings = dict(settings)
-    layout = {k: settings.pop(k) for k in list(settings) if k in _LAYOUT}
-    cfg = CompressorConfig(num_layers=cfg_m.num_layers, num_kv_heads=cfg_m.num_kv_heads,
-                           head_dim=cfg_m.head_dim, **layout)
-    if name == "window":
-        from specserve.kv_cache.compress.window import WindowCompressor
-        return WindowCompressor(cfg, **settings)
-    if name == "quant":
-        from specserve.kv_cache.compress.quant import QuantCompressor
-        return QuantCompressor(cfg, **settings)
-    if name == "mustafar":
-        from specserve.kv_cache.compress.mustafar import MustafarCompressor
-        if "sparsity" in settings:                   # the issue's shorthand: one sparsity for K and V
-            s = settings.pop("sparsity")
-            settings.setdefault("key_sparsity", s)
-            settings.setdefault("value_sparsity", s)
-        return MustafarCompressor(cfg, **settings)
-    if name == "spherical":
-        from specserve.kv_cache.compress.spherical import SphericalCompressor
-        num_tokens = int(settings.pop("calib_tokens", 512))
-        books = spherical_codebooks(model, num_tokens)
-        return SphericalCompressor(cfg, books, **settings)
-    raise ValueError(f"kv_compressor must be one of {COMPRESSORS}, got {name!r}")
-
-
-# ---- spherical calibration on the model's own keys ----------------------------------------------
-class _DenseCache:
-    """Plain causal attention over everything seen so far; keeps every layer's post-RoPE keys."""
-
-    def __init__(self, num_layers: int):
-        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.k[layer].append(k)
-        self.v[layer].append(v)
-        keys, values = torch.cat(self.k[layer]), torch.cat(self.v[layer])
-        n = keys.shape[0]
-        pos = torch.arange(n, device=q.device)
-        out, _ = dense_attention(q, keys, values, q.shape[-1] ** -0.5, pos[n - q.shape[0]:], pos)
-        return out.to(q.dtype)
-
-
-@torch.inference_mode()
-def own_keys(model, num_tokens: int, seed: int = 0) -> torch.Tensor:
-    """Post-RoPE keys [L, H, num_tokens, D] of the model's own text: sampled at temperature 1 from BOS
-    (a fixed seed; sampled rather than greedy so the text does not collapse into a loop)."""
-    cfg, dev = model.config, model.embed_tokens.weight.device
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    cache, token = _DenseCache(cfg.num_layers), cfg.bos_token_id if cfg.bos_token_id is not None else 1
-    for pos in range(num_tokens):
-        hidden = model(torch.tensor([token], device=dev), torch.tensor([pos], device=dev), cache)
-        probs = torch.softmax(model.compute_logits(hidden)[0].cpu(), dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=gen))
-    return torch.stack([torch.cat(ks).float().cpu().transpose(0, 1) for ks in cache.k])
-
-
-def spherical_codebooks(model, num_tokens: int = 512, iters: int = 20) -> dict[int, torch.Tensor]:
-    """Codebooks for every tier that fits the head size, calibrated once and cached on disk, keyed by
-    the model's config and a fingerprint of its weights."""
-    from specserve.kv_cache.compress.spherical import TIERS
-    from specserve.kv_cache.compress.spherical_calib import CALIB_VERSION, calibrate
-    from specserve.spec_phases.paths import cache_dir
-    cfg = model.config
-    probe = torch.cat([p.detach().float().flatten()[:4096].cpu() for p in model.parameters()])
-    key = hashlib.sha256(f"{cfg}:{num_tokens}:{iters}:{CALIB_VERSION}".encode()
-                         + probe.numpy().tobytes()).hexdigest()[:16]
-    path = cache_dir() / "spherical" / f"lossy_kv-{key}.pt"
-    dev = model.embed_tokens.weight.device
-    if path.exists():                   # on the model's device, wherever the cache was written
-        return {t: b.to(dev) for t, b in torch.load(path, map_location=dev).items()}
-    tiers = {t: s for t, s in TIERS.items() if cfg.head_dim % s.group == 0}
-    start = time.perf_counter()
-    books = calibrate(own_keys(model, num_tokens), iters=iters, tiers=tiers)
-    books = {t: b.to(dev) for t, b in books.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{id(books)}")
-    torch.save(books, tmp)
-    tmp.replace(path)
-    logger.info("spherical codebooks calibrated on %d own tokens in %.1fs -> %s", num_tokens,
-                time.perf_counter() - start, path)
-    return books
 
 
 # ---- the drafter --------------------------------------------------------------------------------
@@ -166,11 +65,11 @@ class DraftAttention:
         dk, dv, valid, width, pages = self.layers[layer]
         rows, col = q.shape[0], width + self.step
         dk[:rows, :, col], dv[:rows, :, col] = k, v
-        dense = batched_attention(q, dk[:rows, :, :col + 1], dv[:rows, :, :col + 1], self.comp.sm_scale,
+        dense = get_op("batched_attention")(q, dk[:rows, :, :col + 1], dv[:rows, :, :col + 1], self.comp.sm_scale,
                                   valid[:rows, :col + 1])
         if pages is None:
             return dense[0].to(q.dtype)
-        return merge_attention([pages.attend(q, rows), dense])[0].to(q.dtype)
+        return get_op("merge_attention")([pages.attend(q, rows), dense])[0].to(q.dtype)
 
 
 class LossyKVProposer(Proposer):

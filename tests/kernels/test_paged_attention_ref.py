@@ -1,7 +1,7 @@
 import torch
 
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+from specserve.kernels.metadata import PagedAttentionMetadata
 
 
 def dense_attention(q, k, v, scale):

@@ -11,11 +11,12 @@ import pytest
 CHILD = r'''
 import torch
 from specserve.kernels import dispatch
-from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+from specserve.kernels.metadata import PagedAttentionMetadata
 
 from specserve.kernels.triton import splits
 
-fast, ref = dispatch.get_op("paged_attention", "cpu"), dispatch.reference("paged_attention")
+op, ref = dispatch.get_op("paged_attention", "cpu"), dispatch.reference("paged_attention")
+fast = op.kernel                                 # the kernel itself, never its fallback
 assert fast.__module__ == "specserve.kernels.triton.paged_attention", fast.__module__
 cases = [
         # (context length, new queries): decodes, verify rows, prefill chunks (first and later), block edges
@@ -59,7 +60,7 @@ def test_triton_paged_attention_matches_reference():
 def _mixed_batch(head_dim: int):
     import torch
 
-    from specserve.kernels.reference.paged_attention import PagedAttentionMetadata
+    from specserve.kernels.metadata import PagedAttentionMetadata
     torch.manual_seed(head_dim)
     k_cache, v_cache = torch.randn(64, 2, head_dim), torch.randn(64, 2, head_dim)
     q = torch.randn(1 + 3 + 20, 4, head_dim)                       # a decode, verify rows, a prefill chunk
@@ -72,7 +73,7 @@ def _mixed_batch(head_dim: int):
 
 def test_the_reference_serves_when_the_kernel_cannot(monkeypatch):
     """A kernel that fails to compile or fit on this GPU, or a head size it cannot tile, must not stop
-    serving: the op falls back to the reference (and remembers a failure)."""
+    serving: dispatch falls back to the reference (and remembers a failure)."""
     from triton.runtime.errors import OutOfResources
 
     from specserve.kernels import dispatch
@@ -88,14 +89,14 @@ def test_the_reference_serves_when_the_kernel_cannot(monkeypatch):
             return launch
 
     monkeypatch.setattr(tpa, "_paged_kernel", Failing())
-    monkeypatch.setattr(tpa, "UNUSABLE", [])
+    op = dispatch.Kernel("paged_attention", tpa)                   # fresh: not the cached one
     ref = dispatch.reference("paged_attention")
     q, k, v, meta = _mixed_batch(16)
-    assert (tpa.paged_attention(q, k, v, meta(), 0.25) == ref(q, k, v, meta(), 0.25)).all()
-    assert Failing.calls == 1 and tpa.UNUSABLE and "OutOfResources" in tpa.UNUSABLE[0]
-    tpa.paged_attention(q, k, v, meta(), 0.25)                     # remembered: no second attempt
+    assert (op(q, k, v, meta(), 0.25) == ref(q, k, v, meta(), 0.25)).all()
+    assert Failing.calls == 1 and "OutOfResources" in op.unusable
+    op(q, k, v, meta(), 0.25)                                      # remembered: no second attempt
     assert Failing.calls == 1
-    monkeypatch.setattr(tpa, "UNUSABLE", [])
+    op = dispatch.Kernel("paged_attention", tpa)
     q, k, v, meta = _mixed_batch(48)                               # not a power of two: never launched
-    assert (tpa.paged_attention(q, k, v, meta(), 0.25) == ref(q, k, v, meta(), 0.25)).all()
-    assert Failing.calls == 1 and not tpa.UNUSABLE
+    assert (op(q, k, v, meta(), 0.25) == ref(q, k, v, meta(), 0.25)).all()
+    assert Failing.calls == 1 and op.unusable is None

@@ -4,13 +4,14 @@ request at a time. Checked per attention call (random states with and without pa
 and end to end (the drafts `propose` returns on the tiny model)."""
 import pytest
 import torch
-from specserve.kv_cache.compress.base import dense_attention, merge_attention
+from specserve.kernels.reference.attention import dense_attention, merge_attention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases import loader
 from specserve.spec_phases.model import ModelConfig
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.spec_phases.proposers.base import DraftRequest
-from specserve.spec_phases.proposers.lossy_kv import DraftAttention, LossyKVProposer, build_compressor
+from specserve.spec_phases.calibration import build_compressor
+from specserve.spec_phases.proposers.lossy_kv import DraftAttention, LossyKVProposer
 
 SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
 COMPRESSORS = {                                   # name -> (kv_compressor, config, tiny head_dim)

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from specserve.kv_cache.compress.base import (
-    Compressor, CompressorConfig, LayerState, dense_attention, merge_attention)
+    Compressor, CompressorConfig, LayerState)
+from specserve.kernels.reference.attention import dense_attention, merge_attention
 from specserve.kv_cache.compress.quant import (
     QuantCompressor, dequantize, pack_bits, quantize, unpack_bits)
 from specserve.kv_cache.compress.window import WindowCompressor

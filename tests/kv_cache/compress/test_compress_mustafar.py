@@ -3,8 +3,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from specserve.kernels.reference.bitmap_encode import bitmap_decode, bitmap_encode
-from specserve.kv_cache.compress.base import CompressorConfig, dense_attention
+from specserve.kernels.reference.mustafar_encode import mustafar_decode, mustafar_encode
+from specserve.kernels.reference.attention import dense_attention
+from specserve.kv_cache.compress.base import CompressorConfig
 from specserve.kv_cache.compress.mustafar import MustafarCompressor, magnitude_prune
 
 
@@ -14,19 +15,19 @@ def test_bitmap_pack_round_trip(num_tiles, density, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tiles, 64, generator=g).half().float()
     x[torch.rand(num_tiles, 64, generator=g) >= density] = 0
-    bitmaps, offsets, values = bitmap_encode(x)
+    bitmaps, offsets, values = mustafar_encode(x)
     assert values.numel() == int((x != 0).sum())
     for i in range(num_tiles):                                     # MSB = element 0
         bits = [(int(bitmaps[i]) >> (63 - e)) & 1 for e in range(64)]
         assert bits == (x[i] != 0).int().tolist()
     assert torch.equal(offsets, torch.cumsum((x != 0).sum(1), 0) - (x != 0).sum(1))
-    assert torch.equal(bitmap_decode(bitmaps, offsets, values), x)
+    assert torch.equal(mustafar_decode(bitmaps, offsets, values), x)
 
 
 def test_bitmap_worked_example():
     x = torch.zeros(2, 64)
     x[0, 1], x[0, 3], x[1, 0] = 3, 5, 7
-    bitmaps, offsets, values = bitmap_encode(x)
+    bitmaps, offsets, values = mustafar_encode(x)
     assert bitmaps.tolist() == [(1 << 62) | (1 << 60), -(1 << 63)]      # bit 63 is the sign bit
     assert offsets.tolist() == [0, 2] and values.tolist() == [3, 5, 7]
 

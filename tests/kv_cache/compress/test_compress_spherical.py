@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from specserve.kernels.reference.spherical_attention import spherical_attention
 from specserve.kernels.reference.spherical_encode import spherical_decode, spherical_encode
 from specserve.kv_cache.compress import rdr
-from specserve.kv_cache.compress.base import CompressorConfig, dense_attention
+from specserve.kernels.reference.attention import dense_attention
+from specserve.kv_cache.compress.base import CompressorConfig
 from specserve.kv_cache.compress.spherical import DROP, TIERS, SphericalCompressor, key_bits_per_token
 from specserve.kv_cache.compress.spherical_calib import calibrate, spherical_kmeans
 

@@ -7,7 +7,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _bitmap_kernel(tiles_ptr, bitmaps_ptr, counts_ptr):
+def _mustafar_bitmap_kernel(tiles_ptr, bitmaps_ptr, counts_ptr):
     tile = tl.program_id(0)
     e = tl.arange(0, 64)
     x = tl.load(tiles_ptr + tile * 64 + e)
@@ -28,8 +28,8 @@ def _scatter_kernel(tiles_ptr, offsets_ptr, values_ptr):
     tl.store(values_ptr + start + rank, x.to(tl.float16), mask=nz)
 
 
-def bitmap_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as kernels/reference/bitmap_encode.py."""
+def mustafar_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as kernels/reference/mustafar_encode.py."""
     assert tiles.shape[-1] == 64
     tiles = tiles.contiguous()
     num_tiles = tiles.shape[0]
@@ -37,7 +37,7 @@ def bitmap_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     counts = torch.empty(num_tiles, dtype=torch.int64, device=tiles.device)
     if num_tiles == 0:
         return bitmaps, counts, torch.empty(0, dtype=torch.float16, device=tiles.device)
-    _bitmap_kernel[(num_tiles,)](tiles, bitmaps, counts)
+    _mustafar_bitmap_kernel[(num_tiles,)](tiles, bitmaps, counts)
     offsets = torch.cumsum(counts, 0) - counts
     values = torch.empty(int(counts.sum()), dtype=torch.float16, device=tiles.device)
     _scatter_kernel[(num_tiles,)](tiles, offsets, values)

@@ -4,7 +4,7 @@ One program per (query, head, split of the context; see splits.py); per 64-token
 D key-tile bitmaps, expands them to a [D, 64] K^T tile (a non-zero's slot = its tile offset + the set
 bits before it), and the 64 tokens' value tiles to a [64, D] V tile (row tiles of one token are
 contiguous in the value array, so a slot = the token's first offset + set bits before it in the row).
-Layout: kernels/reference/bitmap_attention.py.
+Layout: kernels/reference/mustafar_attention.py.
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def _attend_kernel(q_ptr, kb_ptr, ko_ptr, kv_ptr, vb_ptr, vo_ptr, vv_ptr, out_pt
     tl.store(lse_ptr + part, m + tl.log(l))
 
 
-def bitmap_attention(q: torch.Tensor,
+def mustafar_attention(q: torch.Tensor,
                      k_bitmaps: torch.Tensor, k_offsets: torch.Tensor, k_values: torch.Tensor,
                      v_bitmaps: torch.Tensor, v_offsets: torch.Tensor, v_values: torch.Tensor, sm_scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as kernels/reference/bitmap_attention.py."""
+    """Same contract as kernels/reference/mustafar_attention.py."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, _ = k_bitmaps.shape
     assert head_dim % 64 == 0 and num_blocks >= 1

@@ -19,7 +19,7 @@ def _bit_weights(device) -> torch.Tensor:
     return torch.ones(TILE, dtype=torch.int64, device=device) << shifts
 
 
-def bitmap_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mustafar_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tiles: [num_tiles, 64] -> (bitmaps [num_tiles] int64, offsets [num_tiles] int64, values [nnz] fp16)."""
     assert tiles.shape[-1] == TILE
     nonzero = tiles != 0                                                      # [N, 64]
@@ -29,7 +29,7 @@ def bitmap_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return bitmaps, offsets.to(torch.int64), tiles[nonzero].half()
 
 
-def bitmap_decode(bitmaps: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def mustafar_decode(bitmaps: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Inverse: (bitmaps [...], offsets [...], values) -> tiles [..., 64] float32."""
     shifts = TILE - 1 - torch.arange(TILE, device=bitmaps.device)
     bits = (bitmaps[..., None] >> shifts) & 1                                 # [..., 64]

@@ -1,0 +1,30 @@
+"""Per-step metadata of paged attention, shared by every implementation of the op.
+
+Request b owns queries q[query_start[b]:query_start[b+1]]; they sit at the last q_len_b positions
+of its context of seq_len_b tokens, whose keys/values are in the slots named by its block table.
+Index tensors an implementation derives from this depend only on the step, so each implementation
+builds them once through `memo` and every layer reuses them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PagedAttentionMetadata:
+    query_start: list[int]           # [num_reqs + 1] cumulative query counts (host)
+    seq_lens: list[int]              # [num_reqs] context length including this step's tokens
+    block_tables: list               # per request, block ids covering seq_len slots
+    block_size: int
+    device: torch.device | str = "cpu"
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def memo(self, key: str, build: Callable[[], Any]) -> Any:
+        """`build()` once per step under `key` (an implementation names its own keys)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]

@@ -1,0 +1,118 @@
+"""The model's own text and keys, for what is calibrated on them (Spherical-KV's codebooks, the
+layer-skip set), and the compressor construction that needs them.
+
+spec_phases knows no tokenizer: the text is the model's own continuation of its BOS token.
+`own_text` decodes B sequences together (one forward per step for all of them) over a plain dense
+cache, sequence b at positions b * length, b * length + 1, ...: RoPE makes attention depend only on
+position differences, so each sequence is the text it would be at position 0, while its keys carry
+the rotations of one text B times as long. Progress goes to the log.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.kernels.dispatch import get_op
+from specserve.kv_cache.compress import registry
+from specserve.kv_cache.compress.base import Compressor
+from specserve.spec_phases.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OwnText:
+    token_ids: list[list[int]]        # [num_seqs][length + 1], BOS first
+    keys: torch.Tensor                # post-RoPE keys [num_layers, num_kv_heads, num_seqs * length, D]
+
+
+class DenseCache:
+    """Causal attention of one sequence over everything it has seen (keeps every layer's K/V):
+    the whole-sequence forwards of calibration and of the benchmarks."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+        keys, values = torch.cat(self.k[layer]), torch.cat(self.v[layer])
+        n = keys.shape[0]
+        pos = torch.arange(n, device=q.device)
+        out, _ = get_op("dense_attention", str(q.device))(q, keys, values, q.shape[-1] ** -0.5,
+                                                           pos[n - q.shape[0]:], pos)
+        return out.to(q.dtype)
+
+
+class _BatchedDenseCache:
+    """Attention of one new token per sequence over that sequence's keys so far (all layers)."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]   # [B, kvh, D] per step
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+        keys = torch.stack(self.k[layer], dim=2)                          # [B, kvh, n, D]
+        values = torch.stack(self.v[layer], dim=2)
+        out, _ = get_op("batched_attention", str(q.device))(q, keys, values, q.shape[-1] ** -0.5)
+        return out.to(q.dtype)
+
+
+@torch.inference_mode()
+def own_text(model, num_seqs: int, length: int, temperature: float = 1.0, seed: int = 0,
+             what: str = "calibration") -> OwnText:
+    """num_seqs continuations of BOS, length tokens each: sampled at `temperature` with a fixed seed
+    (sampled, so the text does not collapse into a loop), or greedy at temperature 0."""
+    cfg, dev = model.config, model.embed_tokens.weight.device
+    gen = torch.Generator().manual_seed(seed)
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 1
+    ids = [[bos] for _ in range(num_seqs)]
+    cache = _BatchedDenseCache(cfg.num_layers)
+    offsets = torch.arange(num_seqs, device=dev) * length
+    start = last_log = time.perf_counter()
+    for step in range(length):
+        current = torch.tensor([s[-1] for s in ids], device=dev)
+        hidden = model(current, offsets + step, cache)
+        logits = model.compute_logits(hidden).float().cpu()
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        for s, tok in zip(ids, nxt.tolist()):
+            s.append(tok)
+        if time.perf_counter() - last_log > 5 or step + 1 == length:
+            last_log = time.perf_counter()
+            logger.info("%s: the model's own text, %d/%d tokens x %d sequences (%.1fs)", what,
+                        step + 1, length, num_seqs, last_log - start)
+    keys = torch.stack([torch.stack(ks, dim=2) for ks in cache.k])       # [L, B, kvh, n, D]
+    keys = keys.permute(0, 2, 1, 3, 4).reshape(cfg.num_layers, cfg.num_kv_heads,
+                                               num_seqs * length, cfg.head_dim)
+    return OwnText(ids, keys.float().cpu())
+
+
+def fingerprint(model) -> str:
+    """The model's config and a sample of its weights: what calibration caches are keyed by."""
+    probe = torch.cat([p.detach().float().flatten()[:4096].cpu() for p in model.parameters()])
+    return hashlib.sha256(str(model.config).encode() + probe.numpy().tobytes()).hexdigest()[:16]
+
+
+def build_compressor(name: str, model, settings: dict) -> Compressor:
+    """`kv_compressor` + `kv_compressor_config` -> the compressor sized for `model`, calibrated on
+    the model's own keys where it needs them (Spherical-KV: 8 sequences decoded together)."""
+    cfg = model.config
+
+    def own_keys(num_tokens: int) -> torch.Tensor:
+        num_seqs = 8 if num_tokens % 8 == 0 else 1
+        return own_text(model, num_seqs, num_tokens // num_seqs, what="spherical codebooks").keys
+
+    return registry.build(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, settings,
+                          own_keys=own_keys, fingerprint=fingerprint(model) if name == "spherical"
+                          else "", cache_root=cache_dir(),
+                          device=str(model.embed_tokens.weight.device))
