@@ -10,9 +10,10 @@ A sequence's KV, per layer, is three regions in position order:
   content depends only on its tokens, never on when it was compressed).
 - `attend` runs attention over each region separately and merges the parts exactly with their
   log-sum-exps (`merge_attention`): the dense window never goes through the lossy format.
-- `truncate` rolls back rejected draft tokens. A cut at or after `tail_start` is exact (moving a
-  counter); a cut inside the compressed region decodes the cut page back to dense (lossy), or raises
-  for formats that dropped the tokens.
+- Nothing is rolled back: the drafting pool encodes only verified tokens, and rebuilds a state
+  after a preemption (`kv_cache/draft_pool.py`).
+- `observe` keeps an EMA of each page's share of the attention (`page_attention_mass`), fed by the
+  drafter every few rounds for compressors whose retention reads it (`uses_attention_mass`).
 
 Subclasses implement four hooks: `_compress_page`, `_attend_pages`, `_decode_page`, `page_bytes`.
 
@@ -71,6 +72,7 @@ class LayerState:
     pages: list[Any] = field(default_factory=list)
     page_starts: list[int] = field(default_factory=list)
     attn_mass: list[float] = field(default_factory=list)   # per page, EMA (retention hint)
+    mass_seen: list[bool] = field(default_factory=list)    # per page: observed at least once
 
     @property
     def num_tokens(self) -> int:
@@ -189,6 +191,7 @@ class Compressor(ABC):
             ls.pages.append(page)
             ls.page_starts.append(ls.tail_start)
             ls.attn_mass.append(1.0)
+            ls.mass_seen.append(False)
             ls.tail_k, ls.tail_v = ls.tail_k[p:], ls.tail_v[p:]
             ls.tail_start += p
         self._after_new_pages(layer, ls)
@@ -255,28 +258,6 @@ class Compressor(ABC):
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._attend_pages(layer, q, prepared)
 
-    def truncate(self, state: SequenceState, num_tokens: int) -> None:
-        """Keep the first num_tokens tokens of every layer (roll back rejected drafts)."""
-        for ls in state.layers:
-            if num_tokens > ls.num_tokens:
-                raise ValueError(f"cannot truncate {ls.num_tokens} tokens to {num_tokens}")
-            if num_tokens <= ls.sink_k.shape[0]:             # back into the sinks: nothing else survives
-                ls.sink_k, ls.sink_v = ls.sink_k[:num_tokens], ls.sink_v[:num_tokens]
-                ls.pages, ls.page_starts, ls.attn_mass = [], [], []
-                ls.tail_k, ls.tail_v, ls.tail_start = ls.tail_k[:0], ls.tail_v[:0], num_tokens
-                continue
-            while ls.pages and num_tokens < ls.tail_start:
-                dense = self._decode_page(ls.pages[-1])
-                if dense is None:
-                    raise ValueError("cannot roll back into tokens this compressor dropped")
-                ls.pages.pop()
-                ls.tail_start = ls.page_starts.pop()
-                ls.attn_mass.pop()
-                ls.tail_k = torch.cat([dense[0].to(ls.tail_k.dtype), ls.tail_k])
-                ls.tail_v = torch.cat([dense[1].to(ls.tail_v.dtype), ls.tail_v])
-            keep = num_tokens - ls.tail_start
-            ls.tail_k, ls.tail_v = ls.tail_k[:keep], ls.tail_v[:keep]
-
     def nominal_page_bytes(self) -> int:
         """Bytes of one page (one layer) at the steady-state rate `bytes_per_token`."""
         return round(self.bytes_per_token() * self.config.page_size)
@@ -299,17 +280,23 @@ class Compressor(ABC):
         paged = sum(self.page_bytes(p) for ls in state.layers for p in ls.pages)
         return dense_tokens * c.dense_bytes_per_token() + paged
 
+    uses_attention_mass = False        # retention reads `attn_mass` (the drafter feeds `observe`)
+
     def set_retention(self, **hints: Any) -> None:
         """Retention hints (budgets, windows). Unknown hints raise: nothing is silently ignored."""
         if hints:
             raise TypeError(f"{self.name} takes no retention hints {sorted(hints)}")
 
-    def observe(self, state: SequenceState, layer: int, page_mass: torch.Tensor, decay: float = 0.9) -> None:
+    def observe(self, state: SequenceState, layer: int, page_mass: torch.Tensor,
+                decay: float = 0.9) -> None:
         """Attention-mass feedback: page_mass [num_pages] = share of attention each page received
-        (e.g. from `page_attention_mass`); kept as an EMA that retention policies read."""
+        (e.g. from `page_attention_mass`); kept as an EMA that retention policies read (a page's
+        first observation replaces the prior)."""
         ls = state.layers[layer]
         for i, m in enumerate(page_mass.tolist()[: len(ls.pages)]):
-            ls.attn_mass[i] = decay * ls.attn_mass[i] + (1 - decay) * float(m)
+            seen = ls.mass_seen[i]
+            ls.attn_mass[i] = decay * ls.attn_mass[i] + (1 - decay) * m if seen else float(m)
+            ls.mass_seen[i] = True
 
     def page_attention_mass(self, state: SequenceState, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Share of the softmax mass each page gets from queries q (mean over queries and heads),

@@ -174,6 +174,11 @@ class SphericalCompressor(Compressor):
         return self._page_bits(self.tier) // 8
 
     # ---- retention -----------------------------------------------------------------------------
+    @property
+    def uses_attention_mass(self) -> bool:
+        """With a rate-distortion budget, retention weighs pages by the attention they get."""
+        return self.budget_bits is not None
+
     def set_retention(self, budget_bits: float | None = None, state: SequenceState | None = None) -> None:
         """Set the rate-distortion budget (bits per token per layer over compressed pages) and, given
         a state, rebalance it now."""

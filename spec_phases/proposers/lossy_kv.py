@@ -27,6 +27,9 @@ from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
 
 # ---- the drafter --------------------------------------------------------------------------------
+MASS_REFRESH_ROUNDS = 8          # retention reads attention mass refreshed every this many rounds
+
+
 class DraftAttention:
     """The attention of one draft round, batched over its requests. Row i of every forward is request
     i's newest token; requests are ordered by draft length, longest first, so the rows still drafting
@@ -38,8 +41,12 @@ class DraftAttention:
     k/v of the drafts themselves, written at column max_dense + step. Attention = pages (+) dense,
     merged by lse; the scratch is dropped with the object."""
 
-    def __init__(self, comp: Compressor, states: list[SequenceState], max_len: int):
+    def __init__(self, comp: Compressor, states: list[SequenceState], max_len: int,
+                 observe_mass: bool = False):
+        """observe_mass: at the round's first step, feed each page's share of the attention to the
+        compressor's retention (`Compressor.observe`; Spherical-KV's rate-distortion budget)."""
         self.comp, self.states, self.max_len = comp, states, max_len
+        self.observe_mass = observe_mass
         self.step = 0
         self.layers: list[tuple | None] = [None] * len(states[0].layers) if states else []
 
@@ -62,6 +69,10 @@ class DraftAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.layers[layer] is None:
             self.layers[layer] = self._build(layer, k)
+        if self.observe_mass and self.step == 0:
+            for state, qi in zip(self.states, q.split(1)):
+                if state.layers[layer].pages:
+                    self.comp.observe(state, layer, self.comp.page_attention_mass(state, layer, qi))
         dk, dv, valid, width, pages = self.layers[layer]
         rows, col = q.shape[0], width + self.step
         dk[:rows, :, col], dv[:rows, :, col] = k, v
@@ -114,7 +125,9 @@ class LossyKVProposer(Proposer):
         return Drafts(drafts, passes)
 
     def _attention(self, states: list[SequenceState], max_len: int) -> DraftAttention:
-        return DraftAttention(self.pool.comp, states, max_len)
+        comp = self.pool.comp
+        refresh = comp.uses_attention_mass and self.num_rounds % MASS_REFRESH_ROUNDS == 0
+        return DraftAttention(comp, states, max_len, observe_mass=refresh)
 
     def stats(self) -> dict[str, float]:
         pool = self.pool

@@ -131,3 +131,41 @@ def test_propose_drafts_the_same_tokens_as_the_per_request_path(name):
     assert [len(d) for d in got] == max_lens
     assert got == want
     assert new.num_draft_steps == ref.num_draft_steps == 6
+
+
+def test_draft_rounds_feed_attention_mass_that_changes_spherical_tier_choices():
+    """Serving's path: a draft round with `observe_mass` records each page's share of attention
+    (Spherical-KV's retention signal, DESIGN 5.4), and the budgeted rebalance then keeps the
+    attended page where the unobserved state, weighing every page alike, drops it."""
+    from specserve.kv_cache.compress.base import CompressorConfig
+    from specserve.kv_cache.compress.spherical import DROP, SphericalCompressor
+    from specserve.kv_cache.compress.spherical_calib import calibrate
+
+    torch.manual_seed(0)
+    h, d, page, num_layers = 1, 64, 8, 1
+    cfg = CompressorConfig(num_layers=num_layers, num_kv_heads=h, head_dim=d, num_sink=0,
+                           window=0, page_size=page)
+    books = calibrate(torch.randn(num_layers, h, 256, d), iters=5)
+    comp = SphericalCompressor(cfg, books, tier=1, value_bits=4)
+    k, v = torch.randn(64, h, d), torch.randn(64, h, d)
+    hot = 5                                                  # queries point at page 5's keys
+    q = k[hot * page:(hot + 1) * page].mean(0, keepdim=True).expand(1, 2, d) * 8
+
+    def state():
+        s = comp.new_state(torch.float32)
+        comp.encode(s, 0, k, v)
+        return s
+    observed, plain = state(), state()
+    attn = DraftAttention(comp, [observed], 1, observe_mass=True)
+    attn(0, q, torch.randn(1, h, d), torch.randn(1, h, d))
+    mass = observed.layers[0].attn_mass
+    assert max(mass) == mass[hot] and mass != plain.layers[0].attn_mass
+    DraftAttention(comp, [plain], 1)(0, q, torch.randn(1, h, d), torch.randn(1, h, d))
+    assert plain.layers[0].attn_mass == [1.0] * 8          # not refreshed: untouched
+    full = comp.bytes_per_token() * 8
+    comp.set_retention(budget_bits=0.3 * full, state=observed)
+    comp.set_retention(budget_bits=0.3 * full, state=plain)
+    kept = [p.tier for p in observed.layers[0].pages]
+    unweighted = [p.tier for p in plain.layers[0].pages]
+    assert kept[hot] != DROP and unweighted[hot] == DROP
+    assert sum(t != DROP for t in kept) == sum(t != DROP for t in unweighted)   # same budget

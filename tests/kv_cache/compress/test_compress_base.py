@@ -100,31 +100,7 @@ def test_positions_must_continue():
         comp.encode(state, 0, k, v, torch.arange(1, 5))
 
 
-@settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 80), cut=st.integers(0, 80), extra=st.integers(0, 20))
-def test_truncate_then_reencode_equals_direct(n, cut, extra):
-    """Rollback of drafts: truncate + re-encode different tokens == encoding them directly."""
-    cut = min(cut, n)
-    cfg = CompressorConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_sink=3, window=6, page_size=8)
-    comp = ExactPages(cfg)
-    k, v = _kv(cut + extra, seed=1)
-    dk, dv = _kv(n, seed=2)
-    dk[:cut], dv[:cut] = k[:cut], v[:cut]
-    rolled, direct = comp.new_state(torch.float32), comp.new_state(torch.float32)
-    for layer in range(2):
-        comp.encode(rolled, layer, dk, dv)
-    comp.truncate(rolled, cut)
-    assert rolled.num_tokens == cut
-    for layer in range(2):
-        comp.encode(rolled, layer, k[cut:], v[cut:])
-        comp.encode(direct, layer, k, v)
-    q = torch.randn(2, 4, 16)
-    for layer in range(2):
-        a, b = comp.attend(rolled, layer, q), comp.attend(direct, layer, q)
-        torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
-
-
-def test_window_keeps_only_sinks_and_recent_and_refuses_rollback_into_drops():
+def test_window_keeps_only_sinks_and_recent():
     cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_sink=4, window=16, page_size=8)
     comp = WindowCompressor(cfg)
     state = comp.new_state(dtype=torch.float32)
@@ -138,9 +114,6 @@ def test_window_keeps_only_sinks_and_recent_and_refuses_rollback_into_drops():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert 16 <= ls.tail_k.shape[0] < 24
     assert comp.state_bytes(state) == (4 + ls.tail_k.shape[0]) * cfg.dense_bytes_per_token()
-    comp.truncate(state, ls.tail_start)                     # exact: inside the dense tail
-    with pytest.raises(ValueError):
-        comp.truncate(state, ls.tail_start - 1)
 
 
 @settings(max_examples=50, deadline=None)

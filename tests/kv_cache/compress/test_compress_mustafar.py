@@ -100,15 +100,3 @@ def test_bytes_at_paper_setting():
     comp = MustafarCompressor(cfg, 0.7, 0.7)
     assert comp.bytes_per_token() == 204
     assert comp.bytes_per_token() / cfg.dense_bytes_per_token() == pytest.approx(0.398, abs=1e-3)
-
-
-def test_truncate_into_compressed_region_decodes_the_page():
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_sink=2, window=8, page_size=64)
-    comp = MustafarCompressor(cfg, 0.0, 0.0)
-    k, v = _kv(200, h=1)
-    state = comp.new_state()
-    comp.encode(state, 0, k, v)
-    comp.truncate(state, 30)
-    ls = state.layers[0]
-    assert ls.num_tokens == 30 and not ls.pages
-    assert torch.equal(torch.cat([ls.sink_k, ls.tail_k]), k[:30])
