@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from specserve.scheduler.config import EngineConfig
@@ -33,6 +34,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
+        self._busy = False                        # the engine thread is inside a step
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -82,6 +84,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block the calling thread (never the event loop) until the engine has nothing to run,
+        release or deliver; False on timeout or when the engine died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._dead is None:
+            with self._lock:
+                streams = bool(self._streams)
+            if not (streams or self._busy or self._inbox.qsize() or self.core.has_work()):
+                return True
+            time.sleep(0.01)
+        return False
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout)
@@ -93,10 +107,12 @@ class AsyncEngine:
                 if not self._drain(block=not self.core.has_work()):
                     return
                 if self.core.has_work():
+                    self._busy = True
                     step = self.core.step()
                     self._deliver(step.outputs)
                     if self.on_step is not None and step.stats is not None:
                         self.on_step(step.stats)
+                self._busy = False
         except BaseException as exc:              # noqa: BLE001 — any escape kills the engine
             logger.exception("engine loop died")
             self._dead = exc
@@ -114,6 +130,7 @@ class AsyncEngine:
                     continue
                 return True
             block = False
+            self._busy = True                     # a message is being handled
             if msg is _STOP:
                 return False
             kind, payload = msg

@@ -1,27 +1,56 @@
-"""Shared fixtures. Every EngineCore built during a test is checked for leaked KV blocks afterwards
-(style.md 5.13): the engine is run until idle, then free + cached + owned == total in every pool."""
+"""Shared fixtures. Tests build engines through `engines` (or `make_engine`), which checks each of
+them for leaks after the test (style.md 5.13): the engine is run (or waited) until idle, then free +
+cached + owned == total in every pool and no per-request device state is held. Module-scoped
+engines are checked after every test that uses them by `check_idle`."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from specserve.scheduler import engine as engine_module  # noqa: E402
+from specserve.scheduler.async_engine import AsyncEngine  # noqa: E402
 from specserve.scheduler.config import EngineConfig  # noqa: E402
-
-_created: list = []
-_original_init = engine_module.EngineCore.__init__
+from specserve.scheduler.engine import EngineCore  # noqa: E402
 
 
-def _tracking_init(self, *args, **kwargs):
-    _original_init(self, *args, **kwargs)
-    _created.append(self)
+def check_idle(engine: EngineCore | AsyncEngine) -> None:
+    """Run (a core) or wait for (an async engine) idle, then check every pool balances."""
+    if isinstance(engine, AsyncEngine):
+        if engine.is_dead:
+            return
+        assert engine.wait_idle(timeout=30), "the engine did not go idle within 30 s"
+        engine.core.check_integrity()
+    else:
+        engine.run_until_idle()
+        engine.check_integrity()
 
 
-engine_module.EngineCore.__init__ = _tracking_init
+class Engines:
+    """The engines one test builds; each is checked for leaks when the test ends."""
+
+    def __init__(self):
+        self.built: list[EngineCore | AsyncEngine] = []
+
+    def core(self, config: EngineConfig | None = None, **fields) -> EngineCore:
+        core = EngineCore(config or EngineConfig(**fields))
+        self.built.append(core)
+        return core
+
+    def async_engine(self, config: EngineConfig | None = None, **fields) -> AsyncEngine:
+        engine = AsyncEngine(config or EngineConfig(**fields))
+        self.built.append(engine)
+        return engine
+
+    def check_and_close(self) -> None:
+        try:
+            for engine in self.built:
+                check_idle(engine)
+        finally:
+            for engine in self.built:
+                if isinstance(engine, AsyncEngine):
+                    engine.shutdown()
 
 # On a GPU machine `device="auto"` picks CUDA and `dtype="auto"` bf16; SPECSERVE_TEST_DTYPE=float32 makes
 # "auto" mean float32 there, so the token-identity tests run on CUDA at the precision they assume.
@@ -33,21 +62,17 @@ if os.environ.get("SPECSERVE_TEST_DTYPE"):
         os.environ["SPECSERVE_TEST_DTYPE"] if dtype == "auto" else dtype, device)
 
 
-@pytest.fixture(autouse=True)
-def kv_integrity():
-    start = len(_created)
-    yield
-    engines, _created[start:] = _created[start:], []
-    for core in engines:
-        owner = getattr(core, "async_owner", None)
-        if owner is not None and not owner.is_dead:
-            deadline = time.monotonic() + 30
-            while (core.has_unfinished() or owner.num_unfinished) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(0.05)
-        elif owner is None:
-            core.run_until_idle()
-        core.check_integrity()
+@pytest.fixture
+def engines():
+    tracker = Engines()
+    yield tracker
+    tracker.check_and_close()
+
+
+@pytest.fixture(scope="session")
+def idle_check():
+    """`check_idle`, for fixtures that keep an engine across tests (check it after each)."""
+    return check_idle
 
 
 @pytest.fixture(scope="session")
@@ -57,12 +82,10 @@ def tokenizer():
 
 
 @pytest.fixture
-def make_engine():
+def make_engine(engines):
     """EngineCore on the tiny random model; kwargs override EngineConfig fields."""
-    from specserve.scheduler.engine import EngineCore
-
     def make(**kwargs):
         kwargs.setdefault("model", "tiny-random")
         kwargs.setdefault("kv_cache_memory_gb", 0.05)
-        return EngineCore(EngineConfig(**kwargs))
+        return engines.core(**kwargs)
     return make

@@ -28,8 +28,8 @@ TEXTS = [
 NEW_TOKENS = 32
 
 
-def engine_greedy(prompts, **cfg):
-    core = EngineCore(EngineConfig(**cfg))
+def engine_greedy(engines, prompts, **cfg):
+    core = engines.core(**cfg)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
     for i, ids in enumerate(prompts):
         core.add_request(EngineRequest(f"g{i}", ids, params))
@@ -40,6 +40,7 @@ def engine_greedy(prompts, **cfg):
         for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
         preemptions += step.stats.num_preemptions
+    core.run_until_idle()                            # releases the last finished requests
     core.check_integrity()
     return [outs[f"g{i}"] for i in range(len(prompts))], preemptions, core
 
@@ -59,10 +60,10 @@ def hf_greedy(prompts):
     return results
 
 
-def test_greedy_matches_hf_with_preemption_and_chunked_prefill(tokenizer):
+def test_greedy_matches_hf_with_preemption_and_chunked_prefill(engines, tokenizer):
     prompts = [tokenizer.encode(t) for t in TEXTS]
     assert len({len(p) for p in prompts}) == len(prompts)      # all different lengths
-    ours, preemptions, core = engine_greedy(prompts, num_kv_blocks=20, block_size=16,
+    ours, preemptions, core = engine_greedy(engines, prompts, num_kv_blocks=20, block_size=16,
                                             max_num_batched_tokens=48, max_num_seqs=8)
     assert preemptions > 0, "the KV budget was meant to force preemption"
     assert max(len(p) for p in prompts) > 48, "a prompt was meant to need chunked prefill"

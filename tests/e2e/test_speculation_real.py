@@ -38,6 +38,7 @@ def greedy(tokenizer, spec=None):
         for out in step.outputs:
             outs[out.request_id].extend(out.new_token_ids)
         accepted += step.stats.num_accepted_tokens
+    core.run_until_idle()                            # releases the last finished requests
     core.check_integrity()
     return [outs[f"s{i}"] for i in range(len(TEXTS))], accepted
 

@@ -43,6 +43,7 @@ def greedy(prompts, spec=None):
             outs[out.request_id].extend(out.new_token_ids)
         drafted += step.stats.num_draft_tokens
         accepted += step.stats.num_accepted_tokens
+    core.run_until_idle()                            # releases the last finished requests
     core.check_integrity()
     return [outs[f"s{i}"] for i in range(len(prompts))], drafted, accepted, core
 

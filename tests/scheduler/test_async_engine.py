@@ -9,10 +9,8 @@ from specserve.spec_phases.sampling_params import ParamError, SamplingParams
 
 
 @pytest.fixture
-def engine():
-    eng = AsyncEngine(EngineConfig(model="tiny-random", kv_cache_memory_gb=0.05))
-    yield eng
-    eng.shutdown()
+def engine(engines):
+    return engines.async_engine(model="tiny-random", kv_cache_memory_gb=0.05)
 
 
 def req(rid, n=20, max_tokens=10):
@@ -42,29 +40,24 @@ def test_consumer_leaving_early_aborts_and_frees(engine):
             if out.new_token_ids:
                 break
         await stream.aclose()
-        for _ in range(200):
-            if not engine.core.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
     asyncio.run(main())
+    assert engine.wait_idle(timeout=30)
     assert not engine.core.has_unfinished()
-    engine.core.kv.check_integrity()
+    engine.core.check_integrity()
 
 
-def test_validation_and_overload_raise_before_streaming():
-    eng = AsyncEngine(EngineConfig(model="tiny-random", kv_cache_memory_gb=0.05, max_waiting_requests=1,
-                                   max_model_len=64))
-    try:
-        async def main():
-            with pytest.raises(ParamError):
-                eng.submit(req("long", n=70))
-            eng.core.scheduler.waiting.append(object())     # a full queue, as the engine sees it
-            with pytest.raises(EngineOverloadedError):
-                eng.submit(req("x"))
-            eng.core.scheduler.waiting.clear()
-        asyncio.run(main())
-    finally:
-        eng.shutdown()
+def test_validation_and_overload_raise_before_streaming(engines):
+    eng = engines.async_engine(model="tiny-random", kv_cache_memory_gb=0.05, max_waiting_requests=1,
+                               max_model_len=64)
+
+    async def main():
+        with pytest.raises(ParamError):
+            eng.submit(req("long", n=70))
+        eng.core.scheduler.waiting.append(object())         # a full queue, as the engine sees it
+        with pytest.raises(EngineOverloadedError):
+            eng.submit(req("x"))
+        eng.core.scheduler.waiting.clear()
+    asyncio.run(main())
 
 
 def test_dead_engine_fails_streams_and_new_submits(engine, monkeypatch):

@@ -19,9 +19,12 @@ LABELS = {"model_name": "tiny", "engine": "0", "method": "ngram", "kv_compressor
 PRUNED, FRONTIERS = "specserve:spec_decode_pruned_tokens_total", "specserve:spec_decode_frontiers_total"
 
 
-def core_with(spec) -> EngineCore:
-    return EngineCore(EngineConfig(model="tiny-random", max_model_len=256, num_kv_blocks=64, num_threads=1,
-                                   speculative=spec))
+@pytest.fixture
+def core_with(engines):
+    def make(spec) -> EngineCore:
+        return engines.core(model="tiny-random", max_model_len=256, num_kv_blocks=64,
+                            num_threads=1, speculative=spec)
+    return make
 
 
 def metrics_for(core: EngineCore) -> ServerMetrics:
@@ -41,12 +44,12 @@ def samples(metrics: ServerMetrics) -> dict[str, float]:
     return out
 
 
-def test_cli_frontier_size_flows_into_the_engine():
+def test_cli_frontier_size_flows_into_the_engine(engines):
     args = build_parser().parse_args(["serve", "tiny-random", "--speculative-config",
                                       '{"method": "ngram", "num_speculative_tokens": 6, "frontier_size": 2}'])
     config = engine_config(args)
     assert config.speculative.frontier_size == 2
-    core = EngineCore(EngineConfig(model="tiny-random", num_kv_blocks=32, speculative=config.speculative))
+    core = engines.core(model="tiny-random", num_kv_blocks=32, speculative=config.speculative)
     assert core.scheduler.config.frontier_size == 2
     core.add_request(EngineRequest("r", [3, 4, 5], SamplingParams(max_tokens=2)))
     assert core.scheduler.schedule().frontier_size == 2   # the plan carries it to the runner
@@ -67,7 +70,7 @@ def test_cli_refuses_bad_frontier_sizes_with_a_clear_message(value):
         SpeculativeConfig(method="ngram", frontier_size=-2)
 
 
-def test_recorder_adds_pruned_tokens_and_frontiers_of_spec_steps():
+def test_recorder_adds_pruned_tokens_and_frontiers_of_spec_steps(core_with):
     metrics = metrics_for(core_with(SpeculativeConfig(method="ngram", num_speculative_tokens=4, frontier_size=2)))
     assert samples(metrics) == {PRUNED: 0, FRONTIERS: 0}  # exported from the first scrape
     # the worked example: 4 drafted, the third rejected, seen after the first frontier
@@ -82,7 +85,7 @@ def test_recorder_adds_pruned_tokens_and_frontiers_of_spec_steps():
     assert samples(metrics) == {PRUNED: 2, FRONTIERS: 3}
 
 
-def test_counters_from_real_steps_match_the_step_stats():
+def test_counters_from_real_steps_match_the_step_stats(core_with):
     core = core_with(SpeculativeConfig(method="ngram", num_speculative_tokens=5, frontier_size=1))
     metrics = metrics_for(core)
     for i, prompt in enumerate([[5, 6, 7, 8] * 6, [9, 10, 11] * 7, [3, 4] * 9]):
@@ -105,7 +108,7 @@ def test_counters_from_real_steps_match_the_step_stats():
     assert frontiers >= spec_steps
 
 
-def test_no_frontier_series_without_speculation():
+def test_no_frontier_series_without_speculation(core_with):
     metrics = metrics_for(core_with(None))
     names = {f.name for f in text_string_to_metric_families(metrics.expose().decode())}
     assert "specserve:spec_decode_pruned_tokens" not in names and "specserve:spec_decode_frontiers" not in names

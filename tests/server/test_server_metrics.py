@@ -26,9 +26,12 @@ NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
 LABELS = {"model_name": "tiny", "engine": "0"}
 
 
-def tiny_core(spec=NGRAM) -> EngineCore:
-    return EngineCore(EngineConfig(model="tiny-random", max_model_len=256, num_kv_blocks=64, num_threads=1,
-                                   speculative=spec))
+@pytest.fixture
+def tiny_core(engines):
+    def make(spec=NGRAM) -> EngineCore:
+        return engines.core(model="tiny-random", max_model_len=256, num_kv_blocks=64,
+                            num_threads=1, speculative=spec)
+    return make
 
 
 def stand_in(core: EngineCore):
@@ -53,7 +56,7 @@ def families(metrics: ServerMetrics) -> dict[str, str]:
     return {f.name: f.type for f in text_string_to_metric_families(metrics.expose().decode())}
 
 
-def test_idle_exposition_has_vllm_names_types_labels_and_buckets():
+def test_idle_exposition_has_vllm_names_types_labels_and_buckets(tiny_core):
     core = tiny_core()
     metrics = ServerMetrics(stand_in(core), ServerSettings(served_model_names=("tiny",)))
     found, kinds = samples(metrics), families(metrics)
@@ -90,7 +93,7 @@ def test_idle_exposition_has_vllm_names_types_labels_and_buckets():
     assert dict(info[0][1])["num_gpu_blocks"] == "64" and found[info[0]] == 1
 
 
-def test_worked_example_four_drafted_two_accepted():
+def test_worked_example_four_drafted_two_accepted(tiny_core):
     metrics = ServerMetrics(stand_in(tiny_core()), ServerSettings(served_model_names=("tiny",)))
     metrics.steps.record(StepStats(num_running=1, num_generation_tokens=3, num_drafts=1, num_draft_tokens=4,
                                    num_accepted_tokens=2, accepted_per_pos=[1, 1], draft_lens=[4]))
@@ -123,7 +126,7 @@ def test_worked_example_four_drafted_two_accepted():
     assert value(found, "vllm:gpu_prefix_cache_hit_rate") == 0.5
 
 
-def test_counters_from_real_steps_agree_with_per_request_spec_stats():
+def test_counters_from_real_steps_agree_with_per_request_spec_stats(tiny_core):
     core = tiny_core()
     metrics = ServerMetrics(stand_in(core), ServerSettings(served_model_names=("tiny",)))
     prompt = [5, 6, 7, 8] * 6                      # repetitive: the n-gram drafter finds matches
@@ -159,7 +162,7 @@ class Clock:
         return self.now
 
 
-def test_request_tracker_timings_reasons_and_groups():
+def test_request_tracker_timings_reasons_and_groups(tiny_core):
     metrics = ServerMetrics(stand_in(tiny_core()), ServerSettings(served_model_names=("tiny",)))
     clock = Clock()
     params = SamplingParams(max_tokens=8)
@@ -196,7 +199,7 @@ def test_request_tracker_timings_reasons_and_groups():
     assert "q0" not in metrics.steps.first_scheduled
 
 
-def test_disable_log_stats_leaves_only_process_and_http_series():
+def test_disable_log_stats_leaves_only_process_and_http_series(tiny_core):
     engine = stand_in(tiny_core())
     metrics = ServerMetrics(engine, ServerSettings(served_model_names=("tiny",), disable_log_stats=True))
     names = families(metrics)
@@ -205,7 +208,7 @@ def test_disable_log_stats_leaves_only_process_and_http_series():
     assert engine.on_step is None and metrics.tracker([]) is None
 
 
-def test_periodic_log_line_has_vllm_fields(caplog):
+def test_periodic_log_line_has_vllm_fields(caplog, tiny_core):
     metrics = ServerMetrics(stand_in(tiny_core()), ServerSettings(served_model_names=("tiny",)))
     steps, clock = metrics.steps, Clock()
     steps.clock, steps._last_log_time, steps.log_interval_s = clock, 100.0, 10.0
@@ -231,18 +234,25 @@ def test_periodic_log_line_has_vllm_fields(caplog):
 
 @pytest.fixture(scope="module")
 def served():
-    engine = AsyncEngine(EngineConfig(model="tiny-random", max_model_len=256, num_kv_blocks=64, num_threads=1,
-                                      speculative=NGRAM))
+    engine = AsyncEngine(EngineConfig(model="tiny-random", max_model_len=256, num_kv_blocks=64,
+                                      num_threads=1, speculative=NGRAM))
     settings = ServerSettings(served_model_names=("tiny",), sse_keepalive_s=0)
     router = make_router(engine, settings)
     app = build_app(engine, load_tokenizer("tiny-random"), settings, routers=[router])
     with TestClient(app) as client:
-        yield client, router.metrics
+        yield client, router.metrics, engine
     engine.shutdown()
 
 
-def test_http_requests_feed_request_and_http_metrics(served):
-    client, metrics = served
+@pytest.fixture
+def metrics_client(served, idle_check):
+    """The module's served app; its engine is checked for leaks after each test."""
+    yield served[0], served[1]
+    idle_check(served[2])
+
+
+def test_http_requests_feed_request_and_http_metrics(metrics_client):
+    client, metrics = metrics_client
     before = samples(metrics)
     body = {"model": "tiny", "prompt": "a b c a b c a b c", "max_tokens": 6, "temperature": 0,
             "ignore_eos": True}
@@ -267,16 +277,16 @@ def test_http_requests_feed_request_and_http_metrics(served):
     assert value(found, "vllm:num_requests_running") == 0
 
 
-def test_cli_flag_and_router_attach(served):
+def test_cli_flag_and_router_attach(metrics_client):
     from specserve.server.cli import build_parser, server_settings
     args = build_parser().parse_args(["serve", "tiny-random", "--disable-log-stats"])
     assert server_settings(args, types.SimpleNamespace(name="tiny", path="")).disable_log_stats
-    client, _ = served
+    client, _ = metrics_client
     assert client.app.state.serving.client.tracker_factory is not None
     assert httpx.codes.OK == client.get("/metrics").status_code
 
 
-def test_kv_compressor_label_names_the_drafting_cache_under_lossy_kv():
+def test_kv_compressor_label_names_the_drafting_cache_under_lossy_kv(tiny_core):
     """The label comes from the engine's info message (it was always "none" when read from the
     engine config's top level, where the compressor is not)."""
     spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=2, kv_compressor="quant",

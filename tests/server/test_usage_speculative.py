@@ -105,19 +105,32 @@ def serve(spec):
 
 
 @pytest.fixture(scope="module")
-def real_spec():
-    engine, client = serve(SpeculativeConfig(method="ngram", num_speculative_tokens=4, frontier_size=2))
+def spec_server():
+    engine, client = serve(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                             frontier_size=2))
     with client:
-        yield client
+        yield client, engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def real_plain():
+def plain_server():
     engine, client = serve(None)
     with client:
-        yield client
+        yield client, engine
     engine.shutdown()
+
+
+@pytest.fixture
+def real_spec(spec_server, idle_check):
+    yield spec_server[0]
+    idle_check(spec_server[1])                           # no leak after each test
+
+
+@pytest.fixture
+def real_plain(plain_server, idle_check):
+    yield plain_server[0]
+    idle_check(plain_server[1])
 
 
 BODY = {"model": "tiny", "prompt": "a b c a b c a b c a b c", "max_tokens": 12, "temperature": 0,
