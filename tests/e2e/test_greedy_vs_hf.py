@@ -7,8 +7,6 @@ decide a true tie; that is reported explicitly and allowed at most once in the s
 import pytest
 import torch
 
-from specserve.scheduler.config import EngineConfig
-from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.spec_phases.paths import embedded_model_path

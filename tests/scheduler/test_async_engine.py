@@ -2,8 +2,6 @@ import asyncio
 
 import pytest
 
-from specserve.scheduler.async_engine import AsyncEngine
-from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.messages import EngineDeadError, EngineOverloadedError, EngineRequest
 from specserve.spec_phases.sampling_params import ParamError, SamplingParams
 

@@ -107,7 +107,7 @@ def test_abort_frees_blocks_mid_generation(make_engine):
     for i, p in enumerate(prompts(3)):
         core.add_request(EngineRequest(f"a{i}", p, SamplingParams(max_tokens=50, temperature=0)))
     step = core.step()
-    step = core.step()
+    core.step()
     out = core.abort_request("a1")
     assert out.finished and out.finish_reason == "abort"
     assert core.abort_request("a1") is None               # idempotent

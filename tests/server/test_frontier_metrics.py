@@ -6,7 +6,7 @@ import types
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from specserve.scheduler.config import EngineConfig, SpeculativeConfig
+from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams

@@ -4,7 +4,6 @@ leaves the KV cache as a single pass would (conftest checks block integrity afte
 import math
 
 import pytest
-import torch
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams

@@ -108,7 +108,7 @@ def test_abort_mid_round_drops_states_and_frees_blocks(engine):
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for _ in range(4)]
     out, _, _ = generate(core, params, abort_after=6)
     assert [len(o) for o in out][1::2] == [40, 40] and all(len(o) < 40 for o in out[::2])
-    step = core.step()                                        # releases the last finished requests
+    core.step()                                        # releases the last finished requests
     assert core.worker.draft_pool.states == {}
     core.check_integrity()
 

@@ -18,7 +18,7 @@ def run(core, num=3, max_tokens=10):
                                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
     seen = []
     while core.has_unfinished():
-        step = core.step()
+        core.step()
         pool = core.worker.draft_pool
         usage = pool.usage()
         if pool.states:
@@ -43,7 +43,7 @@ def test_used_bytes_equal_the_prediction_and_undercut_the_full_pool(make_engine)
     w = core.worker
     grow = w.draft_pool.bytes_at(1000 + 800) - w.draft_pool.bytes_at(1000)
     assert grow == pytest.approx(800 * seen[0][0].compressed_page_bytes_per_token)
-    step = core.step()
+    core.step()
     assert core.worker.draft_pool.usage().compressed_bytes == 0      # released with the requests
 
 

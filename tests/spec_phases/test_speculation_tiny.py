@@ -93,7 +93,7 @@ def test_abort_mid_verification_frees_everything(make_engine):
     for i, ids in enumerate(prompts()[:4]):
         core.add_request(EngineRequest(f"a{i}", ids, SamplingParams(max_tokens=40, temperature=0)))
     for _ in range(4):
-        step = core.step()
+        core.step()
     for i in range(4):
         core.abort_request(f"a{i}")
     assert not core.has_unfinished()
