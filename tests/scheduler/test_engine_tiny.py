@@ -106,7 +106,7 @@ def test_abort_frees_blocks_mid_generation(make_engine):
     core = make_engine()
     for i, p in enumerate(prompts(3)):
         core.add_request(EngineRequest(f"a{i}", p, SamplingParams(max_tokens=50, temperature=0)))
-    step = core.step()
+    core.step()
     core.step()
     out = core.abort_request("a1")
     assert out.finished and out.finish_reason == "abort"
