@@ -16,7 +16,7 @@ from specserve.scheduler.messages import (EngineInfo, EngineRequest, ModelInfo, 
                                           StepStats)
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import Scheduler
-from specserve.spec_phases.sampling_params import ParamError
+from specserve.scheduler.validation import validate
 from specserve.spec_phases.paths import TINY_RANDOM, resolve_model_path
 from specserve.spec_phases.worker import Worker
 
@@ -85,21 +85,7 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
         """Raise ParamError for input the engine cannot serve (the server answers 400)."""
-        prompt, n_ctx = req.prompt_token_ids, self.max_model_len
-        if not prompt:
-            raise ParamError("prompt", "prompt must be provided and non-empty.")
-        vocab = self.model_info.vocab_size
-        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise ParamError("prompt", f"token id {bad} is out of vocabulary (size {vocab}).")
-        num_prompt, max_tokens = len(prompt), req.sampling_params.max_tokens
-        if num_prompt + max_tokens > n_ctx:
-            raise ParamError(
-                "input_tokens" if num_prompt >= n_ctx else "max_tokens",
-                f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
-                f"completion). Please reduce the length of the messages or completion.")
-        req.sampling_params.check_vocab(vocab)
+        validate(req, self.model_info)
 
     def add_request(self, req: EngineRequest) -> None:
         self.validate(req)

@@ -19,7 +19,8 @@ from specserve.server.middleware import APIKeyMiddleware, BodyGuardMiddleware, R
 from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, ErrorResponse,
                                        TokenizeRequest)
-from specserve.server.serving_base import ServingContext, check_prompt_ids, served_model
+from specserve.scheduler.validation import check_prompt_ids
+from specserve.server.serving_base import ServingContext, served_model
 from specserve.server.serving_chat import create_chat_completion, render_chat
 from specserve.server.serving_completions import create_completion
 from specserve.server.settings import VERSION, ServerSettings

@@ -111,22 +111,6 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
     return params
 
 
-def context_error(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> APIError:
-    """The explicit context rule (openai-api.md §2.5), with the message clients already match on."""
-    total = num_prompt_tokens + max_tokens
-    return bad_request(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{total} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). "
-        "Please reduce the length of the messages or completion.",
-        "input_tokens" if num_prompt_tokens >= max_model_len else "max_tokens")
-
-
-def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
-    for tok in prompt_ids:
-        if not 0 <= tok < vocab_size:
-            raise bad_request(f"token id {tok} is out of vocabulary (size {vocab_size}).", "prompt")
-
-
 def request_id_for(raw: Request, body: SamplingFields) -> str:
     """The client-visible request id: body `request_id`, else X-Request-Id, else a random hex uuid."""
     rid = body.request_id or raw.scope.get(REQUEST_ID_KEY) or uuid.uuid4().hex

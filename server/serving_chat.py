@@ -10,8 +10,9 @@ from specserve.scheduler.messages import EngineRequest, TokenLogprob
 from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import ChatCompletionRequest, ChatMessage
+from specserve.scheduler.validation import check_context
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
-                                           context_error, engine_request_id, error_event, logprob_value,
+                                           engine_request_id, error_event, logprob_value,
                                            new_choice, request_id_for,
                                            sampling_params, served_model,
                                            sse_data, stream_error, usage_dict)
@@ -102,11 +103,8 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest, ctx:
     if explicit is not None and explicit < 1:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise bad_request(f"{param} must be at least 1, got {explicit}.", param)
-    if len(prompt_ids) >= info.max_model_len or (
-            explicit is not None and len(prompt_ids) + explicit > info.max_model_len):
-        raise context_error(info.max_model_len, len(prompt_ids),
-                            explicit if explicit is not None else info.max_model_len - len(prompt_ids))
     max_tokens = explicit if explicit is not None else info.max_model_len - len(prompt_ids)
+    check_context(len(prompt_ids), max_tokens, info.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.prompt_logprobs is not None and body.prompt_logprobs > ctx.settings.max_logprobs:
         raise bad_request(f"prompt_logprobs must be at most {ctx.settings.max_logprobs}, "

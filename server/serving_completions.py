@@ -10,8 +10,9 @@ from specserve.scheduler.messages import EngineRequest, TokenLogprob
 from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import CompletionRequest
+from specserve.scheduler.validation import check_context, check_prompt_ids
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
-                                           check_prompt_ids, context_error, engine_request_id,
+                                           engine_request_id,
                                            error_event, logprob_value, new_choice, request_id_for, sampling_params,
                                            served_model, sse_data, stream_error,
                                            usage_dict)
@@ -39,7 +40,7 @@ def parse_prompts(ctx: ServingContext, body: CompletionRequest) -> list[tuple[st
             text = item
         else:
             ids, text = [int(t) for t in item], None
-            check_prompt_ids(ids, ctx.model_info.vocab_size)
+            check_prompt_ids(ids, ctx.model_info.vocab_size)      # the engine's check
         if not ids:
             raise empty
         if body.truncate_prompt_tokens is not None:
@@ -116,9 +117,8 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
         raise bad_request(f"prompts × n must be at most {ctx.settings.max_choices}, "
                           f"got {len(prompts) * body.n}.", "n")
     info = ctx.model_info
-    for _, ids in prompts:
-        if len(ids) + max_tokens > info.max_model_len:
-            raise context_error(info.max_model_len, len(ids), max_tokens)
+    for _, ids in prompts:                        # all prompts, before any is submitted
+        check_context(len(ids), max_tokens, info.max_model_len)
     want_prompt_lp = [v for v in (body.prompt_logprobs, body.logprobs if body.echo else None) if v is not None]
     request_id = request_id_for(raw, body)
     requests, states = [], []
