@@ -144,13 +144,9 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def extra_routers(engine, settings) -> list:
-    """Routers other packages contribute (e.g. `/metrics` from `server/metrics.py` once it exists)."""
-    try:
-        from specserve.server import metrics
-    except ImportError:
-        return []
-    make = getattr(metrics, "make_router", None)
-    return [make(engine, settings)] if make is not None else []
+    """Routers mounted beside the OpenAI ones: `/metrics` (`server/metrics.py`)."""
+    from specserve.server import metrics
+    return [metrics.make_router(engine, settings)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """Llama-family decoder in plain PyTorch (SmolLM2, Llama 3, Qwen2-style QKV bias optional).
 
 The model never owns a KV cache. Each layer hands its post-RoPE keys/values to an attention object
-(`attn(layer_idx, q, k, v) -> out`) that the runner builds per step: the paged cache today, a
-compressed cache for drafting later. So one model serves every phase (prefill, decode, verify).
+(`attn(layer_idx, q, k, v) -> out`) built per step: the paged cache (runner), the compressed
+drafting cache (lossy_kv), a dense cache (calibration). So one model serves every phase.
 """
 from __future__ import annotations
 
