@@ -13,7 +13,8 @@ from collections import OrderedDict
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, name: str = "main"):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 name: str = "main"):
         if num_blocks < 1:
             raise ValueError("a pool needs at least one block")
         self.name = name
@@ -63,8 +64,8 @@ class BlockPool:
                 self.free_queue[block_id] = None
 
     def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
-        """A cached or owned block holding exactly `tokens` under `block_hash` (tokens compared, so a
-        hash collision can never return wrong KV)."""
+        """A cached or owned block holding exactly `tokens` under `block_hash` (tokens compared, so
+        a hash collision can never return wrong KV)."""
         block_id = self.cached.get(block_hash)
         if block_id is None or self.block_tokens[block_id] != tokens:
             return None
@@ -87,7 +88,8 @@ class BlockPool:
             self.block_tokens[block_id] = None
 
     def check_integrity(self, owners: dict[int, int]) -> None:
-        """owners: block id -> number of block-table references. Raises with a report on any leak."""
+        """owners: block id -> number of block-table references. Raises with a report on any
+        leak."""
         problems = []
         for block_id in range(self.num_blocks):
             expected = owners.get(block_id, 0)

@@ -1,5 +1,5 @@
-"""VeriCache's host pool: the full KV cache in host memory, brought to the device layer by layer for a
-verify pass (DESIGN §5.3).
+"""VeriCache's host pool: the full KV cache in host memory, brought to the device layer by layer for
+a verify pass (DESIGN §5.3).
 
 - `HostKVPool` has `KVStorage`'s layout (`k[layer]`, `v[layer]`: `[num_slots, kv_heads, head_dim]`,
   slot = block * block_size + offset), so the existing block manager and block tables address it
@@ -23,7 +23,8 @@ from specserve.kernels.metadata import PagedAttentionMetadata
 
 
 class HostKVPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int,
                  dtype: torch.dtype, pin: bool | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         pin = torch.cuda.is_available() if pin is None else pin
@@ -40,7 +41,8 @@ class HostKVPool:
     def bytes_per_token(self) -> int:
         return 2 * self.k.shape[0] * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
         """Write-back of new tokens' K/V (few per request per step: synchronous)."""
         slots = slot_mapping.cpu()
         self.k[layer].index_copy_(0, slots, k.to("cpu", self.k.dtype))
@@ -69,7 +71,8 @@ class StagedKV:
         self.staged_layer = [-1, -1]
         pin = self.cuda
         self.host_buf = [(torch.empty(shape[1:], dtype=pool.k.dtype, pin_memory=pin),
-                          torch.empty(shape[1:], dtype=pool.v.dtype, pin_memory=pin)) for _ in range(2)]
+                          torch.empty(shape[1:], dtype=pool.v.dtype,
+                                      pin_memory=pin)) for _ in range(2)]
 
     def local_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         bs = self.pool.block_size
@@ -86,7 +89,8 @@ class StagedKV:
         torch.index_select(self.pool.k[layer], 0, self.src_slots, out=hk)     # host gather
         torch.index_select(self.pool.v[layer], 0, self.src_slots, out=hv)
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # buffer's last reader is done
+            # buffer's last reader is done
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 self.k[buf].copy_(hk, non_blocking=True)
                 self.v[buf].copy_(hv, non_blocking=True)
@@ -115,14 +119,16 @@ class StagedPagedAttention:
                  device: str | torch.device):
         self.pool, self.scale = pool, scale
         self.staged = StagedKV(pool, block_tables, device)
-        self.meta = PagedAttentionMetadata(query_start, seq_lens, self.staged.block_tables, pool.block_size,
+        self.meta = PagedAttentionMetadata(query_start, seq_lens, self.staged.block_tables,
+                                           pool.block_size,
                                            device)
         self.slot_mapping = slot_mapping
         self.local_slots = self.staged.local_slots(slot_mapping)
         self.op = get_op("paged_attention", str(device))
         self.staged.prefetch(0)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         sk, sv = self.staged.get(layer)
         self.staged.prefetch(layer + 1)                   # overlaps this layer's attention on GPU
         sk.index_copy_(0, self.local_slots, k.to(sk.dtype))

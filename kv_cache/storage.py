@@ -1,8 +1,8 @@
 """KV tensors of one pool, sized from a memory budget.
 
-Layout per layer: k[layer] and v[layer] are [num_blocks * block_size, num_kv_heads, head_dim]; slot s
-belongs to block s // block_size. Writes go through a slot mapping, so rejected drafts simply leave
-stale values in slots that later writes overwrite.
+Layout per layer: k[layer] and v[layer] are [num_blocks * block_size, num_kv_heads, head_dim]; slot
+s belongs to block s // block_size. Writes go through a slot mapping, so rejected drafts simply
+leave stale values in slots that later writes overwrite.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def num_blocks_for_budget(budget_bytes: float, num_layers: int, block_size: int,
 
 
 class KVStorage:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
@@ -28,7 +29,8 @@ class KVStorage:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
         """slot_mapping: [num_tokens] int64; k, v: [num_tokens, num_kv_heads, head_dim]."""
         self.k[layer].index_copy_(0, slot_mapping, k.to(self.k.dtype))
         self.v[layer].index_copy_(0, slot_mapping, v.to(self.v.dtype))

@@ -63,7 +63,8 @@ class AsyncEngine:
         self._inbox.put(("add", request))
         return self._iterate(request.request_id, stream)
 
-    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, request_id: str,
+                       stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:

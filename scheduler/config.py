@@ -9,23 +9,29 @@ __all__ = ["SPEC_METHODS", "EngineConfig", "SchedulerConfig", "SpeculativeConfig
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None            # None: embedded SmolLM2 GGUF; "tiny-random"; a .gguf; an HF folder
+    # None: embedded SmolLM2 GGUF; "tiny-random"; a .gguf; an HF folder
+    model: str | None = None
     device: str = "auto"                # auto -> cuda if available else cpu
     dtype: str = "auto"                 # auto -> float32 on cpu, bfloat16 on cuda
     max_model_len: int | None = None    # None: the model's context length
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0     # device KV budget; num_blocks is derived from it. lossy_kv with
-                                        # the full cache in host memory: the compressed drafting caches
-    host_kv_cache_memory_gb: float | None = None   # lossy_kv + full_kv_in_host: sizes the full-KV host
+    # device KV budget; num_blocks is derived from it. lossy_kv with
+    kv_cache_memory_gb: float = 1.0
+                                        # the full cache in host memory: the compressed drafting
+                                        # caches
+    # lossy_kv + full_kv_in_host: sizes the full-KV host
+    host_kv_cache_memory_gb: float | None = None
                                         # pool (None: kv_cache_memory_gb, as before)
     num_kv_blocks: int | None = None    # overrides the budget (tests force preemption with it)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    max_waiting_requests: int = 1024    # bounded queue: submit() beyond it raises EngineOverloadedError
+    # bounded queue: submit() beyond it raises EngineOverloadedError
+    max_waiting_requests: int = 1024
     seed: int = 0
     num_threads: int | None = None      # torch intra-op threads on CPU (None: torch's default)
-    cpu_weight_packing: bool = True     # fp32 on CPU: prepack linear weights for oneDNN (faster GEMMs,
+    # fp32 on CPU: prepack linear weights for oneDNN (faster GEMMs,
+    cpu_weight_packing: bool = True
                                         # a second copy of the weights in memory)
     tiny_random_seed: int = 0           # weights of the "tiny-random" model
     speculative: SpeculativeConfig | None = None

@@ -1,25 +1,28 @@
 """FASER-style draft length per request each step, chosen to maximise expected goodput.
 
-    acceptance  each request keeps p_i = P(draft i accepted | drafts before it accepted), one EMA per
-                position, starting from the engine-wide estimate; a step that drafted k and accepted
-                a observes positions 0..min(a, k-1): accepted for i < a, rejected at i = a. Positions
-                it never reached read as its deepest observed one (optimism that explores).
+    acceptance  each request keeps p_i = P(draft i accepted | drafts before it accepted), one EMA
+                per position, starting from the engine-wide estimate; a step that drafted k and
+                accepted a observes positions 0..min(a, k-1): accepted for i < a, rejected at i = a.
+                Positions it never reached read as its deepest observed one (optimism that
+                explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
     cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap + c4 * drafts   fitted online
                 (non-negative least squares) on measured steps (tokens: every row the step computes,
-                drafts included; c2: sequential draft passes and c4: a draft row in them, both ~0 for
-                n-gram and token recycling; c3: VeriCache's host -> device bytes, predicted from the
-                last step). A drafter that runs the model reports each draft pass (rows, seconds):
-                c2 + c4 * rows is then fitted on the passes alone, and c0, c1, c3 on the rest of the
-                step
+                drafts included; c2: sequential draft passes and c4: a draft row in them, both ~0
+                for n-gram and token recycling; c3: VeriCache's host -> device bytes, predicted from
+                the last step). A drafter that runs the model reports each draft pass (rows,
+                seconds): c2 + c4 * rows is then fitted on the passes alone, and c0, c1, c3 on the
+                rest of the step
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
-                marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the best
-                depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the batch).
-    probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays live.
-                Probes ride on a draft pass the step runs anyway; when none runs, the due probe takes
-                every request idle for half as long along (for a drafter whose pass costs a forward,
-                staggered probes would add a pass to nearly every step). No probe where drafting
-                could not pay even if every draft were accepted (the cost model says so).
+                marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the
+                best depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the
+                batch).
+    probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays
+                live. Probes ride on a draft pass the step runs anyway; when none runs, the due
+                probe takes every request idle for half as long along (for a drafter whose pass
+                costs a forward, staggered probes would add a pass to nearly every step). No probe
+                where drafting could not pay even if every draft were accepted (the cost model says
+                so).
 Under load c1 * tokens dominates, every extra draft lowers goodput and k falls to 0 by itself: no
 batch-size threshold, so no cliff.
 """
@@ -32,23 +35,27 @@ import numpy as np
 
 class CostModel:
     """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len + c3 * swap_bytes + c4 * draft_tokens,
-    refitted from recent steps. num_tokens counts every row the step computes, its drafts' verify rows
-    included; draft_tokens counts the drafts alone. With one token count only, a draft of a drafter
-    that runs the model (lossy_kv, layer_skip: a row in each draft pass besides its verify row) was
-    priced like a plain decode row, the average the fit sees, and drafting looked cheaper than it is
-    exactly when many requests decode. swap_bytes: full-KV bytes staged host -> device for
-    verification (VeriCache); 0 elsewhere. A step's swap does not depend on its draft lengths, but it
-    raises the price of the step they share, which makes drafts worth more: the controller sees it
-    through the goodput ratio."""
+    refitted from recent steps. num_tokens counts every row the step computes, its drafts' verify
+    rows included; draft_tokens counts the drafts alone. With one token count only, a draft of a
+    drafter that runs the model (lossy_kv, layer_skip: a row in each draft pass besides its verify
+    row) was priced like a plain decode row, the average the fit sees, and drafting looked cheaper
+    than it is exactly when many requests decode. swap_bytes: full-KV bytes staged host -> device
+    for verification (VeriCache); 0 elsewhere. A step's swap does not depend on its draft lengths,
+    but it raises the price of the step they share, which makes drafts worth more: the controller
+    sees it through the goodput ratio."""
 
-    def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0, c4: float = 0.0,
+    def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0,
+                 c4: float = 0.0,
                  window: int = 256):
         self.coef = np.array([c0, c1, c2, c3, c4])
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
-        self.passes: deque[tuple[float, float]] = deque(maxlen=window)     # (rows, seconds) per draft pass
+        # (rows, seconds) per draft pass
+        self.passes: deque[tuple[float, float]] = deque(maxlen=window)
 
-    def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0, draft_tokens: int = 0) -> float:
-        return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes, draft_tokens]))
+    def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0,
+                draft_tokens: int = 0) -> float:
+        return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes,
+                                           draft_tokens]))
 
     def draft_price(self) -> float:
         """What one more draft adds at a fixed depth: its verify row (a token) and its draft row."""
@@ -56,17 +63,19 @@ class CostModel:
 
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
                 draft_tokens: int = 0, draft_passes: list[tuple[int, float]] | None = None) -> None:
-        """draft_passes: (rows, seconds) of each draft forward the step ran, where the drafter reports
-        them. Then the passes alone fit c2 (per pass) and c4 (per row): a pass of r rows costs c2 +
-        c4 * r, which the step-level fit cannot separate when every request drafts the same k (max_k
-        and drafts move together) and whose scale it confuses with prefill steps and long contexts.
-        The rest of the step (verify, sampling, cache upkeep) then fits c0, c1, c3 with c2, c4 fixed."""
+        """draft_passes: (rows, seconds) of each draft forward the step ran, where the drafter
+        reports them. Then the passes alone fit c2 (per pass) and c4 (per row): a pass of r rows
+        costs c2 + c4 * r, which the step-level fit cannot separate when every request drafts the
+        same k (max_k and drafts move together) and whose scale it confuses with prefill steps and
+        long contexts. The rest of the step (verify, sampling, cache upkeep) then fits c0, c1, c3
+        with c2, c4 fixed."""
         if draft_passes:
             self.passes.extend((float(r), float(s)) for r, s in draft_passes)
             self._fit_passes()
             seconds = max(seconds - sum(s for _, s in draft_passes), 0.0)
             max_draft_len = draft_tokens = 0          # priced by the pass fit: columns held at zero
-        self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes), float(draft_tokens),
+        self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes),
+                             float(draft_tokens),
                              seconds))
         if len(self.samples) >= 8 and len(self.samples) % 4 == 0:
             self.fit()
@@ -83,7 +92,8 @@ class CostModel:
         if a < 0 or b < 0:                           # the better of the two one-column fits
             a_only = (float(secs.mean()), 0.0)
             b_only = (0.0, float(rows @ secs / (rows @ rows)))
-            a, b = min(a_only, b_only, key=lambda ab: float(np.sum((ab[0] + ab[1] * rows - secs) ** 2)))
+            a, b = min(a_only, b_only,
+                       key=lambda ab: float(np.sum((ab[0] + ab[1] * rows - secs) ** 2)))
         self.coef[2], self.coef[4] = a, b
 
     def fit(self) -> None:
@@ -92,8 +102,9 @@ class CostModel:
         Exact NNLS by enumeration (five coefficients): every subset of the free columns that keeps
         the intercept is solved, solutions with a negative coefficient are discarded, the smallest
         residual wins and, on a tie, the smaller subset. Clamping an unconstrained solution is wrong
-        when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly, and
-        a split like c1 = 9 ms, c2 = -8.7 ms clamped to c2 = 0 prices each draft token 30x too high.
+        when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly,
+        and a split like c1 = 9 ms, c2 = -8.7 ms clamped to c2 = 0 prices each draft token 30x too
+        high.
         """
         data = np.array(self.samples)
         n = len(self.coef)
@@ -101,7 +112,8 @@ class CostModel:
         free = [0] + [j for j in range(1, n) if np.ptp(x[:, j]) > 0]
         fixed = [j for j in range(n) if j not in free]
         target = y - x[:, fixed] @ self.coef[fixed]
-        best: tuple[float, int, list[int], np.ndarray] | None = None   # intercept alone always qualifies
+        # intercept alone always qualifies
+        best: tuple[float, int, list[int], np.ndarray] | None = None
         for mask in range(1 << (len(free) - 1)):
             cols = [0] + [j for b, j in enumerate(free[1:]) if mask >> b & 1]
             coef, *_ = np.linalg.lstsq(x[:, cols], target, rcond=None)
@@ -117,10 +129,12 @@ class CostModel:
 
 
 class DraftLengthController:
-    def __init__(self, k_max: int, ema: float = 0.3, prior: float = 0.6, cost: CostModel | None = None,
+    def __init__(self, k_max: int, ema: float = 0.3, prior: float = 0.6,
+                 cost: CostModel | None = None,
                  probe_every: int = 8):
         self.k_max, self.ema, self.probe_every = k_max, ema, probe_every
-        self.idle: dict[str, int] = {}                                   # steps in a row given k = 0
+        # steps in a row given k = 0
+        self.idle: dict[str, int] = {}
         self.depth: dict[str, int] = {}                                  # positions observed so far
         self.prior = np.full(k_max, prior)                               # engine-wide p_i
         self.accept: dict[str, np.ndarray] = {}
@@ -174,7 +188,8 @@ class DraftLengthController:
         due = [i for i in idle if self.idle[request_ids[i]] >= self.probe_every]
         if due and not any(ks):
             due = [i for i in idle if 2 * self.idle[request_ids[i]] >= self.probe_every]
-        if due:                       # a probe that could not pay even if every draft were accepted is moot
+        # a probe that could not pay even if every draft were accepted is moot
+        if due:
             certain = np.stack([self.probs(r) for r in request_ids])
             certain[due] = 1.0
             hopeful = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, certain)
@@ -185,13 +200,14 @@ class DraftLengthController:
 
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
                   swap_bytes: int = 0, probs: np.ndarray | None = None) -> list[int]:
-        """For each depth d (the batch's longest draft: what the c2 term prices), give drafts in order of
-        marginal value, P(all drafts up to it accepted), each request at most d, while goodput rises;
-        keep the best depth. With the depth fixed the marginal values only fall and the goodput bar only
-        rises, so stopping at the first loss is exact for that depth. One greedy pass over all depths
-        at once would be myopic for a drafter with a real per-pass cost (c2 > 0: lossy_kv, layer_skip):
-        the first draft of the batch pays c2 alone and looks like a loss, while k = 1 for every request
-        shares it. Vectorised (numpy over all candidate drafts): it runs on every step's critical path."""
+        """For each depth d (the batch's longest draft: what the c2 term prices), give drafts in
+        order of marginal value, P(all drafts up to it accepted), each request at most d, while
+        goodput rises; keep the best depth. With the depth fixed the marginal values only fall and
+        the goodput bar only rises, so stopping at the first loss is exact for that depth. One
+        greedy pass over all depths at once would be myopic for a drafter with a real per-pass cost
+        (c2 > 0: lossy_kv, layer_skip): the first draft of the batch pays c2 alone and looks like a
+        loss, while k = 1 for every request shares it. Vectorised (numpy over all candidate drafts):
+        it runs on every step's critical path."""
         n = len(request_ids)
         limits = np.minimum(np.asarray(caps, dtype=np.int64), self.k_max)
         if probs is None:
@@ -200,7 +216,8 @@ class DraftLengthController:
         valid = (np.arange(self.k_max)[None, :] < limits[:, None]) & (chain > 0)
         req, pos = np.nonzero(valid)
         gain = chain[req, pos]
-        order = np.lexsort((req, pos, -gain))          # by value; a request's drafts stay in position order
+        # by value; a request's drafts stay in position order
+        order = np.lexsort((req, pos, -gain))
         req, pos, gain = req[order], pos[order], gain[order]
         price = self.cost.draft_price()
         best = n / self.cost.predict(num_other_tokens, 0, swap_bytes)
@@ -210,12 +227,14 @@ class DraftLengthController:
             g = gain[take]
             if not len(g):
                 continue
-            base = self.cost.predict(num_other_tokens, depth, swap_bytes)      # this depth, no drafts yet
+            # this depth, no drafts yet
+            base = self.cost.predict(num_other_tokens, depth, swap_bytes)
             goodput = np.empty(len(g) + 1)
             goodput[0] = n / base
             goodput[1:] = (n + np.cumsum(g)) / (base + price * np.arange(1, len(g) + 1))
             rises = goodput[1:] > goodput[:-1]
-            m = len(g) if rises.all() else int(np.argmin(rises))   # the greedy stops at the first loss
+            # the greedy stops at the first loss
+            m = len(g) if rises.all() else int(np.argmin(rises))
             ks = np.bincount(req[take][:m], minlength=n)
             if m and ks.max() == depth and goodput[m] > best:
                 best, best_ks = goodput[m], ks

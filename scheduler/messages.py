@@ -23,7 +23,8 @@ from specserve.spec_phases.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class EngineRequest:
-    request_id: str                      # unique inside the engine (the server adds a suffix to client ids)
+    # unique inside the engine (the server adds a suffix to client ids)
+    request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
@@ -32,7 +33,8 @@ class EngineRequest:
 @dataclass(frozen=True)
 class SpecStats:
     """Cumulative speculative-decoding counters of one request (vLLM's definitions). Every output of
-    a request that speculation is on for carries it (zeros until its first draft); None otherwise."""
+    a request that speculation is on for carries it (zeros until its first draft); None
+    otherwise."""
     num_drafts: int = 0                  # verify steps that carried at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0         # bonus/recovered tokens are not counted
@@ -48,7 +50,8 @@ class RequestOutput:
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None       # the stop token id that fired (None for EOS and length)
     new_logprobs: list[TokenLogprob] | None = None          # one per new token, when asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output only; [0] is None
+    # on the first output only; [0] is None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
     spec: SpecStats | None = None
@@ -94,7 +97,8 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the engine is, for metrics and logs: sent once, plain data (no torch, no live object)."""
+    """What the engine is, for metrics and logs: sent once, plain data (no torch, no live
+    object)."""
     block_size: int
     num_blocks: int                      # full-cache blocks
     enable_prefix_caching: bool

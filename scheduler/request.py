@@ -35,7 +35,8 @@ class Request:
         self.all_token_ids = list(req.prompt_token_ids)   # prompt + output
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0                       # tokens whose KV is in the cache
-        self.num_cached_tokens = -1                        # prefix-cache hit at first schedule (-1: not yet)
+        # prefix-cache hit at first schedule (-1: not yet)
+        self.num_cached_tokens = -1
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.prompt_logprobs: list = []                    # gathered over prefill chunks

@@ -1,8 +1,8 @@
 """The FastAPI app: routes, guards and error handlers around one engine client.
 
 `build_app(engine, tokenizer, settings)` takes any object with the engine methods (the real
-`AsyncEngine` or a test fake). Extra routers (e.g. `/metrics`) are passed in by whoever builds the app;
-they can read `app.state.serving` (the `ServingContext`) for the engine and settings.
+`AsyncEngine` or a test fake). Extra routers (e.g. `/metrics`) are passed in by whoever builds the
+app; they can read `app.state.serving` (the `ServingContext`) for the engine and settings.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import bad_request, engine_dead, install_error_handlers
 from specserve.server.middleware import APIKeyMiddleware, BodyGuardMiddleware, RequestIdMiddleware
-from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                       CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, ErrorResponse,
                                        TokenizeRequest)
 from specserve.scheduler.validation import check_prompt_ids
@@ -45,7 +46,8 @@ def build_app(engine, tokenizer, settings: ServerSettings,
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestIdMiddleware)
-    for router in routers:                  # e.g. /metrics: HTTP middleware (outermost), request trackers
+    # e.g. /metrics: HTTP middleware (outermost), request trackers
+    for router in routers:
         attach = getattr(router, "attach", None)
         if attach is not None:
             attach(app)
@@ -79,8 +81,10 @@ def openai_router(ctx: ServingContext) -> APIRouter:
                 "owned_by": "specserve", "root": ctx.settings.model_path or ctx.model_info.path,
                 "parent": None, "max_model_len": ctx.model_info.max_model_len,
                 "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
-                                "created": created, "allow_create_engine": False, "allow_sampling": True,
-                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "created": created, "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False,
+                                "allow_view": True,
                                 "allow_fine_tuning": False, "organization": "*", "group": None,
                                 "is_blocking": False}]}
         return {"object": "list", "data": [card]}
@@ -101,7 +105,8 @@ def openai_router(ctx: ServingContext) -> APIRouter:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = ctx.tokenizer.encode(text, add_special_tokens=add_special)
         strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": ctx.model_info.max_model_len, "tokens": tokens,
+        return {"count": len(tokens), "max_model_len": ctx.model_info.max_model_len,
+                "tokens": tokens,
                 "token_strs": strs}
 
     @router.post("/detokenize", responses=ERRORS)

@@ -30,7 +30,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         annotation = str(f.type).replace(" ", "")
         if annotation == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None)
             continue
         base = annotation.split("|")[0]
         group.add_argument(flag, dest=f.name, type=TYPES.get(base, str), default=None,
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="names clients use; the first is reported, the rest are aliases")
     serve.add_argument("--api-key", default=None, help="or SPECSERVE_API_KEY / VLLM_API_KEY")
-    serve.add_argument("--chat-template", default=None, help="a Jinja template, inline or a file path")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja template, inline or a file path")
     serve.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS)
     serve.add_argument("--speculative-config", default=None,
                        help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no engine metrics at /metrics and no periodic stats log line")
     serve.add_argument("--uvicorn-log-level", default="info")
     add_engine_flags(serve)
-    export = commands.add_parser("export-tokenizer", help="write an HF tokenizer folder for load tools")
+    export = commands.add_parser("export-tokenizer",
+                                 help="write an HF tokenizer folder for load tools")
     export.add_argument("out_dir")
     export.add_argument("--model", default=None)
     return parser
@@ -114,7 +117,8 @@ def server_settings(args: argparse.Namespace, model_info) -> ServerSettings:
             per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
             chat_template=read_chat_template(args.chat_template),
             max_body_bytes=args.max_request_body_bytes, max_choices=args.max_choices,
-            sse_keepalive_s=args.sse_keep_alive_interval, disable_log_requests=args.disable_log_requests,
+            sse_keepalive_s=args.sse_keep_alive_interval,
+            disable_log_requests=args.disable_log_requests,
             disable_log_stats=getattr(args, "disable_log_stats", False))
     except ValueError as exc:
         raise SystemExit(f"specserve: {exc}") from None

@@ -56,7 +56,8 @@ class StopMatch:
 
 
 class StopStringMatcher:
-    """Matches stop strings on the generated text. Feed deltas; `flush()` at the end of the stream."""
+    """Matches stop strings on the generated text. Feed deltas; `flush()` at the end of the
+    stream."""
 
     def __init__(self, stops: list[str], include_in_output: bool = False):
         self.stops = [s for s in stops if s]
@@ -72,7 +73,8 @@ class StopStringMatcher:
             return StopMatch(text)
         buffer = self.pending + text
         first: tuple[int, str] | None = None
-        for stop in self.stops:                  # earliest match wins; ties go to the longest string
+        # earliest match wins; ties go to the longest string
+        for stop in self.stops:
             at = buffer.find(stop)
             if at >= 0 and (first is None or at < first[0] or (at == first[0] and len(stop) > len(first[1]))):
                 first = (at, stop)

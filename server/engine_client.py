@@ -1,9 +1,9 @@
 """The server's side of the engine message boundary (scheduler/messages.py).
 
 The server never holds an engine iterator directly: `EngineClient.open(requests)` submits one engine
-request per choice and returns a `ChoiceStream` that merges their outputs. Whoever opens a stream must
-close it (`async with`): closing aborts every engine request that has not finished, which is how a
-client disconnect, a stop string or an error frees KV blocks within one engine step.
+request per choice and returns a `ChoiceStream` that merges their outputs. Whoever opens a stream
+must close it (`async with`): closing aborts every engine request that has not finished, which is
+how a client disconnect, a stop string or an error frees KV blocks within one engine step.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class EngineClient:
     def __init__(self, engine):
         self.engine = engine
         self.in_flight: set[str] = set()        # engine request ids submitted and not yet done
-        self.tracker_factory = None             # (requests, n) -> RequestTracker | None (server/metrics.py)
+        # (requests, n) -> RequestTracker | None (server/metrics.py)
+        self.tracker_factory = None
 
     @property
     def model_info(self) -> ModelInfo:
@@ -68,14 +69,15 @@ class EngineClient:
 class ChoiceStream:
     """Outputs of several engine requests, merged: `async for index, output in stream`.
 
-    `index` is the position in `requests` (the choice index). `finish(index)` aborts one request early
-    (a stop string matched). Exceptions raised by the engine come out of the iterator.
+    `index` is the position in `requests` (the choice index). `finish(index)` aborts one request
+    early (a stop string matched). Exceptions raised by the engine come out of the iterator.
     """
 
     def __init__(self, client: EngineClient, requests: list[EngineRequest], tracker=None):
         self.client = client
         self.requests = requests
-        self.tracker = tracker                    # request metrics; sees each output once, on arrival
+        # request metrics; sees each output once, on arrival
+        self.tracker = tracker
         self.queue: asyncio.Queue = asyncio.Queue()
         self.pumps: list[asyncio.Task] = []
         self.finished: set[int] = set()
@@ -103,7 +105,8 @@ class ChoiceStream:
                     break
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:              # surfaces in the consumer, which maps it to a status
+        # surfaces in the consumer, which maps it to a status
+        except BaseException as exc:
             await self.queue.put((index, exc))
         finally:
             aclose = getattr(outputs, "aclose", None)

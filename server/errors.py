@@ -2,8 +2,8 @@
 
     {"error": {"message": ..., "type": "BadRequestError", "param": "top_p", "code": 400}}
 
-`code` is the integer HTTP status (vLLM). Validation failures are 400, never FastAPI's 422; the 404/405
-bodies of unknown routes use the envelope too.
+`code` is the integer HTTP status (vLLM). Validation failures are 400, never FastAPI's 422; the
+404/405 bodies of unknown routes use the envelope too.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@
         → StopStringMatcher (hold back partial stops; on a match: trim and stop)
         → ChoiceDelta(text, token_ids, logprobs, finish_reason, stop_reason)
 
-Token accounting follows vLLM: when the engine stops on EOS or a stop token id, that last token counts
-as a completion token but its text is not emitted (unless `include_stop_str_in_output`).
+Token accounting follows vLLM: when the engine stops on EOS or a stop token id, that last token
+counts as a completion token but its text is not emitted (unless `include_stop_str_in_output`).
 """
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ class ChoiceState:
         self.text += text
         self.token_ids += new_ids
         self.logprobs += new_logprobs
-        return ChoiceDelta(self.index, text, new_ids, new_logprobs, self.finish_reason, self.stop_reason,
+        return ChoiceDelta(self.index, text, new_ids, new_logprobs, self.finish_reason,
+                           self.stop_reason,
                            stopped_by_string=match.stop is not None)
 
 
@@ -95,7 +96,8 @@ def _spec_totals(states: list[ChoiceState]) -> tuple[int, int, int] | None:
 
 
 def spec_metrics(states: list[ChoiceState]) -> dict | None:
-    """Summed speculative-decoding counters of a response (openai-api.md §10), or None without any."""
+    """Summed speculative-decoding counters of a response (openai-api.md §10), or None without
+    any."""
     totals = _spec_totals(states)
     if totals is None:
         return None
@@ -110,7 +112,8 @@ def spec_metrics(states: list[ChoiceState]) -> dict | None:
 
 
 def speculative_usage(states: list[ChoiceState]) -> dict | None:
-    """The `usage.speculative` extension (protocol.SpeculativeUsage), or None when no choice speculated."""
+    """The `usage.speculative` extension (protocol.SpeculativeUsage), or None when no choice
+    speculated."""
     totals = _spec_totals(states)
     if totals is None:
         return None

@@ -1,7 +1,8 @@
 """`GET /metrics`: vLLM-compatible Prometheus exposition (metrics-and-deploy.md §1–3).
 
 `make_router(engine, settings)` is what `server/cli.py` mounts. The router carries an `attach(app)`
-that `build_app` calls once the app exists: it adds the HTTP middleware and hands the engine client a
+that `build_app` calls once the app exists: it adds the HTTP middleware and hands the engine client
+a
 `RequestTracker` factory. Engine metrics come from `engine.on_step` (StepStats, engine thread).
 
 With `disable_log_stats` there are no `vllm:`/`specserve:` series and no log line; `/metrics` still
@@ -12,7 +13,8 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter
-from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
+                               PlatformCollector,
                                ProcessCollector, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.responses import Response
@@ -24,7 +26,8 @@ from specserve.server.settings import ServerSettings
 
 HTTP_EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version"})
 HTTP_LATENCY_BUCKETS = (0.1, 0.5, 1.0)
-HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5,
+HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5,
+                      4.0, 4.5,
                       5.0, 7.5, 10.0, 30.0, 60.0)
 
 
@@ -76,14 +79,19 @@ class ServerMetrics:
 
 
 class HttpMetrics:
-    """The series prometheus-fastapi-instrumentator would add (same names), without the dependency."""
+    """The series prometheus-fastapi-instrumentator would add (same names), without the
+    dependency."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.requests = Counter("http_requests", "HTTP requests by handler, method and status class.",
+        self.requests = Counter("http_requests",
+                                "HTTP requests by handler, method and status class.",
                                 ["handler", "method", "status"], registry=registry)
-        self.duration = Histogram("http_request_duration_seconds", "HTTP request latency by handler.",
-                                  ["handler", "method"], buckets=HTTP_LATENCY_BUCKETS, registry=registry)
-        self.duration_highr = Histogram("http_request_duration_highr_seconds", "HTTP request latency, "
+        self.duration = Histogram("http_request_duration_seconds",
+                                  "HTTP request latency by handler.",
+                                  ["handler", "method"], buckets=HTTP_LATENCY_BUCKETS,
+                                  registry=registry)
+        self.duration_highr = Histogram("http_request_duration_highr_seconds",
+                                        "HTTP request latency, "
                                         "fine buckets, all handlers.", buckets=HTTP_HIGHR_BUCKETS,
                                         registry=registry)
 

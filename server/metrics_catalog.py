@@ -18,11 +18,14 @@ WAITING_REASONS = ("capacity", "deferred")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 # vLLM's bucket edges (vllm/v1/metrics: the lists its loggers pass to each histogram)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0,
                20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
@@ -78,7 +81,8 @@ class EngineMetrics:
         by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Waiting requests by reason.",
                           names + ["reason"], registry=registry)
         self.waiting_by_reason = {r: by_reason.labels(**base, reason=r) for r in WAITING_REASONS}
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
+                              "Fraction of KV cache blocks in use (0..1).")
         self.gpu_kv_usage = gauge("vllm:gpu_cache_usage_perc",
                                   "Legacy alias of vllm:kv_cache_usage_perc (production-stack router).")
         self.gpu_prefix_hit_rate = gauge("vllm:gpu_prefix_cache_hit_rate",
@@ -87,43 +91,57 @@ class EngineMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
                                             "Prompt tokens served from the prefix cache.")
-        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+        by_source = Counter("vllm:prompt_tokens_by_source",
+                            "Prompt tokens by where their KV came from.",
                             names + ["source"], registry=registry)
         self.prompt_by_source = {s: by_source.labels(**base, source=s) for s in PROMPT_SOURCES}
         self.generation_tokens = counter("vllm:generation_tokens", "Output tokens emitted.")
         success = Counter("vllm:request_success", "Finished requests by finish reason.",
                           names + ["finished_reason"], registry=registry)
-        self.request_success = {r: success.labels(**base, finished_reason=r) for r in FINISHED_REASONS}
+        self.request_success = {r: success.labels(**base,
+                                                  finished_reason=r) for r in FINISHED_REASONS}
         self.num_preemptions = counter("vllm:num_preemptions", "Requests preempted (recompute).")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.")
         self.gpu_prefix_queries = counter("vllm:gpu_prefix_cache_queries",
                                           "Legacy alias of vllm:prefix_cache_queries.")
-        self.gpu_prefix_hits = counter("vllm:gpu_prefix_cache_hits", "Legacy alias of vllm:prefix_cache_hits.")
+        self.gpu_prefix_hits = counter("vllm:gpu_prefix_cache_hits",
+                                       "Legacy alias of vllm:prefix_cache_hits.")
         # -- request histograms --------------------------------------------------------------------
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
+                              TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Gap between consecutive outputs of a request (one per engine step).", ITL_BUCKETS)
+                             "Gap between consecutive outputs of a request (one per engine step).",
+                             ITL_BUCKETS)
         self.tpot = histogram("vllm:request_time_per_output_token_seconds",
                               "Per request: decode time / (output tokens - 1).", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Arrival to first scheduled.",
                                     REQUEST_LATENCY_BUCKETS)
         self.inference_time = histogram("vllm:request_inference_time_seconds",
                                         "First scheduled to last token.", REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "First scheduled to first token.",
                                       REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "First token to last token.",
                                      REQUEST_LATENCY_BUCKETS)
         sizes = buckets_1_2_5(max_model_len)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", sizes)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Prompt tokens per request.", sizes)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Output tokens per request.", sizes)
         self.request_max_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens", "Most output tokens among a request's n choices.", sizes)
-        self.request_max_tokens = histogram("vllm:request_params_max_tokens", "max_tokens per request.", sizes)
+            "vllm:request_max_num_generation_tokens",
+            "Most output tokens among a request's n choices.", sizes)
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens",
+                                            "max_tokens per request.", sizes)
         self.request_n = histogram("vllm:request_params_n", "n per request.", N_BUCKETS)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self._declare_specserve(registry, base, names)
         self._declare_spec_decode(registry, base, names)
@@ -133,28 +151,42 @@ class EngineMetrics:
         self.kv_bytes_per_token = Gauge(
             "specserve:kv_bytes_per_token", "KV bytes one token takes, by pool and compressor.",
             names + ["pool", "kv_compressor"], registry=registry)
-        self.kv_cache_bytes = Gauge("specserve:kv_cache_bytes", "KV cache capacity in bytes, by pool and tier.",
+        self.kv_cache_bytes = Gauge("specserve:kv_cache_bytes",
+                                    "KV cache capacity in bytes, by pool and tier.",
                                     names + ["pool", "tier"], registry=registry)
-        self.kv_compressed_blocks = Gauge("specserve:kv_compressed_blocks", "KV blocks held compressed.",
-                                          names + ["kv_compressor"], registry=registry).labels(**base, **comp)
-        self.preemptions = Counter("specserve:preemptions", "Preemptions by mode (recompute; swap later).",
-                                   names + ["mode"], registry=registry).labels(**base, mode="recompute")
-        self.verify_rounds = Counter("specserve:verify_rounds", "VeriCache verify rounds against full KV.",
+        self.kv_compressed_blocks = Gauge("specserve:kv_compressed_blocks",
+                                          "KV blocks held compressed.",
+                                          names + ["kv_compressor"],
+                                          registry=registry).labels(**base, **comp)
+        self.preemptions = Counter("specserve:preemptions",
+                                   "Preemptions by mode (recompute; swap later).",
+                                   names + ["mode"], registry=registry).labels(**base,
+                                                                               mode="recompute")
+        self.verify_rounds = Counter("specserve:verify_rounds",
+                                     "VeriCache verify rounds against full KV.",
                                      names, registry=registry).labels(**base)
-        self.swap_bytes = Counter("specserve:full_kv_swap_bytes", "VeriCache full-KV bytes swapped in.",
+        self.swap_bytes = Counter("specserve:full_kv_swap_bytes",
+                                  "VeriCache full-KV bytes swapped in.",
                                   names, registry=registry).labels(**base)
-        self.swap_seconds = Histogram("specserve:full_kv_swap_seconds", "VeriCache full-KV swap time.",
-                                      names, buckets=SWAP_SECONDS_BUCKETS, registry=registry).labels(**base)
+        self.swap_seconds = Histogram("specserve:full_kv_swap_seconds",
+                                      "VeriCache full-KV swap time.",
+                                      names, buckets=SWAP_SECONDS_BUCKETS,
+                                      registry=registry).labels(**base)
 
-    def _declare_spec_decode(self, registry: CollectorRegistry, base: dict, names: list[str]) -> None:
-        """vLLM registers its four spec-decode counters only when speculation is configured; so do we."""
+    def _declare_spec_decode(self, registry: CollectorRegistry, base: dict,
+                             names: list[str]) -> None:
+        """vLLM registers its four spec-decode counters only when speculation is configured; so do
+        we."""
         self.spec_enabled = self.labels.spec_method is not None
         if not self.spec_enabled:
             return
         k = self.labels.num_speculative_tokens
-        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Draft-verify steps (one per request with "
-                                   "at least one draft token).", names, registry=registry).labels(**base)
-        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts",
+                                   "Draft-verify steps (one per request with "
+                                   "at least one draft token).", names,
+                                   registry=registry).labels(**base)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens",
+                                         "Draft tokens proposed.",
                                          names, registry=registry).labels(**base)
         self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens",
                                      "Draft tokens accepted (bonus/recovered not counted).",
@@ -166,30 +198,38 @@ class EngineMetrics:
         drafted_per_pos = Counter("specserve:spec_decode_num_draft_tokens_per_pos",
                                   "Draft tokens proposed by position (the true per-position denominator).",
                                   names + ["position"], registry=registry)
-        self.spec_drafted_per_pos = [drafted_per_pos.labels(**base, position=str(i)) for i in range(k)]
+        self.spec_drafted_per_pos = [drafted_per_pos.labels(**base,
+                                                            position=str(i)) for i in range(k)]
         self._per_pos, self._base = (per_pos, drafted_per_pos), base
         by = {"method": self.labels.spec_method, "kv_compressor": self.labels.kv_compressor}
         extra = names + ["method", "kv_compressor"]
-        self.spec_drafts_by = Counter("specserve:spec_decode_num_drafts", "Draft-verify steps by drafter and "
-                                      "KV compressor.", extra, registry=registry).labels(**base, **by)
+        self.spec_drafts_by = Counter("specserve:spec_decode_num_drafts",
+                                      "Draft-verify steps by drafter and "
+                                      "KV compressor.", extra, registry=registry).labels(**base,
+                                                                                         **by)
         self.spec_draft_tokens_by = Counter("specserve:spec_decode_num_draft_tokens",
                                             "Draft tokens by drafter and KV compressor.",
                                             extra, registry=registry).labels(**base, **by)
         self.spec_accepted_by = Counter("specserve:spec_decode_num_accepted_tokens",
                                         "Accepted draft tokens by drafter and KV compressor.",
                                         extra, registry=registry).labels(**base, **by)
-        self.spec_draft_len = Histogram("specserve:spec_decode_draft_len", "Draft length (k) chosen per request "
+        self.spec_draft_len = Histogram("specserve:spec_decode_draft_len",
+                                        "Draft length (k) chosen per request "
                                         "and step.", extra, buckets=DRAFT_LEN_BUCKETS,
                                         registry=registry).labels(**base, **by)
-        self.spec_pruned_tokens = Counter("specserve:spec_decode_pruned_tokens", "Draft tokens the target never "
+        self.spec_pruned_tokens = Counter("specserve:spec_decode_pruned_tokens",
+                                          "Draft tokens the target never "
                                           "computed: an earlier verification frontier rejected (FASER early "
-                                          "pruning).", extra, registry=registry).labels(**base, **by)
-        self.spec_frontiers = Counter("specserve:spec_decode_frontiers", "Verify forwards (frontiers) run in "
+                                          "pruning).", extra, registry=registry).labels(**base,
+                                                                                        **by)
+        self.spec_frontiers = Counter("specserve:spec_decode_frontiers",
+                                      "Verify forwards (frontiers) run in "
                                       "steps that carried drafts; one per such step without frontiers.",
                                       extra, registry=registry).labels(**base, **by)
 
     def ensure_position(self, pos: int) -> None:
-        """A per-request k above the configured one should not happen; grow the children if it does."""
+        """A per-request k above the configured one should not happen; grow the children if it
+        does."""
         while len(self.spec_accepted_per_pos) <= pos:
             i = str(len(self.spec_accepted_per_pos))
             self.spec_accepted_per_pos.append(self._per_pos[0].labels(**self._base, position=i))

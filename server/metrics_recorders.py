@@ -2,8 +2,9 @@
 
     AsyncEngine.on_step(StepStats) ──► StepRecorder.record     tokens, spec decode, preemptions, KV,
                                                                 queue depth; the periodic log line
-    ChoiceStream outputs ───────────► RequestTracker            TTFT, ITL, e2e, queue/prefill/decode,
-                                                                sizes, request_success, prompt tokens
+    ChoiceStream outputs ───────────► RequestTracker            TTFT, ITL, e2e,
+                                                                queue/prefill/decode, sizes,
+                                                                request_success, prompt tokens
 
 Only counting happens on the engine thread: a handful of inc/set/observe calls per step, a loop over
 the step's draft lengths, and one entry per request the step scheduled for the first time.
@@ -20,7 +21,8 @@ from specserve.scheduler.messages import StepStats
 from specserve.server.metrics_catalog import EngineMetrics
 
 logger = logging.getLogger("specserve.metrics")
-MAX_TRACKED_SCHEDULED = 8192          # first-scheduled times kept for requests nobody collected (aborts)
+# first-scheduled times kept for requests nobody collected (aborts)
+MAX_TRACKED_SCHEDULED = 8192
 
 
 @dataclass
@@ -40,8 +42,10 @@ class Totals:
                    for i, a in enumerate(self.accepted_per_pos)]
         return Totals(self.prompt_tokens - other.prompt_tokens,
                       self.generation_tokens - other.generation_tokens,
-                      self.prefix_queries - other.prefix_queries, self.prefix_hits - other.prefix_hits,
-                      self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
+                      self.prefix_queries - other.prefix_queries,
+                      self.prefix_hits - other.prefix_hits,
+                      self.num_drafts - other.num_drafts,
+                      self.num_draft_tokens - other.num_draft_tokens,
                       self.num_accepted_tokens - other.num_accepted_tokens, per_pos)
 
     def copy(self) -> Totals:
@@ -84,7 +88,8 @@ class StepRecorder:
             self._record_prefix(stats.prefix_cache_queries, stats.prefix_cache_hits)
         if stats.num_drafts and m.spec_enabled:
             self._record_spec(stats)
-        if stats.swap_bytes_h2d:                   # VeriCache: full-cache bytes brought to the device
+        # VeriCache: full-cache bytes brought to the device
+        if stats.swap_bytes_h2d:
             m.swap_bytes.inc(stats.swap_bytes_h2d)
         if stats.first_scheduled:
             self._note_scheduled(stats.first_scheduled, now - stats.step_time_s)
@@ -104,7 +109,8 @@ class StepRecorder:
     def _record_spec(self, stats: StepStats) -> None:
         """Worked example: one request drafts 4 and 2 are accepted → drafts +1, draft tokens +4,
         accepted +2, accepted_per_pos{0,1} +1, draft_tokens_per_pos{0,1,2,3} +1. With frontiers of 2
-        the third draft's rejection is seen after the first forward: pruned tokens +2, frontiers +1."""
+        the third draft's rejection is seen after the first forward: pruned tokens +2, frontiers
+        +1."""
         m, t = self.metrics, self.totals
         m.spec_drafts.inc(stats.num_drafts)
         m.spec_draft_tokens.inc(stats.num_draft_tokens)
@@ -189,11 +195,12 @@ class _Timing:
 class RequestTracker:
     """One per ChoiceStream (one API request: prompts × n engine requests, in that order).
 
-    The stream calls `output` for every engine output it hands on, `stopped` when a stop string ends a
-    choice, `failed` on an exception, and `close` once; unfinished requests then count as aborted.
+    The stream calls `output` for every engine output it hands on, `stopped` when a stop string ends
+    a choice, `failed` on an exception, and `close` once; unfinished requests then count as aborted.
     """
 
-    def __init__(self, metrics: EngineMetrics, steps: StepRecorder, requests: list[EngineRequest], n: int = 1,
+    def __init__(self, metrics: EngineMetrics, steps: StepRecorder, requests: list[EngineRequest],
+                 n: int = 1,
                  clock: Callable[[], float] = time.monotonic):
         self.metrics, self.steps, self.clock = metrics, steps, clock
         self.requests = requests

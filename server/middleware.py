@@ -1,4 +1,5 @@
-"""Pure-ASGI guards that run before any body is parsed: API key, body size, content type, request ids.
+"""Pure-ASGI guards that run before any body is parsed: API key, body size, content type, request
+ids.
 
 Each is a small class rather than a Starlette `BaseHTTPMiddleware`, so streaming responses and
 client-disconnect messages pass through untouched.
@@ -20,7 +21,8 @@ UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
 LENIENT_MEDIA_TYPES = ("", "application/x-www-form-urlencoded")
 
 
-async def send_envelope(send: Send, status: int, message: str, headers: dict[str, str] | None = None):
+async def send_envelope(send: Send, status: int, message: str,
+                        headers: dict[str, str] | None = None):
     body = json.dumps(error_envelope(status, message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -36,7 +38,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1, /tokenize and /detokenize, compared in constant time."""
+    """`Authorization: Bearer <key>` on /v1, /tokenize and /detokenize, compared in constant
+    time."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -55,8 +58,8 @@ class APIKeyMiddleware:
 class BodyGuardMiddleware:
     """Refuse bodies over `max_body_bytes` before parsing (413) and non-JSON content types (400).
 
-    The body is read here, bounded, and replayed to the app; after it, `receive` is the client's own,
-    so handlers still see `http.disconnect`.
+    The body is read here, bounded, and replayed to the app; after it, `receive` is the client's
+    own, so handlers still see `http.disconnect`.
     """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int):
@@ -106,9 +109,11 @@ class BodyGuardMiddleware:
 
 
 class RequestIdMiddleware:
-    """Put a request id in the scope (X-Request-Id or a random hex uuid) and echo it on the response.
+    """Put a request id in the scope (X-Request-Id or a random hex uuid) and echo it on the
+    response.
 
-    Handlers may replace `scope[REQUEST_ID_KEY]` (e.g. a body `request_id`) before the response starts.
+    Handlers may replace `scope[REQUEST_ID_KEY]` (e.g. a body `request_id`) before the response
+    starts.
     """
 
     def __init__(self, app: ASGIApp):
@@ -122,8 +127,10 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                headers.append((b"x-request-id", scope[REQUEST_ID_KEY].encode("latin-1", "replace")))
+                headers = [(k, v) for k,
+                           v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id",
+                                scope[REQUEST_ID_KEY].encode("latin-1", "replace")))
                 message = dict(message, headers=headers)
             await send(message)
 

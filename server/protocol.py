@@ -1,9 +1,10 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), as openai-api.md §2, §7 and §8 define them.
+"""Request bodies of the OpenAI-compatible API (pydantic), as openai-api.md §2, §7 and §8 define
+them.
 
-Unknown fields are accepted and logged (vLLM); fields vLLM defines but we do not implement are declared
-here so that `unsupported_fields` can refuse them with a 400 naming the field (openai-api.md §2.3).
-Range checks that the engine owns (temperature, top_p, ...) live in `SamplingParams`; the serving
-layer maps its `ParamError` to a 400.
+Unknown fields are accepted and logged (vLLM); fields vLLM defines but we do not implement are
+declared here so that `unsupported_fields` can refuse them with a 400 naming the field
+(openai-api.md §2.3). Range checks that the engine owns (temperature, top_p, ...) live in
+`SamplingParams`; the serving layer maps its `ParamError` to a 400.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(OpenAIBase):
-    """Fields shared by completions and chat (OpenAI + the vLLM extensions of openai-api.md §2.2)."""
+    """Fields shared by completions and chat (OpenAI + the vLLM extensions of openai-api.md
+    §2.2)."""
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -164,7 +166,8 @@ class SpeculativeUsage(BaseModel):
     draft_tokens: int                # draft tokens proposed (pruned ones included)
     accepted_tokens: int             # draft tokens accepted (bonus/recovered tokens not counted)
     acceptance_rate: float           # accepted_tokens / draft_tokens (0 without drafts)
-    mean_draft_length: float         # draft_tokens / num_drafts: mean k of a verify step (0 without drafts)
+    # draft_tokens / num_drafts: mean k of a verify step (0 without drafts)
+    mean_draft_length: float
 
 
 class Usage(BaseModel):

@@ -65,7 +65,8 @@ def check_common_fields(body: SamplingFields, endpoint: str) -> None:
     if unsupported is not None:
         raise bad_request(f"{unsupported} is not supported by this server", unsupported)
     if body.stream_options is not None and not body.stream:
-        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+        raise bad_request("Stream options can only be defined when `stream=True`.",
+                          "stream_options")
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not available when stream=true.", "prompt_logprobs")
     if body.n < 1:
@@ -79,14 +80,16 @@ def stop_strings(body: SamplingFields) -> list[str]:
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None, vocab_size: int, seed_offset: int = 0) -> SamplingParams:
+                    prompt_logprobs: int | None, vocab_size: int,
+                    seed_offset: int = 0) -> SamplingParams:
     """Request fields → SamplingParams (null → OpenAI default); range errors become 400s."""
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
         try:
             bias[int(key)] = value
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.",
+                              "logit_bias") from None
     seed = body.seed
     if seed is not None and seed_offset:
         seed += seed_offset
@@ -112,7 +115,8 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
 
 
 def request_id_for(raw: Request, body: SamplingFields) -> str:
-    """The client-visible request id: body `request_id`, else X-Request-Id, else a random hex uuid."""
+    """The client-visible request id: body `request_id`, else X-Request-Id, else a random hex
+    uuid."""
     rid = body.request_id or raw.scope.get(REQUEST_ID_KEY) or uuid.uuid4().hex
     raw.scope[REQUEST_ID_KEY] = rid
     return rid
@@ -123,7 +127,8 @@ def engine_request_id(request_id: str, choice_index: int) -> str:
     return f"{request_id}-{choice_index}-{uuid.uuid4().hex[:8]}"
 
 
-def new_choice(ctx: ServingContext, body: SamplingFields, index: int, prompt_index: int) -> ChoiceState:
+def new_choice(ctx: ServingContext, body: SamplingFields, index: int,
+               prompt_index: int) -> ChoiceState:
     return ChoiceState(
         index=index, prompt_index=prompt_index,
         detokenizer=IncrementalDetokenizer(ctx.tokenizer, body.skip_special_tokens),
@@ -133,7 +138,8 @@ def new_choice(ctx: ServingContext, body: SamplingFields, index: int, prompt_ind
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
                states: list[ChoiceState] = ()) -> dict:
-    """OpenAI usage; plus `speculative` (specserve's extension) when any of the choices speculated."""
+    """OpenAI usage; plus `speculative` (specserve's extension) when any of the choices
+    speculated."""
     usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
              "completion_tokens": completion_tokens}
     if cached_tokens is not None:
@@ -182,7 +188,8 @@ def sse_data(payload: dict | str) -> str:
 
 
 def sse_response(events, ctx: ServingContext, on_close) -> EventSourceResponse:
-    """`data: <json>\\n\\n` events ending with `data: [DONE]`; `on_close` runs however the stream ends."""
+    """`data: <json>\\n\\n` events ending with `data: [DONE]`; `on_close` runs however the stream
+    ends."""
     return EventSourceResponse(events, sep="\n", ping=ctx.settings.sse_keepalive_s,
                                background=BackgroundTask(on_close))
 
@@ -221,7 +228,8 @@ async def open_stream(raw: Request, ctx: ServingContext, requests: list[EngineRe
 
 async def respond(raw: Request, ctx: ServingContext, job, requests: list[EngineRequest], n: int,
                   stream: bool):
-    """Stream the job's SSE events, or collect its whole JSON body (499 if the client left first)."""
+    """Stream the job's SSE events, or collect its whole JSON body (499 if the client left
+    first)."""
     if stream:
         engine_stream = await open_stream(raw, ctx, requests, n)
         return sse_response(job.events(engine_stream), ctx, engine_stream.close)

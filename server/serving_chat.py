@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions (openai-api.md §7): chat template, n choices, chat-shaped logprobs, SSE."""
+"""POST /v1/chat/completions (openai-api.md §7): chat template, n choices, chat-shaped logprobs,
+SSE."""
 from __future__ import annotations
 
 import time
@@ -49,7 +50,8 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_templa
     """The prompt text from the chat template (request > --chat-template > the model's own)."""
     import jinja2
 
-    template = chat_template or ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    template = chat_template or ctx.settings.chat_template or getattr(ctx.tokenizer,
+                                                                      "chat_template", None)
     if not template:
         raise bad_request(NO_TEMPLATE, "messages")
     if add_generation_prompt and continue_final_message:
@@ -58,31 +60,38 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_templa
     try:
         return ctx.tokenizer.apply_chat_template(
             conversation(messages), chat_template=template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             **(chat_template_kwargs or {}))
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        raise bad_request(f"The chat template failed on these messages: {exc}", "messages") from None
+        raise bad_request(f"The chat template failed on these messages: {exc}",
+                          "messages") from None
 
 
-def chat_logprob_entries(token_text, token_ids: list[int], entries: list[TokenLogprob], k: int) -> list:
+def chat_logprob_entries(token_text, token_ids: list[int], entries: list[TokenLogprob],
+                         k: int) -> list:
     """`logprobs.content` items (openai-api.md §4.2): token, logprob, bytes, top_logprobs."""
     content = []
     for tok, entry in zip(token_ids, entries):
         text = token_text(tok)
-        top = [{"token": token_text(alt), "logprob": logprob_value(lp), "bytes": list(token_text(alt).encode())}
+        top = [{"token": token_text(alt), "logprob": logprob_value(lp),
+                "bytes": list(token_text(alt).encode())}
                for alt, lp in list(zip(entry.top_token_ids, entry.top_logprobs))[:k]]
         content.append({"token": text, "logprob": logprob_value(entry.logprob),
                         "bytes": list(text.encode()), "top_logprobs": top})
     return content
 
 
-async def create_chat_completion(raw: Request, body: ChatCompletionRequest, ctx: ServingContext) -> Response:
+async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
+                                 ctx: ServingContext) -> Response:
     model = served_model(ctx, body.model)
     check_common_fields(body, "chat")
     if body.tools and body.tool_choice != "none":
-        raise bad_request("tools are not supported by this server (use tool_choice: \"none\").", "tools")
+        raise bad_request("tools are not supported by this server (use tool_choice: \"none\").",
+                          "tools")
     if body.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice other than \"none\" is not supported by this server.", "tool_choice")
+        raise bad_request("tool_choice other than \"none\" is not supported by this server.",
+                          "tool_choice")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
@@ -117,11 +126,13 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest, ctx:
                                  seed_offset=i)
         requests.append(EngineRequest(engine_request_id(request_id, i), prompt_ids, params))
         states.append(new_choice(ctx, body, i, 0))
-    return await respond(raw, ctx, ChatJob(ctx, body, model, request_id, prompt_ids, states), requests, body.n, body.stream)
+    return await respond(raw, ctx, ChatJob(ctx, body, model, request_id, prompt_ids, states),
+                         requests, body.n, body.stream)
 
 
 class ChatJob:
-    def __init__(self, ctx, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids, states):
+    def __init__(self, ctx, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids,
+                 states):
         self.ctx, self.body, self.model, self.prompt_ids, self.states = ctx, body, model, prompt_ids, states
         self.id = f"chatcmpl-{request_id}"
         self.created = int(time.time())
@@ -129,7 +140,8 @@ class ChatJob:
 
     def usage(self) -> dict:
         cached = self.states[0].num_cached_tokens if self.ctx.settings.enable_prompt_tokens_details else None
-        return usage_dict(len(self.prompt_ids), sum(len(s.token_ids) for s in self.states), cached, self.states)
+        return usage_dict(len(self.prompt_ids), sum(len(s.token_ids) for s in self.states), cached,
+                          self.states)
 
     def logprobs(self, token_ids, entries) -> dict | None:
         if not self.body.logprobs:
@@ -158,7 +170,8 @@ class ChatJob:
                 choice["token_ids"] = state.token_ids
                 choice["prompt_token_ids"] = self.prompt_ids
             choices.append(choice)
-        response = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+        response = {"id": self.id, "object": "chat.completion", "created": self.created,
+                    "model": self.model,
                     "choices": choices, "usage": self.usage(),
                     "system_fingerprint": self.ctx.settings.system_fingerprint}
         self.add_metrics(response)
@@ -175,7 +188,8 @@ class ChatJob:
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         try:
             for state in self.states:             # role first, one chunk per choice
-                yield sse_data(self.chunk({"index": state.index, "delta": {"role": "assistant", "content": ""},
+                yield sse_data(self.chunk({"index": state.index,
+                                           "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}))
             async for index, output in stream:
                 state: ChoiceState = self.states[index]
@@ -185,7 +199,8 @@ class ChatJob:
                 logprobs = self.logprobs(delta.token_ids, delta.logprobs)
                 if not delta.text and delta.finish_reason is None and not (logprobs and logprobs["content"]):
                     continue
-                choice = {"index": state.index, "delta": {"content": delta.text} if delta.text else {},
+                choice = {"index": state.index,
+                          "delta": {"content": delta.text} if delta.text else {},
                           "logprobs": logprobs, "finish_reason": delta.finish_reason}
                 if delta.finish_reason is not None:
                     choice["stop_reason"] = delta.stop_reason

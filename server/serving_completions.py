@@ -1,4 +1,5 @@
-"""POST /v1/completions (openai-api.md §2–5): prompts × n choices, echo, logprobs, SSE or one JSON."""
+"""POST /v1/completions (openai-api.md §2–5): prompts × n choices, echo, logprobs, SSE or one
+JSON."""
 from __future__ import annotations
 
 import time
@@ -13,12 +14,14 @@ from specserve.server.protocol import CompletionRequest
 from specserve.scheduler.validation import check_context, check_prompt_ids
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            engine_request_id,
-                                           error_event, logprob_value, new_choice, request_id_for, sampling_params,
+                                           error_event, logprob_value, new_choice, request_id_for,
+                                           sampling_params,
                                            served_model, sse_data, stream_error,
                                            usage_dict)
 
 
-def parse_prompts(ctx: ServingContext, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+def parse_prompts(ctx: ServingContext,
+                  body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """`prompt` in any of its four shapes → [(text or None, token ids)], one per prompt."""
     prompt = body.prompt
     empty = bad_request("prompt must be provided and non-empty.", "prompt")
@@ -36,7 +39,8 @@ def parse_prompts(ctx: ServingContext, body: CompletionRequest) -> list[tuple[st
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = ctx.tokenizer.encode(item, add_special_tokens=body.add_special_tokens) if item else []
+            ids = ctx.tokenizer.encode(item,
+                                       add_special_tokens=body.add_special_tokens) if item else []
             text = item
         else:
             ids, text = [int(t) for t in item], None
@@ -85,7 +89,8 @@ class CompletionLogprobs:
 
 
 def vllm_prompt_logprobs(ctx: ServingContext, prompt_ids: list[int], entries) -> list[dict | None]:
-    """vLLM's `prompt_logprobs` choice field: per position {token id: {logprob, rank, decoded_token}}."""
+    """vLLM's `prompt_logprobs` choice field: per position {token id: {logprob, rank,
+    decoded_token}}."""
     result: list[dict | None] = []
     for tok, entry in zip(prompt_ids, entries or []):
         if entry is None:
@@ -104,9 +109,11 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
     model = served_model(ctx, body.model)
     check_common_fields(body, "completions")
     if body.suffix is not None:
-        raise bad_request("suffix is not supported by this server (no fill-in-the-middle).", "suffix")
+        raise bad_request("suffix is not supported by this server (no fill-in-the-middle).",
+                          "suffix")
     if body.best_of not in (None, 1, body.n):
-        raise bad_request(f"best_of must be null, 1 or equal to n={body.n}, got {body.best_of}.", "best_of")
+        raise bad_request(f"best_of must be null, 1 or equal to n={body.n}, got {body.best_of}.",
+                          "best_of")
     check_logprobs_field("logprobs", body.logprobs, ctx.settings.max_logprobs)
     check_logprobs_field("prompt_logprobs", body.prompt_logprobs, ctx.settings.max_logprobs)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -119,7 +126,8 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
     info = ctx.model_info
     for _, ids in prompts:                        # all prompts, before any is submitted
         check_context(len(ids), max_tokens, info.max_model_len)
-    want_prompt_lp = [v for v in (body.prompt_logprobs, body.logprobs if body.echo else None) if v is not None]
+    want_prompt_lp = [v for v in (body.prompt_logprobs,
+                                  body.logprobs if body.echo else None) if v is not None]
     request_id = request_id_for(raw, body)
     requests, states = [], []
     for prompt_index, (_, ids) in enumerate(prompts):
@@ -130,7 +138,8 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
             index = prompt_index * body.n + i
             requests.append(EngineRequest(engine_request_id(request_id, index), ids, params))
             states.append(new_choice(ctx, body, index, prompt_index))
-    return await respond(raw, ctx, CompletionJob(ctx, body, model, request_id, prompts, states), requests, body.n, body.stream)
+    return await respond(raw, ctx, CompletionJob(ctx, body, model, request_id, prompts, states),
+                         requests, body.n, body.stream)
 
 
 class CompletionJob:
@@ -181,7 +190,8 @@ class CompletionJob:
                 gen = lp.build(state.token_ids, state.logprobs)
                 logprobs = gen if logprobs is None else {k: logprobs[k] + gen[k] for k in gen}
             choices.append(self.choice(state, prefix + state.text, logprobs))
-        response = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+        response = {"id": self.id, "object": "text_completion", "created": self.created,
+                    "model": self.model,
                     "choices": choices, "usage": self.usage(),
                     "system_fingerprint": self.ctx.settings.system_fingerprint}
         self.add_metrics(response)
@@ -207,7 +217,8 @@ class CompletionJob:
 
     async def events(self, stream):
         body, settings = self.body, self.ctx.settings
-        lps = [CompletionLogprobs(self.ctx.token_text, body.logprobs) if body.logprobs is not None else None
+        lps = [CompletionLogprobs(self.ctx.token_text,
+                                  body.logprobs) if body.logprobs is not None else None
                for _ in self.states]
         echoed = [False] * len(self.states)
         include_usage = settings.enable_force_include_usage or bool(
@@ -228,9 +239,11 @@ class CompletionJob:
                     gen = lps[index].build(delta.token_ids, delta.logprobs)
                     logprobs = gen if logprobs is None else {k: logprobs[k] + gen[k] for k in gen}
                 if not text and delta.finish_reason is None and not (logprobs and logprobs["tokens"]):
-                    continue                      # nothing to say yet (held back or half a character)
+                    # nothing to say yet (held back or half a character)
+                    continue
                 chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                         "model": self.model, "choices": [self.chunk_choice(state, delta, text, logprobs)]}
+                         "model": self.model,
+                         "choices": [self.chunk_choice(state, delta, text, logprobs)]}
                 if continuous:
                     chunk["usage"] = self.usage()
                 if delta.finish_reason is not None and all(s.finished for s in self.states) \

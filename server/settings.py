@@ -25,9 +25,11 @@ class ServerSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_choices: int = 256                         # prompts × n per request (vLLM caps prompts too)
     retry_after_s: int = 1
-    sse_keepalive_s: float = 15.0                  # `: ping` comments on idle streams; 0 turns them off
+    # `: ping` comments on idle streams; 0 turns them off
+    sse_keepalive_s: float = 15.0
     disable_log_requests: bool = False
-    disable_log_stats: bool = False                # no engine metrics at /metrics, no periodic stats log
+    # no engine metrics at /metrics, no periodic stats log
+    disable_log_stats: bool = False
     log_stats_interval_s: float = 10.0             # the periodic stats log line (vLLM: 10 s)
 
     def __post_init__(self) -> None:
@@ -55,14 +57,16 @@ def api_key_from_env() -> str | None:
 
 
 def apply_kv_draft_flags(speculative: SpeculativeConfig | None, speculative_json: str | None,
-                         compressor: str | None, compressor_config: str | None) -> SpeculativeConfig | None:
-    """`--kv-draft-compressor` / `--kv-draft-compressor-config` onto the parsed `--speculative-config`
-    (VeriCache's drafting cache). Raises ValueError naming the flag at fault.
+                         compressor: str | None,
+                         compressor_config: str | None) -> SpeculativeConfig | None:
+    """`--kv-draft-compressor` / `--kv-draft-compressor-config` onto the parsed
+    `--speculative-config` (VeriCache's drafting cache). Raises ValueError naming the flag at fault.
 
-    The flags set `kv_compressor` / `kv_compressor_config` (the config object as a whole). A flag and
-    the same key inside `--speculative-config` may both be given only with equal values: conflicting
-    values are refused, never silently overridden. The resulting compressor name and setting keys are
-    checked for every lossy_kv config, flags or not, so a typo fails here and not after model load.
+    The flags set `kv_compressor` / `kv_compressor_config` (the config object as a whole). A flag
+    and the same key inside `--speculative-config` may both be given only with equal values:
+    conflicting values are refused, never silently overridden. The resulting compressor name and
+    setting keys are checked for every lossy_kv config, flags or not, so a typo fails here and not
+    after model load.
     """
     settings = None
     if compressor_config is not None:
@@ -72,7 +76,9 @@ def apply_kv_draft_flags(speculative: SpeculativeConfig | None, speculative_json
             raise ValueError(f"--kv-draft-compressor-config is not valid JSON: {exc}") from None
         if not isinstance(settings, dict):
             raise ValueError("--kv-draft-compressor-config must be a JSON object, e.g. '{\"sparsity\": 0.7}'")
-    flags = [f for f, v in (("--kv-draft-compressor", compressor), ("--kv-draft-compressor-config", settings))
+    flags = [f for f,
+             v in (("--kv-draft-compressor", compressor),
+                   ("--kv-draft-compressor-config", settings))
              if v is not None]
     if flags and (speculative is None or speculative.method != "lossy_kv"):
         got = "no --speculative-config" if speculative is None else f"method {speculative.method!r}"
@@ -108,8 +114,8 @@ def apply_kv_draft_flags(speculative: SpeculativeConfig | None, speculative_json
 
 
 def _json_keys(text: str | None) -> set[str]:
-    """Keys given explicitly in --speculative-config. Text that is not a JSON object yields none; then
-    only values that differ from the defaults count as given."""
+    """Keys given explicitly in --speculative-config. Text that is not a JSON object yields none;
+    then only values that differ from the defaults count as given."""
     try:
         data = json.loads(text) if text else {}
     except (TypeError, json.JSONDecodeError):

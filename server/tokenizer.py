@@ -1,4 +1,5 @@
-"""Tokenizer and chat template, from the GGUF metadata or the HF folder (transformers builds both)."""
+"""Tokenizer and chat template, from the GGUF metadata or the HF folder (transformers builds
+both)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +12,8 @@ from specserve.spec_phases.paths import cache_dir, resolve_model_path
 def load_tokenizer(model: str | os.PathLike | None = None):
     """A transformers fast tokenizer for `model` (None: the embedded SmolLM2).
 
-    Building one from GGUF metadata takes ~13 s, so the result is saved once under the specserve cache
-    (keyed by the file's path, size and mtime) and later loads read that folder.
+    Building one from GGUF metadata takes ~13 s, so the result is saved once under the specserve
+    cache (keyed by the file's path, size and mtime) and later loads read that folder.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -36,7 +37,8 @@ def load_tokenizer(model: str | os.PathLike | None = None):
 
 
 def export_tokenizer(model: str | None, out_dir: str | Path) -> Path:
-    """`specserve export-tokenizer DIR`: an HF tokenizer folder for load tools (vllm bench, guidellm)."""
+    """`specserve export-tokenizer DIR`: an HF tokenizer folder for load tools (vllm bench,
+    guidellm)."""
     out = Path(out_dir)
     load_tokenizer(model).save_pretrained(str(out))
     return out

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class OwnText:
     token_ids: list[list[int]]        # [num_seqs][length + 1], BOS first
-    keys: torch.Tensor                # post-RoPE keys [num_layers, num_kv_heads, num_seqs * length, D]
+    # post-RoPE keys [num_layers, num_kv_heads, num_seqs * length, D]
+    keys: torch.Tensor
 
 
 class DenseCache:
@@ -38,7 +39,8 @@ class DenseCache:
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         self.k[layer].append(k)
         self.v[layer].append(v)
         keys, values = torch.cat(self.k[layer]), torch.cat(self.v[layer])
@@ -56,7 +58,8 @@ class _BatchedDenseCache:
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]   # [B, kvh, D] per step
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         self.k[layer].append(k)
         self.v[layer].append(v)
         keys = torch.stack(self.k[layer], dim=2)                          # [B, kvh, n, D]

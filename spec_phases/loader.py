@@ -74,7 +74,8 @@ def _split_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "q.weight": (q, h), p + "k.weight": (kv, h),
+        shapes.update({p + "input_layernorm.weight": (h,), p + "q.weight": (q, h),
+                       p + "k.weight": (kv, h),
                        p + "v.weight": (kv, h), p + "o_proj.weight": (h, q),
                        p + "post_attention_layernorm.weight": (h,), p + "gate.weight": (inter, h),
                        p + "up.weight": (inter, h), p + "down_proj.weight": (h, inter)})
@@ -101,11 +102,13 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
         state[p + "qkv_proj.weight"] = torch.cat([tensors[p + s + ".weight"] for s in "qkv"])
         if cfg.attention_bias:
             state[p + "qkv_proj.bias"] = torch.cat([tensors[p + s + ".bias"] for s in "qkv"])
-        state[p + "gate_up_proj.weight"] = torch.cat([tensors[p + "gate.weight"], tensors[p + "up.weight"]])
+        state[p + "gate_up_proj.weight"] = torch.cat([tensors[p + "gate.weight"],
+                                                      tensors[p + "up.weight"]])
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()},
+                                                strict=False)
     missing = [m for m in missing if not m.startswith("rope.")]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
@@ -128,13 +131,15 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     cfg = ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
         num_layers=int(meta[f"{arch}.block_count"]), num_heads=n_head, num_kv_heads=n_kv,
         head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_head),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
         max_position=int(meta[f"{arch}.context_length"]),
-        tie_word_embeddings="output.weight" not in names, attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),))
     by_gguf = {g: n for n, (g, _) in _LAYER_TENSORS.items()}
@@ -173,11 +178,13 @@ def _read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     eos = hf.get("eos_token_id")
     n_head = hf["num_attention_heads"]
     cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"], num_heads=n_head,
         num_kv_heads=hf.get("num_key_value_heads", n_head),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),

@@ -41,10 +41,11 @@ class ModelConfig:
 
 
 class Attention(Protocol):
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (post-RoPE).
-        Stores k/v for the new tokens wherever this phase keeps them and returns [num_tokens, num_heads,
-        head_dim]: each token attends causally to its request's context."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        (post-RoPE). Stores k/v for the new tokens wherever this phase keeps them and returns
+        [num_tokens, num_heads, head_dim]: each token attends causally to its request's context."""
         ...
 
 
@@ -82,14 +83,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self._float_weight(), self.eps)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                torch.Tensor]:
         """-> (x + delta, norm(x + delta)); delta None: (x, norm(x))."""
         if delta is None:
             return x, self(x)
         return add_rms_norm(x, delta, self._float_weight(), self.eps)
 
     def _float_weight(self) -> torch.Tensor:
-        """The weight in float32, cast once (not once per call: a kernel launch per layer on GPU)."""
+        """The weight in float32, cast once (not once per call: a kernel launch per layer on
+        GPU)."""
         w = self.weight
         if w.dtype == torch.float32:
             return w
@@ -100,17 +103,20 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """HF convention (rotate_half); llama.cpp's interleaved Q/K rows are un-permuted at load time."""
+    """HF convention (rotate_half); llama.cpp's interleaved Q/K rows are un-permuted at load
+    time."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)   # [max_position, head_dim/2]
+        # [max_position, head_dim/2]
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, head_dim/2] for this step's positions: gathered once per forward."""
+        """cos, sin [num_tokens, 1, head_dim/2] for this step's positions: gathered once per
+        forward."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
@@ -128,10 +134,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack()`ed, runs oneDNN's GEMM on a prepacked fp32 weight (CPU only). At the
-    1-144 row shapes of decode, drafting and verification a model forward on MKL's sgemm is 1.6-2.4x
-    slower on the benchmark CPU, and its rows depend on how many rows share the call; the packed GEMM's
-    rows mostly do not (`benchmarks/cpu_gemm.py`). The dense weight stays for state_dict and loading."""
+    """nn.Linear that, once `pack()`ed, runs oneDNN's GEMM on a prepacked fp32 weight (CPU only). At
+    the 1-144 row shapes of decode, drafting and verification a model forward on MKL's sgemm is
+    1.6-2.4x slower on the benchmark CPU, and its rows depend on how many rows share the call; the
+    packed GEMM's rows mostly do not (`benchmarks/cpu_gemm.py`). The dense weight stays for
+    state_dict and loading."""
     packed: torch.Tensor | None = None
 
     def pack(self) -> None:
@@ -157,20 +164,24 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; delta: the previous layer's MLP output, not yet added (the add is
         done by this layer's `add_forward`). Returns (residual stream, this layer's MLP output)."""
         num_tokens = x.shape[0]
         x, h = self.input_layernorm.add_forward(x, delta)
         qkv = self.qkv_proj(h)
-        # q and k sit side by side in qkv: rotate them as one [num_tokens, heads + kv_heads, D] tensor
-        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+        # q and k sit side by side in qkv: rotate them as one [num_tokens, heads + kv_heads, D]
+        # tensor
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens,
+                                                      self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
         q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         o = attn(self.layer_idx, q, k, v)                 # [num_tokens, num_heads, head_dim]
-        x, h = self.post_attention_layernorm.add_forward(x, self.o_proj(o.reshape(num_tokens, self.q_size)))
+        x, h = self.post_attention_layernorm.add_forward(x,
+                                                         self.o_proj(o.reshape(num_tokens, self.q_size)))
         return x, self.down_proj(silu_mul(self.gate_up_proj(h)))
 
 
@@ -182,14 +193,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size,
+                                                                      cfg.vocab_size,
                                                                        bias=False)
         self._lm_head_packed: torch.Tensor | None = None     # set by pack_for_cpu
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 layers: list[int] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] (packed over requests). Returns the final-norm hidden
-        states [num_tokens, hidden]. `layers` runs only those layers (self-speculation skips some)."""
+        states [num_tokens, hidden]. `layers` runs only those layers (self-speculation skips
+        some)."""
         x, delta = self.embed_tokens(input_ids), None
         rope = self.rope.table(positions)
         for i in (range(len(self.layers)) if layers is None else layers):
@@ -203,8 +216,9 @@ class LlamaModel(nn.Module):
         return F.linear(hidden, weight).float()          # [num_rows, vocab]
 
     def pack_for_cpu(self) -> bool:
-        """Prepack every linear layer and the LM head for oneDNN (fp32 on CPU; see `Linear`). Costs a
-        second copy of those weights in memory. Returns False (and changes nothing) where unsupported."""
+        """Prepack every linear layer and the LM head for oneDNN (fp32 on CPU; see `Linear`). Costs
+        a second copy of those weights in memory. Returns False (and changes nothing) where
+        unsupported."""
         weight = self.embed_tokens.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not cpu_packing_available():
             return False

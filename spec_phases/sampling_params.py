@@ -8,7 +8,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class ParamError(ValueError):
-    """A request parameter is out of range. `param` names the field, as the OpenAI error envelope does."""
+    """A request parameter is out of range. `param` names the field, as the OpenAI error envelope
+    does."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
@@ -26,21 +27,27 @@ class SamplingParams:
     presence_penalty: float = 0.0     # over output tokens, in [-2, 2]
     frequency_penalty: float = 0.0    # over output tokens, in [-2, 2]
     repetition_penalty: float = 1.0   # over prompt + output tokens (HF/vLLM rule), > 0
-    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> bias, clamped to [-100, 100]
+    # token id -> bias, clamped to [-100, 100]
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None           # per-request generator: same output whatever else is batched
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    min_tokens: int = 0               # EOS and stop_token_ids are masked until this many tokens exist
-    logprobs: int | None = None       # top-N logprobs of each generated token (0: the sampled one only)
+    # EOS and stop_token_ids are masked until this many tokens exist
+    min_tokens: int = 0
+    # top-N logprobs of each generated token (0: the sampled one only)
+    logprobs: int | None = None
     prompt_logprobs: int | None = None
-    num_speculative_tokens: int | None = None   # per-request cap on drafts (ours); 0 turns speculation off
+    # per-request cap on drafts (ours); 0 turns speculation off
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check(self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be at least 1, got {self.max_tokens}.")
         _check(self.temperature >= 0, "temperature",
                f"temperature must be non-negative, got {self.temperature}.")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        _check(self.top_k >= -1, "top_k", f"top_k must be 0 or -1 (off) or at least 1, got {self.top_k}.")
+        _check(self.top_k >= -1, "top_k",
+               f"top_k must be 0 or -1 (off) or at least 1, got {self.top_k}.")
         _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -50,12 +57,15 @@ class SamplingParams:
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}.")
         if self.seed is not None:
-            _check(INT64_MIN <= self.seed <= INT64_MAX, "seed", f"seed must fit in 64 bits, got {self.seed}.")
+            _check(INT64_MIN <= self.seed <= INT64_MAX, "seed",
+                   f"seed must fit in 64 bits, got {self.seed}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(value >= 0, name, f"`{name}` must be a non-negative value (-1 is not supported).")
-                _check(value <= MAX_LOGPROBS, name, f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
+                _check(value >= 0, name,
+                       f"`{name}` must be a non-negative value (-1 is not supported).")
+                _check(value <= MAX_LOGPROBS, name,
+                       f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
         if self.num_speculative_tokens is not None:
             _check(self.num_speculative_tokens >= 0, "num_speculative_tokens",
                    f"num_speculative_tokens must be non-negative, got {self.num_speculative_tokens}.")
@@ -74,7 +84,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the parameters must exist in the vocabulary."""
-        for name, ids in (("logit_bias", self.logit_bias.keys()), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", self.logit_bias.keys()),
+                          ("stop_token_ids", self.stop_token_ids)):
             for tok in ids:
                 _check(0 <= tok < vocab_size, name,
                        f"token id {tok} in {name} is out of vocabulary (size {vocab_size}).")

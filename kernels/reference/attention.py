@@ -19,7 +19,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     """Plain GQA attention -> (out [num_q, num_heads, D], lse [num_q, num_heads]), fp32.
 
     q: [num_q, num_heads, D]; k, v: [n, num_kv_heads, D]. With positions, key j is visible to
-    query i only if k_positions[j] <= q_positions[i]. A query that sees nothing gets out 0, lse -inf.
+    query i only if k_positions[j] <= q_positions[i]. A query that sees nothing gets out 0, lse
+    -inf.
     """
     num_q, num_heads, _ = q.shape
     n, num_kv_heads, _ = k.shape

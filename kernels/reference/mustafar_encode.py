@@ -20,7 +20,8 @@ def _bit_weights(device) -> torch.Tensor:
 
 
 def mustafar_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tiles: [num_tiles, 64] -> (bitmaps [num_tiles] int64, offsets [num_tiles] int64, values [nnz] fp16)."""
+    """tiles: [num_tiles, 64] -> (bitmaps [num_tiles] int64, offsets [num_tiles] int64, values [nnz]
+    fp16)."""
     assert tiles.shape[-1] == TILE
     nonzero = tiles != 0                                                      # [N, 64]
     bitmaps = (nonzero.to(torch.int64) * _bit_weights(tiles.device)).sum(-1)
@@ -29,7 +30,8 @@ def mustafar_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return bitmaps, offsets.to(torch.int64), tiles[nonzero].half()
 
 
-def mustafar_decode(bitmaps: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def mustafar_decode(bitmaps: torch.Tensor, offsets: torch.Tensor,
+                    values: torch.Tensor) -> torch.Tensor:
     """Inverse: (bitmaps [...], offsets [...], values) -> tiles [..., 64] float32."""
     shifts = TILE - 1 - torch.arange(TILE, device=bitmaps.device)
     bits = (bitmaps[..., None] >> shifts) & 1                                 # [..., 64]

@@ -1,8 +1,8 @@
 """Paged attention for a packed, mixed batch (prefill chunks, decodes, verify rows): the reference.
 
 Request b owns queries q[query_start[b]:query_start[b+1]]; they sit at the last q_len_b positions of
-its context of seq_len_b tokens, whose keys/values are in the slots named by its block table. Query i
-of request b (absolute position seq_len_b - q_len_b + i) attends to keys 0..that position.
+its context of seq_len_b tokens, whose keys/values are in the slots named by its block table. Query
+i of request b (absolute position seq_len_b - q_len_b + i) attends to keys 0..that position.
 
 The reference gathers each request's blocks into a padded tensor (whole blocks, `gather_blocks`) and
 runs SDPA:
@@ -47,11 +47,14 @@ def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list
         if q_len <= SHORT_QUERY:
             short.append(b)
             continue
-        blocks = torch.tensor(_blocks(meta.block_tables[b], seq_len, bs), dtype=torch.int64, device=dev)
-        mask = None                  # causal from the top left: right for a whole prompt, padding included
+        blocks = torch.tensor(_blocks(meta.block_tables[b], seq_len, bs), dtype=torch.int64,
+                              device=dev)
+        # causal from the top left: right for a whole prompt, padding included
+        mask = None
         if seq_len != q_len:         # a chunk after earlier context: causal with an offset
             qpos = torch.arange(seq_len - q_len, seq_len, device=dev)
-            mask = (torch.arange(blocks.numel() * bs, device=dev)[None, :] <= qpos[:, None])[None, None]
+            mask = (torch.arange(blocks.numel() * bs, device=dev)[None, :] <= qpos[:, None])[None,
+                                                                                             None]
         groups.append((None, slice(q_start, q_end), blocks[None], mask))
     if short and with_short:
         q_max = max(meta.query_start[b + 1] - meta.query_start[b] for b in short)
@@ -74,20 +77,23 @@ def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache [num_slots, num_kv_heads, D], blocks [B, n] -> [B, num_kv_heads, n * block_size, D] (a strided
-    view of one copy). Whole blocks are copied with index_select: several times faster on CPU than
-    indexing slot by slot."""
+    """cache [num_slots, num_kv_heads, D], blocks [B, n] -> [B, num_kv_heads, n * block_size, D] (a
+    strided view of one copy). Whole blocks are copied with index_select: several times faster on
+    CPU than indexing slot by slot."""
     num_slots, num_kv_heads, head_dim = cache.shape
     flat = cache.view(num_slots // block_size, block_size * num_kv_heads * head_dim)
     out = flat.index_select(0, blocks.flatten())
-    return out.view(blocks.shape[0], blocks.shape[1] * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    return out.view(blocks.shape[0], blocks.shape[1] * block_size, num_kv_heads,
+                    head_dim).transpose(1, 2)
 
 
-def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    blocks: torch.Tensor,
                     mask: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
-    """One request's prefill chunk q [Q, num_heads, D] over its context's blocks [1, n] (causal; `mask`
-    when the chunk follows earlier context). -> [Q, num_heads, D]."""
-    k = gather_blocks(k_cache, blocks, block_size)              # [1, num_kv_heads, n * block_size, D]
+    """One request's prefill chunk q [Q, num_heads, D] over its context's blocks [1, n] (causal;
+    `mask` when the chunk follows earlier context). -> [Q, num_heads, D]."""
+    # [1, num_kv_heads, n * block_size, D]
+    k = gather_blocks(k_cache, blocks, block_size)
     v = gather_blocks(v_cache, blocks, block_size)
     qb = q.transpose(0, 1)[None]                                # [1, num_heads, Q, head_dim]
     o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
@@ -97,8 +103,8 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (one
-    layer). Returns [num_tokens, num_heads, head_dim]."""
+    """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
+    (one layer). Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
@@ -108,7 +114,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if rows is None:                                        # one prefill chunk
             out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, bs)
             continue
-        # padded short queries; query head h reads kv head h // group, so a kv head's group x Q query
+        # padded short queries; query head h reads kv head h // group, so a kv head's group x Q
+        # query
         # rows go in as one [group * Q] block (no K/V repeat for GQA)
         num_reqs, q_max = rows.shape
         k = gather_blocks(k_cache, blocks, bs).to(q.dtype)     # [B, num_kv_heads, L, head_dim]
@@ -119,5 +126,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             -1, -1, group, -1, -1).reshape(num_reqs, 1, group * q_max, mask.shape[-1]))
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=grouped, scale=scale)
         o = o.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
-        out[rows.flatten()] = o.reshape(num_reqs * q_max, num_heads, head_dim)  # padding rows rewrite their last row
+        # padding rows rewrite their last row
+        out[rows.flatten()] = o.reshape(num_reqs * q_max, num_heads, head_dim)
     return out

@@ -6,9 +6,9 @@ distributions q_1..q_m (one-hot when the drafter is deterministic):
   2. at the first rejection i emit a token from max(p_i - q_i, 0) (normalised), drop the rest;
   3. if all m are accepted, emit a bonus token from p_{m+1}.
 Every emitted token is then distributed exactly as the target samples. The token at the stop row is
-drawn by the exponential race argmax(w / E), E ~ Exp(1), which samples w / sum(w) without normalising.
-The caller draws `uniforms` and `noise` for every request whatever happens, so a seeded request
-consumes the same randomness in any batch.
+drawn by the exponential race argmax(w / E), E ~ Exp(1), which samples w / sum(w) without
+normalising. The caller draws `uniforms` and `noise` for every request whatever happens, so a seeded
+request consumes the same randomness in any batch.
 
 Chunks (verification frontiers): calling this on positions [lo, hi) of a request whose drafts before
 lo were all accepted, with target rows lo..hi, uniforms[lo:hi] and the same noise, decides exactly
@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor,
+def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
+                     num_drafts: torch.Tensor,
                      draft_probs: torch.Tensor | None, uniforms: torch.Tensor,
                      noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """target_probs: [B, K + 1, V]; draft_token_ids: [B, K] (padding ignored); num_drafts: [B];

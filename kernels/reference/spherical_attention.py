@@ -11,7 +11,8 @@ import torch
 from specserve.kernels.reference.spherical_encode import spherical_decode
 
 
-def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tensor, scale: torch.Tensor,
+def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tensor,
+                        scale: torch.Tensor,
                         codebook: torch.Tensor, v: torch.Tensor, sm_scale: float, page_size: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [num_q, num_heads, D]; theta, radius [H, T, G] uint8; scale [H, T // page_size, G] f32;
@@ -24,7 +25,8 @@ def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tens
     k = spherical_decode(theta, radius, scale, codebook, page_size)           # [H, T, D]
     k = k.repeat_interleave(group, dim=0)                                     # [num_heads, T, D]
     vf = v.float().repeat_interleave(group, dim=0)
-    logits = torch.einsum("qhd,htd->hqt", q.float(), k) * sm_scale            # [num_heads, num_q, T]
+    # [num_heads, num_q, T]
+    logits = torch.einsum("qhd,htd->hqt", q.float(), k) * sm_scale
     lse = torch.logsumexp(logits, dim=-1)                                     # [num_heads, num_q]
     out = torch.einsum("hqt,htd->qhd", torch.softmax(logits, dim=-1), vf)
     return out, lse.transpose(0, 1).contiguous()

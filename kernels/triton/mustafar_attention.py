@@ -1,10 +1,11 @@
-"""Attention over a Mustafar bitmap-sparse KV cache (Triton): expand tiles in registers, online softmax.
+"""Attention over a Mustafar bitmap-sparse KV cache (Triton): expand tiles in registers, online
+softmax.
 
 One program per (query, head, split of the context; see splits.py); per 64-token block it loads the
-D key-tile bitmaps, expands them to a [D, 64] K^T tile (a non-zero's slot = its tile offset + the set
-bits before it), and the 64 tokens' value tiles to a [64, D] V tile (row tiles of one token are
-contiguous in the value array, so a slot = the token's first offset + set bits before it in the row).
-Layout: kernels/reference/mustafar_attention.py.
+D key-tile bitmaps, expands them to a [D, 64] K^T tile (a non-zero's slot = its tile offset + the
+set bits before it), and the 64 tokens' value tiles to a [64, D] V tile (row tiles of one token are
+contiguous in the value array, so a slot = the token's first offset + set bits before it in the
+row). Layout: kernels/reference/mustafar_attention.py.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from specserve.kernels.triton.splits import combine_splits, plan_splits
 def _attend_kernel(q_ptr, kb_ptr, ko_ptr, kv_ptr, vb_ptr, vo_ptr, vv_ptr, out_ptr, lse_ptr,
                    NUM_BLOCKS, NUM_HEADS, GROUP, SPLIT, sm_scale, D: tl.constexpr):
     pid = tl.program_id(0)                     # = query * NUM_HEADS + head
-    split = tl.program_id(1)                   # 64-token blocks [split * SPLIT, (split + 1) * SPLIT)
+    # 64-token blocks [split * SPLIT, (split + 1) * SPLIT)
+    split = tl.program_id(1)
     num_splits = tl.num_programs(1)
     head = pid % NUM_HEADS
     kvh = head // GROUP
@@ -56,7 +58,8 @@ def _attend_kernel(q_ptr, kb_ptr, ko_ptr, kv_ptr, vb_ptr, vo_ptr, vv_ptr, out_pt
 
 def mustafar_attention(q: torch.Tensor,
                      k_bitmaps: torch.Tensor, k_offsets: torch.Tensor, k_values: torch.Tensor,
-                     v_bitmaps: torch.Tensor, v_offsets: torch.Tensor, v_values: torch.Tensor, sm_scale: float
+                     v_bitmaps: torch.Tensor, v_offsets: torch.Tensor, v_values: torch.Tensor,
+                     sm_scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels/reference/mustafar_attention.py."""
     num_q, num_heads, head_dim = q.shape
@@ -70,7 +73,9 @@ def mustafar_attention(q: torch.Tensor,
     kv = torch.cat([k_values, k_values.new_zeros(1)])
     vv = torch.cat([v_values, v_values.new_zeros(1)])
     _attend_kernel[(num_q * num_heads, num_splits)](
-        q.float().contiguous(), k_bitmaps.contiguous(), k_offsets.contiguous(), kv, v_bitmaps.contiguous(),
-        v_offsets.contiguous(), vv, out, lse, num_blocks, num_heads, num_heads // num_kv_heads, split,
+        q.float().contiguous(), k_bitmaps.contiguous(), k_offsets.contiguous(), kv,
+        v_bitmaps.contiguous(),
+        v_offsets.contiguous(), vv, out, lse, num_blocks, num_heads, num_heads // num_kv_heads,
+        split,
         sm_scale, D=head_dim)
     return combine_splits(out, lse)

@@ -1,14 +1,14 @@
 """Paged attention (Triton) for decode and verify rows, read in place through the block tables.
 
-The reference gathers each request's keys into a padded tensor per layer (a copy of the whole context
-every layer) and runs SDPA. Here short-query requests (decodes and verify rows, q_len <= SHORT_QUERY)
-are served by one kernel: one program per (request, head, split of the context) loads the request's
-query rows as one [SHORT_QUERY, D] block, walks the context BN keys at a time (each key's slot looked
-up in the block table and read once for all the rows, so that a 9-row verify pass should cost about
-what a decode costs: the design's aim, unmeasured on a GPU), masks causally per row, and keeps an
-online softmax per row; splits are merged exactly by `combine_splits`. Long prefill chunks keep the
-reference's SDPA path (one program per query would re-read the context once per query token).
-Same contract as kernels/reference/paged_attention.py.
+The reference gathers each request's keys into a padded tensor per layer (a copy of the whole
+context every layer) and runs SDPA. Here short-query requests (decodes and verify rows, q_len <=
+SHORT_QUERY) are served by one kernel: one program per (request, head, split of the context) loads
+the request's query rows as one [SHORT_QUERY, D] block, walks the context BN keys at a time (each
+key's slot looked up in the block table and read once for all the rows, so that a 9-row verify pass
+should cost about what a decode costs: the design's aim, unmeasured on a GPU), masks causally per
+row, and keeps an online softmax per row; splits are merged exactly by `combine_splits`. Long
+prefill chunks keep the reference's SDPA path (one program per query would re-read the context once
+per query token). Same contract as kernels/reference/paged_attention.py.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ FAILURES = (CompilationError, OutOfResources)   # the kernel cannot run here: th
 
 
 @triton.jit
-def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qlen_ptr, seqlen_ptr, tables_ptr,
+def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qlen_ptr, seqlen_ptr,
+                  tables_ptr,
                   table_width, NUM_HEADS, GROUP, SPLIT, sm_scale, q_stride, kv_stride,
                   D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     i = tl.program_id(0)                        # i-th short-query request
@@ -43,7 +44,8 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
     row_ok = offs_j < q_len
-    qpos = seq_len - q_len + offs_j             # each row's absolute position: keys 0..qpos (causal)
+    # each row's absolute position: keys 0..qpos (causal)
+    qpos = seq_len - q_len + offs_j
     q = tl.load(q_ptr + (first + offs_j[:, None]) * q_stride + head * D + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)               # [QB, D]
     m = tl.zeros([QB], tl.float32) - float("inf")
@@ -73,7 +75,8 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
     part = ((first + offs_j) * NUM_HEADS + head) * num_splits + split
     tl.store(out_ptr + part[:, None] * D + offs_d[None, :], tl.where(has[:, None], out, 0.0),
              mask=row_ok[:, None])
-    tl.store(lse_ptr + part, tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf")), mask=row_ok)
+    tl.store(lse_ptr + part, tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf")),
+             mask=row_ok)
 
 
 def _short_requests(meta: PagedAttentionMetadata, device) -> tuple | None:
@@ -119,18 +122,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
     for _, where, blocks, mask in chunk_groups(meta):               # long prefill chunks
-        out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, meta.block_size)
+        out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
+                                     meta.block_size)
     short = _short_requests(meta, q.device)
     if short is not None:
         reqs, firsts, qlens, lens, tables, rows, max_ctx = short
         assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
-        qc = q.contiguous()                                        # padded query rows are masked out
+        # padded query rows are masked out
+        qc = q.contiguous()
         num_splits, split = plan_splits(max_ctx, reqs.shape[0] * num_heads, BN)
         part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)
-        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
         _paged_kernel[(reqs.shape[0], num_heads, num_splits)](
-            qc, k_cache, v_cache, part_out, part_lse, reqs, firsts, qlens, lens, tables, tables.shape[1],
+            qc, k_cache, v_cache, part_out, part_lse, reqs, firsts, qlens, lens, tables,
+            tables.shape[1],
             num_heads, num_heads // num_kv_heads, split, scale, qc.stride(0), k_cache.stride(0),
             D=head_dim, BS=meta.block_size, BN=BN, QB=SHORT_QUERY)
         out[rows] = combine_splits(part_out[rows], part_lse[rows])[0].to(q.dtype)

@@ -20,7 +20,8 @@ from specserve.kernels.triton.splits import combine_splits, plan_splits
 @triton.jit
 def _attend_kernel(lut_ptr, theta_ptr, radius_ptr, scale_ptr, v_ptr, out_ptr, lse_ptr,
                    T, NUM_PAGES, NUM_HEADS, GROUP, SPLIT, sm_scale,
-                   D: tl.constexpr, G: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr):
+                   D: tl.constexpr, G: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
+                   BT: tl.constexpr):
     pid = tl.program_id(0)                     # = query * NUM_HEADS + head
     split = tl.program_id(1)                   # tokens [split * SPLIT, min(T, (split + 1) * SPLIT))
     num_splits = tl.num_programs(1)
@@ -57,7 +58,8 @@ def _attend_kernel(lut_ptr, theta_ptr, radius_ptr, scale_ptr, v_ptr, out_ptr, ls
     tl.store(lse_ptr + part, m + tl.log(l))
 
 
-def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tensor, scale: torch.Tensor,
+def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tensor,
+                        scale: torch.Tensor,
                         codebook: torch.Tensor, v: torch.Tensor, sm_scale: float, page_size: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels/reference/spherical_attention.py."""
@@ -67,13 +69,15 @@ def spherical_attention(q: torch.Tensor, theta: torch.Tensor, radius: torch.Tens
     gqa = num_heads // num_kv_heads
     qg = q.float().reshape(num_q, num_heads, num_groups, group)
     cb = codebook.float().repeat_interleave(gqa, dim=0)                       # [num_heads, G, K, g]
-    lut = torch.einsum("qhgi,hgki->qhgk", qg, cb).contiguous()               # [num_q, num_heads, G, K]
+    # [num_q, num_heads, G, K]
+    lut = torch.einsum("qhgi,hgki->qhgk", qg, cb).contiguous()
     block = 64
     num_splits, split = plan_splits(num_tokens, num_q * num_heads, block)
     out = torch.empty(num_q, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_q, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _attend_kernel[(num_q * num_heads, num_splits)](
-        lut, theta.contiguous(), radius.contiguous(), scale.float().contiguous(), v.contiguous(), out, lse,
+        lut, theta.contiguous(), radius.contiguous(), scale.float().contiguous(), v.contiguous(),
+        out, lse,
         num_tokens, scale.shape[1], num_heads, gqa, split, sm_scale,
         D=head_dim, G=num_groups, K=num_codes, P=page_size, BT=block)
     return combine_splits(out, lse)

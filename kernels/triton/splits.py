@@ -15,8 +15,8 @@ MIN_SPLIT_TOKENS = 1024      # below this a split costs more (the merge's launch
 
 
 def plan_splits(num_tokens: int, num_pairs: int, block: int) -> tuple[int, int]:
-    """-> (num_splits, tokens per split): every split non-empty, a multiple of `block` tokens, and at
-    least MIN_SPLIT_TOKENS long unless there is only one."""
+    """-> (num_splits, tokens per split): every split non-empty, a multiple of `block` tokens, and
+    at least MIN_SPLIT_TOKENS long unless there is only one."""
     num_blocks = -(-num_tokens // block)
     most = max(1, num_blocks // max(1, MIN_SPLIT_TOKENS // block))
     wanted = max(1, min(most, -(-TARGET_PROGRAMS // max(num_pairs, 1))))

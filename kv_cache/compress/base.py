@@ -21,11 +21,12 @@ Batched drafting (VeriCache's draft loop) reads the pages of many sequences at o
 returns a per-round, query-independent `PagesBatch` over one layer of several states, and its
 `attend(q, num_rows)` answers for the first `num_rows` states in one call. The default decodes the
 pages once per round on CPU (batched dense attention), elsewhere prepares each state once per round
-(`_prepare_pages`, e.g. concatenating its pages) and loops; a compressor whose format batches (quant)
-overrides `draft_pages`. Attention over the dense regions (sinks, tail, the
+(`_prepare_pages`, e.g. concatenating its pages) and loops; a compressor whose format batches
+(quant) overrides `draft_pages`. Attention over the dense regions (sinks, tail, the
 drafts' own k/v) is the caller's, batched with `batched_attention`, merged by lse as usual.
 Shapes: keys/values `[num_tokens, num_kv_heads, head_dim]`; queries `[num_q, num_heads, head_dim]`
-with `num_heads % num_kv_heads == 0` (query head h reads kv head `h // (num_heads // num_kv_heads)`).
+with `num_heads % num_kv_heads == 0` (query head h reads kv head `h // (num_heads //
+num_kv_heads)`).
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ class PagesBatch:
     round. Default: each sequence's prepared pages attended one at a time."""
 
     def __init__(self, comp: Compressor, layer: int, prepared: list[Any]):
-        self.comp, self.layer, self.prepared = comp, layer, prepared      # None: a state with no pages
+        # None: a state with no pages
+        self.comp, self.layer, self.prepared = comp, layer, prepared
 
     def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_rows, num_heads, D]: row i queries state i (the first num_rows states)."""
@@ -116,7 +118,8 @@ class DecodedPagesBatch(PagesBatch):
         self.comp, self.k, self.v, self.valid = comp, k, v, valid
 
     def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return get_op("batched_attention")(q, self.k[:num_rows], self.v[:num_rows], self.comp.sm_scale,
+        return get_op("batched_attention")(q, self.k[:num_rows], self.v[:num_rows],
+                                           self.comp.sm_scale,
                                  self.valid[:num_rows])
 
 
@@ -152,7 +155,8 @@ class Compressor(ABC):
 
     @abstractmethod
     def page_bytes(self, page: Any) -> int:
-        """Bytes the page occupies in its packed format (bit-exact accounting, metadata included)."""
+        """Bytes the page occupies in its packed format (bit-exact accounting, metadata
+        included)."""
 
     def bytes_per_token(self) -> float:
         """Steady-state bytes of one compressed token, one layer, all kv heads, K + V."""
@@ -169,7 +173,8 @@ class Compressor(ABC):
         """Append new tokens' post-RoPE k, v [num_new, num_kv_heads, D] to one layer."""
         ls = state.layers[layer]
         if positions is not None and positions.numel():
-            expected = torch.arange(ls.num_tokens, ls.num_tokens + k.shape[0], device=positions.device)
+            expected = torch.arange(ls.num_tokens, ls.num_tokens + k.shape[0],
+                                    device=positions.device)
             if not torch.equal(positions.to(expected.dtype), expected):
                 raise ValueError(f"positions must continue the sequence at {ls.num_tokens}")
         k, v = k.to(ls.tail_k.dtype), v.to(ls.tail_v.dtype)
@@ -187,7 +192,8 @@ class Compressor(ABC):
     def _compress_full_pages(self, layer: int, ls: LayerState) -> None:
         p = self.config.page_size
         while ls.tail_k.shape[0] >= self.config.window + p:
-            page = self._compress_page(layer, ls.tail_k[:p].contiguous(), ls.tail_v[:p].contiguous())
+            page = self._compress_page(layer, ls.tail_k[:p].contiguous(),
+                                       ls.tail_v[:p].contiguous())
             ls.pages.append(page)
             ls.page_starts.append(ls.tail_start)
             ls.attn_mass.append(1.0)
@@ -201,7 +207,8 @@ class Compressor(ABC):
 
     def attend(self, state: SequenceState, layer: int, q: torch.Tensor,
                q_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [num_q, num_heads, D] over everything encoded -> (out fp32, lse fp32 [num_q, num_heads])."""
+        """q [num_q, num_heads, D] over everything encoded -> (out fp32, lse fp32 [num_q,
+        num_heads])."""
         ls = state.layers[layer]
         parts = [get_op("dense_attention")(q, ls.sink_k, ls.sink_v, self.sm_scale)]
         paged = self._attend_pages(layer, q, ls) if ls.pages else None
@@ -210,10 +217,12 @@ class Compressor(ABC):
         k_pos = None
         if q_positions is not None:
             k_pos = torch.arange(ls.tail_start, ls.num_tokens, device=q_positions.device)
-        parts.append(get_op("dense_attention")(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions, k_pos))
+        parts.append(get_op("dense_attention")(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions,
+                                               k_pos))
         return get_op("merge_attention")(parts)
 
-    # CPU drafting decodes the round's pages once (see draft_pages) while all layers' decoded pages of
+    # CPU drafting decodes the round's pages once (see draft_pages) while all layers' decoded pages
+    # of
     # the round fit in this many bytes; past it, pages are attended per request as on the GPU.
     draft_decode_limit_bytes = 256 * 2**20
 
@@ -233,7 +242,8 @@ class Compressor(ABC):
         decoded = num_tokens * c.num_kv_heads * c.head_dim * 2 * 4 * c.num_layers
         if states[0].tail_k.device.type == "cpu" and decoded <= self.draft_decode_limit_bytes:
             return self._decoded_pages(states)
-        return PagesBatch(self, layer, [self._prepare_pages(layer, ls) if ls.pages else None for ls in states])
+        return PagesBatch(self, layer,
+                          [self._prepare_pages(layer, ls) if ls.pages else None for ls in states])
 
     def _decoded_pages(self, states: list[LayerState]) -> DecodedPagesBatch | None:
         dense = [[d for d in map(self._decode_page, ls.pages) if d is not None] for ls in states]
@@ -241,13 +251,15 @@ class Compressor(ABC):
         if not any(lens):
             return None                                               # every page was dropped
         c, dev = self.config, states[0].tail_k.device
-        k = torch.zeros(len(states), c.num_kv_heads, max(lens), c.head_dim, dtype=torch.float32, device=dev)
+        k = torch.zeros(len(states), c.num_kv_heads, max(lens), c.head_dim, dtype=torch.float32,
+                        device=dev)
         v = torch.zeros_like(k)
         for i, ds in enumerate(dense):
             if ds:
                 k[i, :, :lens[i]] = torch.cat([d[0] for d in ds]).transpose(0, 1)
                 v[i, :, :lens[i]] = torch.cat([d[1] for d in ds]).transpose(0, 1)
-        valid = torch.arange(max(lens), device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+        valid = torch.arange(max(lens), device=dev)[None, :] < torch.tensor(lens, device=dev)[:,
+                                                                                              None]
         return DecodedPagesBatch(self, k, v, valid)
 
     def _prepare_pages(self, layer: int, ls: LayerState) -> Any:
@@ -263,10 +275,10 @@ class Compressor(ABC):
         return round(self.bytes_per_token() * self.config.page_size)
 
     def predict_state_bytes(self, num_tokens: int) -> int:
-        """`state_bytes` of a sequence of num_tokens tokens, known before encoding them (for admission
-        by compressed bytes): the region split depends only on the count. Exact when every page has
-        its nominal size (window, quant; mustafar when kept entries are non-zero; spherical before
-        RDR downgrades)."""
+        """`state_bytes` of a sequence of num_tokens tokens, known before encoding them (for
+        admission by compressed bytes): the region split depends only on the count. Exact when every
+        page has its nominal size (window, quant; mustafar when kept entries are non-zero; spherical
+        before RDR downgrades)."""
         c = self.config
         sinks = min(num_tokens, c.num_sink)
         pages = max(0, (num_tokens - sinks - c.window) // c.page_size)
@@ -298,7 +310,8 @@ class Compressor(ABC):
             ls.attn_mass[i] = decay * ls.attn_mass[i] + (1 - decay) * m if seen else float(m)
             ls.mass_seen[i] = True
 
-    def page_attention_mass(self, state: SequenceState, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def page_attention_mass(self, state: SequenceState, layer: int,
+                            q: torch.Tensor) -> torch.Tensor:
         """Share of the softmax mass each page gets from queries q (mean over queries and heads),
         computed on decoded pages (a retention signal, not a hot path) -> [num_pages]."""
         ls = state.layers[layer]

@@ -1,9 +1,11 @@
-"""Mustafar: per-token magnitude pruning of post-RoPE keys and values, stored as bitmap-sparse tiles.
+"""Mustafar: per-token magnitude pruning of post-RoPE keys and values, stored as bitmap-sparse
+tiles.
 
 Each token keeps its `head_dim - int(sparsity * head_dim)` largest-magnitude channels (per kv head),
 separately for K and V; the newest tokens (the dense window) and the sinks are never pruned. Pages
 (a multiple of 64 tokens) are packed with `mustafar_encode`: keys in column tiles (one channel × 64
-tokens), values in row tiles (one token × 64 channels); layout in kernels/reference/mustafar_attention.py.
+tokens), values in row tiles (one token × 64 channels); layout in
+kernels/reference/mustafar_attention.py.
 
 Bytes per tile in the packed format: 8 (bitmap) + 4 (int32 offset) + 2 × non-zeros. (In memory
 offsets are int64 for simplicity; the accounting uses the format's int32.)
@@ -22,7 +24,8 @@ TILE_META_BYTES = 8 + 4
 
 
 def magnitude_prune(x: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Zero all but the top `D - int(sparsity * D)` entries by |x| along the last dim (ties: lowest index)."""
+    """Zero all but the top `D - int(sparsity * D)` entries by |x| along the last dim (ties: lowest
+    index)."""
     d = x.shape[-1]
     keep = d - int(sparsity * d)
     if keep >= d:
@@ -44,7 +47,8 @@ class MustafarPage:
 class MustafarCompressor(Compressor):
     name = "mustafar"
 
-    def __init__(self, config: CompressorConfig, key_sparsity: float = 0.7, value_sparsity: float = 0.7):
+    def __init__(self, config: CompressorConfig, key_sparsity: float = 0.7,
+                 value_sparsity: float = 0.7):
         super().__init__(config)
         if config.page_size % TILE or config.head_dim % TILE:
             raise ValueError("Mustafar needs page_size and head_dim to be multiples of 64")
@@ -58,14 +62,16 @@ class MustafarCompressor(Compressor):
         encode = get_op("mustafar_encode", str(k.device))
         kp = magnitude_prune(k.half(), self.key_sparsity).transpose(0, 1)        # [H, P, D]
         vp = magnitude_prune(v.half(), self.value_sparsity).transpose(0, 1)
-        k_tiles = kp.reshape(h, p // TILE, TILE, d).transpose(2, 3).reshape(-1, TILE)   # (h, b, c) rows
+        # (h, b, c) rows
+        k_tiles = kp.reshape(h, p // TILE, TILE, d).transpose(2, 3).reshape(-1, TILE)
         kb, ko, kv = encode(k_tiles.contiguous())
         vb, vo, vv = encode(vp.reshape(-1, TILE).contiguous())                   # (h, t, j) rows
         return MustafarPage(kb.view(h, p // TILE, d), ko.view(h, p // TILE, d), kv,
                             vb.view(h, p, d // TILE), vo.view(h, p, d // TILE), vv)
 
     def _decode_page(self, page: MustafarPage) -> tuple[torch.Tensor, torch.Tensor]:
-        k = get_op("mustafar_keys")(page.k_bitmaps, page.k_offsets, page.k_values)            # [H, P, D]
+        # [H, P, D]
+        k = get_op("mustafar_keys")(page.k_bitmaps, page.k_offsets, page.k_values)
         v = get_op("mustafar_values")(page.v_bitmaps, page.v_offsets, page.v_values)
         return k.transpose(0, 1), v.transpose(0, 1)
 
@@ -73,7 +79,8 @@ class MustafarCompressor(Compressor):
         return self._attend_prepared(layer, q, self._prepare_pages(layer, state))
 
     def _prepare_pages(self, layer: int, state: LayerState) -> dict[str, torch.Tensor]:
-        """All pages of a layer as one bitmap-sparse cache (offsets rebased): once per draft round."""
+        """All pages of a layer as one bitmap-sparse cache (offsets rebased): once per draft
+        round."""
         k_shift, v_shift, parts = 0, 0, {name: [] for name in ("kb", "ko", "kv", "vb", "vo", "vv")}
         for pg in state.pages:
             parts["kb"].append(pg.k_bitmaps)
@@ -84,11 +91,13 @@ class MustafarCompressor(Compressor):
             parts["vv"].append(pg.v_values)
             k_shift += pg.k_values.numel()
             v_shift += pg.v_values.numel()
-        return {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1) for name, ts in parts.items()}
+        return {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1) for name,
+                ts in parts.items()}
 
     def _attend_prepared(self, layer: int, q: torch.Tensor, cat: dict[str, torch.Tensor]):
         attend = get_op("mustafar_attention", str(q.device))
-        return attend(q, cat["kb"], cat["ko"], cat["kv"], cat["vb"], cat["vo"], cat["vv"], self.sm_scale)
+        return attend(q, cat["kb"], cat["ko"], cat["kv"], cat["vb"], cat["vo"], cat["vv"],
+                      self.sm_scale)
 
     def page_bytes(self, page: MustafarPage) -> int:
         num_tiles = page.k_bitmaps.numel() + page.v_bitmaps.numel()
@@ -100,6 +109,8 @@ class MustafarCompressor(Compressor):
         h, d = c.num_kv_heads, c.head_dim
         kept_k = d - int(self.key_sparsity * d)
         kept_v = d - int(self.value_sparsity * d)
-        keys = h * d * TILE_META_BYTES / TILE + h * 2 * kept_k                   # D tiles per 64 tokens
-        values = h * (d // TILE) * TILE_META_BYTES + h * 2 * kept_v               # D/64 tiles per token
+        # D tiles per 64 tokens
+        keys = h * d * TILE_META_BYTES / TILE + h * 2 * kept_k
+        # D/64 tiles per token
+        values = h * (d // TILE) * TILE_META_BYTES + h * 2 * kept_v
         return keys + values

@@ -5,10 +5,11 @@ Within one page of P tokens and one kv head:
   per-channel outliers, so channels get their own range);
 - values [P, D]: one (scale, zero) pair per token.
 Asymmetric min/max quantization, codes in [0, 2^bits - 1], scale and zero stored as fp16, codes
-bit-packed (bits in {2, 4, 8}). Attention dequantizes the pages and runs dense attention. For a draft
-round the pages of all sequences are stacked (still packed, padded to the longest) once; each draft
-step attends one layer for all sequences in one batched call straight from the codes (the scales and
-zeros fold into the query and the probabilities: only the codes are widened, never dequantized).
+bit-packed (bits in {2, 4, 8}). Attention dequantizes the pages and runs dense attention. For a
+draft round the pages of all sequences are stacked (still packed, padded to the longest) once; each
+draft step attends one layer for all sequences in one batched call straight from the codes (the
+scales and zeros fold into the query and the probabilities: only the codes are widened, never
+dequantized).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ SUPPORTED_BITS = (2, 4, 8)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes uint8 [..., n] with values < 2^bits -> uint8 [..., n * bits // 8] (little end first)."""
+    """codes uint8 [..., n] with values < 2^bits -> uint8 [..., n * bits // 8] (little end
+    first)."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     per_byte = 8 // bits
@@ -37,7 +39,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of pack_bits: uint8 [..., m] -> uint8 [..., m * 8 // bits] (scalar shifts on uint8)."""
+    """Inverse of pack_bits: uint8 [..., m] -> uint8 [..., m * 8 // bits] (scalar shifts on
+    uint8)."""
     if bits == 8:
         return packed.clone()
     mask = (1 << bits) - 1
@@ -45,7 +48,8 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
-def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
     """Asymmetric quantization reducing over `dim` -> (codes uint8 like x, scale fp16, zero fp16).
 
     scale and zero keep `dim` with size 1. x ≈ codes * scale + zero, |error| <= scale / 2 plus fp16
@@ -87,7 +91,8 @@ class QuantCompressor(Compressor):
     def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> QuantPage:
         kc, ks, kz = quantize(k, self.key_bits, dim=0)
         vc, vs, vz = quantize(v, self.value_bits, dim=2)
-        return QuantPage(pack_bits(kc, self.key_bits), ks, kz, pack_bits(vc, self.value_bits), vs, vz)
+        return QuantPage(pack_bits(kc, self.key_bits), ks, kz, pack_bits(vc, self.value_bits), vs,
+                         vz)
 
     def _decode_page(self, page: QuantPage) -> tuple[torch.Tensor, torch.Tensor]:
         k = dequantize(unpack_bits(page.k_packed, self.key_bits), page.k_scale, page.k_zero)
@@ -107,12 +112,14 @@ class QuantCompressor(Compressor):
 
     def page_bytes(self, page: QuantPage) -> int:
         return sum(t.numel() * t.element_size() for t in
-                   (page.k_packed, page.k_scale, page.k_zero, page.v_packed, page.v_scale, page.v_zero))
+                   (page.k_packed, page.k_scale, page.k_zero, page.v_packed, page.v_scale,
+                    page.v_zero))
 
     def bytes_per_token(self) -> float:
         c = self.config
         h, d, p = c.num_kv_heads, c.head_dim, c.page_size
-        key = h * d * self.key_bits / 8 + 2 * h * d * 2 / p        # codes + per-page channel scale/zero
+        # codes + per-page channel scale/zero
+        key = h * d * self.key_bits / 8 + 2 * h * d * 2 / p
         value = h * d * self.value_bits / 8 + 2 * h * 2             # codes + per-token scale/zero
         return key + value
 
@@ -136,11 +143,14 @@ class QuantPagesBatch(PagesBatch):
             buf = like.new_zeros((len(states), heads, most, rows, last))
             for i, ls in enumerate(states):
                 if ls.pages:
-                    buf[i, :, :len(ls.pages)] = torch.stack([getattr(pg, name) for pg in ls.pages], dim=1
-                                                            ).transpose(0, 2)      # [H, NP, P, last]
+                    buf[i, :, :len(ls.pages)] = torch.stack([getattr(pg, name) for pg in ls.pages],
+                                                            dim=1
+                                                            # [H, NP, P, last]
+                                                            ).transpose(0, 2)
             self.stacked[name] = buf
         counts = torch.tensor(num_pages, device=proto.k_packed.device)
-        self.valid = torch.arange(most * p, device=counts.device)[None, :] < (counts * p)[:, None]  # [B, T]
+        # [B, T]
+        self.valid = torch.arange(most * p, device=counts.device)[None, :] < (counts * p)[:, None]
 
     def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention straight from the codes: scales and zeros fold into the query (keys: per page

@@ -28,7 +28,8 @@ def known_keys(name: str) -> tuple[str, ...]:
 
 
 def check_settings(name: str, settings: object) -> None:
-    """Raise ValueError for an unknown compressor, settings that are not a mapping, or unknown keys."""
+    """Raise ValueError for an unknown compressor, settings that are not a mapping, or unknown
+    keys."""
     allowed = known_keys(name)
     if not isinstance(settings, dict):
         raise ValueError(f"compressor settings must be a JSON object, got {type(settings).__name__}")

@@ -3,7 +3,8 @@
 Tiers (DESIGN §5.4; the paper defines them for head_dim 128, we keep group sizes and code bits and
 let the number of groups scale with head_dim, so bits per key scale by head_dim / 128):
 
-| tier | group g | code bits | codewords | key bits/token/head (G groups × (8 + bits)) | D=128 | D=64 |
+| tier | group g | code bits | codewords | key bits/token/head (G groups × (8 + bits)) | D=128 |
+D=64 |
 |---|---|---|---|---|---|---|
 | 1 | 16 | 6 | 64 | G·14 | 112 | 56 |
 | 2 | 16 | 4 | 16 | G·12 | 96 | 48 |
@@ -58,7 +59,8 @@ class SphericalPage:
     radius: torch.Tensor | None = None    # [H, P, G] uint8
     scale: torch.Tensor | None = None     # [H, 1, G] float32
     v: tuple | None = None                # fp16 [H, P, D], or (packed codes, scale, zero) per token
-    radius_mass: float = 0.0              # mean over tokens/heads of sum_j r_j / sqrt(D) (RDR weight)
+    # mean over tokens/heads of sum_j r_j / sqrt(D) (RDR weight)
+    radius_mass: float = 0.0
     layer: int = 0
 
 
@@ -67,7 +69,8 @@ class SphericalCompressor(Compressor):
 
     def __init__(self, config: CompressorConfig, codebooks: dict[int, torch.Tensor],
                  tier: int = 1, value_bits: int = 16, budget_bits: float | None = None):
-        """codebooks: tier -> [num_layers, num_kv_heads, G, K, g] unit vectors (see spherical_calib).
+        """codebooks: tier -> [num_layers, num_kv_heads, G, K, g] unit vectors (see
+        spherical_calib).
 
         budget_bits: if set, rate-distortion retention keeps the compressed pages (all layers) at or
         under this many bits per token per layer (K + V, all kv heads), downgrading tiers greedily.
@@ -112,7 +115,8 @@ class SphericalCompressor(Compressor):
     def _decode_page(self, page: SphericalPage):
         if page.tier == DROP:
             return None
-        k = get_op("spherical_decode")(page.theta, page.radius, page.scale, self.codebooks[page.tier][page.layer],
+        k = get_op("spherical_decode")(page.theta, page.radius, page.scale,
+                                       self.codebooks[page.tier][page.layer],
                              page.theta.shape[1])
         return k.transpose(0, 1), self._values(page).transpose(0, 1)
 
@@ -120,7 +124,8 @@ class SphericalCompressor(Compressor):
         return self._attend_prepared(layer, q, self._prepare_pages(layer, state))
 
     def _prepare_pages(self, layer: int, state: LayerState) -> list[tuple]:
-        """Per tier, the pages' codes and (still packed) values concatenated: once per draft round."""
+        """Per tier, the pages' codes and (still packed) values concatenated: once per draft
+        round."""
         prepared = []
         for tier in TIERS:
             pages = [p for p in state.pages if p.tier == tier]
@@ -179,9 +184,10 @@ class SphericalCompressor(Compressor):
         """With a rate-distortion budget, retention weighs pages by the attention they get."""
         return self.budget_bits is not None
 
-    def set_retention(self, budget_bits: float | None = None, state: SequenceState | None = None) -> None:
-        """Set the rate-distortion budget (bits per token per layer over compressed pages) and, given
-        a state, rebalance it now."""
+    def set_retention(self, budget_bits: float | None = None,
+                      state: SequenceState | None = None) -> None:
+        """Set the rate-distortion budget (bits per token per layer over compressed pages) and,
+        given a state, rebalance it now."""
         self.budget_bits = budget_bits
         if state is not None and budget_bits is not None:
             self.rebalance(state)

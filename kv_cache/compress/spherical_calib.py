@@ -24,11 +24,12 @@ CALIB_VERSION = 2
 logger = logging.getLogger(__name__)
 
 
-def spherical_kmeans(x: torch.Tensor, num_codes: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
+def spherical_kmeans(x: torch.Tensor, num_codes: int, iters: int = 20,
+                     seed: int = 0) -> torch.Tensor:
     """x: [B, N, g] vectors (B independent problems) -> codebooks [B, num_codes, g] of unit vectors.
 
-    Assignment by largest cosine; a centroid is the normalised sum of its members; an empty cluster is
-    re-seeded with the worst-served vector of its problem.
+    Assignment by largest cosine; a centroid is the normalised sum of its members; an empty cluster
+    is re-seeded with the worst-served vector of its problem.
     """
     gen = torch.Generator().manual_seed(seed)
     u = torch.nn.functional.normalize(x.float(), dim=-1)                       # [B, N, g]
@@ -59,12 +60,14 @@ def calibrate(keys: torch.Tensor, iters: int = 20, seed: int = 0,
         x = keys.reshape(num_layers, num_heads, n, groups, spec.group).permute(0, 1, 3, 2, 4)
         x = x.reshape(num_layers * num_heads * groups, n, spec.group)
         books = [spherical_kmeans(chunk, spec.num_codes, iters, seed) for chunk in x.split(64)]
-        out[tier] = torch.cat(books).reshape(num_layers, num_heads, groups, spec.num_codes, spec.group)
+        out[tier] = torch.cat(books).reshape(num_layers, num_heads, groups, spec.num_codes,
+                                             spec.group)
     return out
 
 
 def collect_keys(model, token_chunks: list[torch.Tensor]) -> torch.Tensor:
-    """Run an HF causal LM over each chunk [n_i] of token ids -> post-RoPE keys [L, H, sum n_i, D]."""
+    """Run an HF causal LM over each chunk [n_i] of token ids -> post-RoPE keys [L, H, sum n_i,
+    D]."""
     per_chunk = []
     with torch.no_grad():
         for ids in token_chunks:
@@ -74,7 +77,8 @@ def collect_keys(model, token_chunks: list[torch.Tensor]) -> torch.Tensor:
 
 
 def local_texts(limit_chars: int, exclude: tuple[str, ...] = ("transformers",)) -> str:
-    """Prose shipped with installed packages (dist-info METADATA long descriptions), deterministic."""
+    """Prose shipped with installed packages (dist-info METADATA long descriptions),
+    deterministic."""
     import importlib.metadata as md
     texts, total = [], 0
     for dist in sorted(md.distributions(), key=lambda d: d.metadata["Name"] or ""):

@@ -51,10 +51,10 @@ class LayerSkipProposer(Proposer):
 
 @torch.inference_mode()
 def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...], dict]:
-    """Pick the skip set maximising the expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)), where a is
-    the measured greedy agreement with the full model and c the fraction of layers kept. Layers are
-    dropped in order of least single-layer damage; the set is never empty (an empty set would draft
-    with the full model), even where no set is expected to pay — that is logged."""
+    """Pick the skip set maximising the expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)), where a
+    is the measured greedy agreement with the full model and c the fraction of layers kept. Layers
+    are dropped in order of least single-layer damage; the set is never empty (an empty set would
+    draft with the full model), even where no set is expected to pay — that is logged."""
     ids = torch.tensor(token_ids, device=model.embed_tokens.weight.device)
     pos = torch.arange(len(ids), device=ids.device)
     n = model.config.num_layers
@@ -91,7 +91,8 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
     if best_speedup <= 1.0:
         logger.warning("layer_skip is not expected to pay on this model: best skip set %s gives an estimated "
                        "%.2fx at k=%d", list(best), best_speedup, k)
-    return best, {"single_layer_agreement": single, "trace": trace, "expected_speedup": best_speedup}
+    return best, {"single_layer_agreement": single, "trace": trace,
+                  "expected_speedup": best_speedup}
 
 
 def _cache_file(model: str | None) -> "object":
@@ -101,7 +102,8 @@ def _cache_file(model: str | None) -> "object":
 
 
 def default_skip_layers(model: str | None, llama, k: int = 4) -> tuple[int, ...]:
-    """The calibrated skip set for `model` from the cache, calibrating (and caching) it if missing."""
+    """The calibrated skip set for `model` from the cache, calibrating (and caching) it if
+    missing."""
     file = _cache_file(model)
     if file.exists():
         return tuple(json.loads(file.read_text())["skip_layers"])

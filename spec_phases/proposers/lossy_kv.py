@@ -31,15 +31,15 @@ MASS_REFRESH_ROUNDS = 8          # retention reads attention mass refreshed ever
 
 
 class DraftAttention:
-    """The attention of one draft round, batched over its requests. Row i of every forward is request
-    i's newest token; requests are ordered by draft length, longest first, so the rows still drafting
-    at step t are always the first ones (views, no gathers).
+    """The attention of one draft round, batched over its requests. Row i of every forward is
+    request i's newest token; requests are ordered by draft length, longest first, so the rows still
+    drafting at step t are always the first ones (views, no gathers).
 
     Per layer, built on first use and kept for the round: the compressor's `PagesBatch` over the
-    requests' compressed pages, and a dense fp32 buffer [B, kv_heads, max_dense + max_len, D] holding
-    each request's sinks + dense tail (padded to the longest) followed by the round's scratch: the
-    k/v of the drafts themselves, written at column max_dense + step. Attention = pages (+) dense,
-    merged by lse; the scratch is dropped with the object."""
+    requests' compressed pages, and a dense fp32 buffer [B, kv_heads, max_dense + max_len, D]
+    holding each request's sinks + dense tail (padded to the longest) followed by the round's
+    scratch: the k/v of the drafts themselves, written at column max_dense + step. Attention = pages
+    (+) dense, merged by lse; the scratch is dropped with the object."""
 
     def __init__(self, comp: Compressor, states: list[SequenceState], max_len: int,
                  observe_mass: bool = False):
@@ -61,12 +61,15 @@ class DraftAttention:
         for i, ls in enumerate(lss):
             n = ls.sink_k.shape[0]
             k[i, :, :n], v[i, :, :n] = ls.sink_k.transpose(0, 1), ls.sink_v.transpose(0, 1)
-            k[i, :, n:lens[i]], v[i, :, n:lens[i]] = ls.tail_k.transpose(0, 1), ls.tail_v.transpose(0, 1)
+            k[i, :, n:lens[i]], v[i, :, n:lens[i]] = ls.tail_k.transpose(0,
+                                                                         1), ls.tail_v.transpose(0, 1)
         cols = torch.arange(width + self.max_len, device=k.device)
-        valid = (cols[None, :] < torch.tensor(lens, device=k.device)[:, None]) | (cols[None, :] >= width)
+        valid = (cols[None, :] < torch.tensor(lens, device=k.device)[:, None]) | (cols[None,
+                                                                                       :] >= width)
         return k, v, valid, width, self.comp.draft_pages(layer, lss)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         if self.layers[layer] is None:
             self.layers[layer] = self._build(layer, k)
         if self.observe_mass and self.step == 0:
@@ -76,7 +79,8 @@ class DraftAttention:
         dk, dv, valid, width, pages = self.layers[layer]
         rows, col = q.shape[0], width + self.step
         dk[:rows, :, col], dv[:rows, :, col] = k, v
-        dense = get_op("batched_attention")(q, dk[:rows, :, :col + 1], dv[:rows, :, :col + 1], self.comp.sm_scale,
+        dense = get_op("batched_attention")(q, dk[:rows, :, :col + 1], dv[:rows, :, :col + 1],
+                                            self.comp.sm_scale,
                                   valid[:rows, :col + 1])
         if pages is None:
             return dense[0].to(q.dtype)
