@@ -94,17 +94,20 @@ class BlockPool:
         for block_id in range(self.num_blocks):
             expected = owners.get(block_id, 0)
             if self.ref_cnt[block_id] != expected:
-                problems.append(f"block {block_id}: ref_cnt {self.ref_cnt[block_id]} but {expected} owners")
+                problems.append(f"block {block_id}: ref_cnt {self.ref_cnt[block_id]} but "
+                                f"{expected} owners")
             in_queue = block_id in self.free_queue
             if in_queue != (expected == 0):
                 problems.append(f"block {block_id}: in free queue={in_queue} with {expected} owners")
         for block_hash, block_id in self.cached.items():
             if self.block_hash[block_id] != block_hash:
-                problems.append(f"cache index points hash {block_hash} at block {block_id} with another hash")
+                problems.append(f"cache index points hash {block_hash} at block {block_id} with "
+                                f"another hash")
         num_owned = sum(1 for c in self.ref_cnt if c > 0)
         num_cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
         num_free = len(self.free_queue) - num_cached
         if num_owned + num_cached + num_free != self.num_blocks:
-            problems.append(f"owned {num_owned} + cached {num_cached} + free {num_free} != {self.num_blocks}")
+            problems.append(f"owned {num_owned} + cached {num_cached} + free {num_free} != "
+                            f"{self.num_blocks}")
         if problems:
             raise AssertionError(f"KV pool {self.name!r} integrity:\n  " + "\n  ".join(problems[:20]))

@@ -48,10 +48,12 @@ class EngineConfig:
         if self.host_kv_cache_memory_gb is not None:
             spec = self.speculative
             if not self.host_kv_cache_memory_gb > 0:
-                raise ValueError(f"host_kv_cache_memory_gb must be positive, got {self.host_kv_cache_memory_gb}")
+                raise ValueError(f"host_kv_cache_memory_gb must be positive, got "
+                                 f"{self.host_kv_cache_memory_gb}")
             if spec is None or spec.method != "lossy_kv" or spec.full_kv_in_host is False:
                 raise ValueError("host_kv_cache_memory_gb sizes the full-KV host pool of lossy_kv "
-                                 "(--speculative-config '{\"method\": \"lossy_kv\"}', full_kv_in_host not false)")
+                                 "(--speculative-config '{\"method\": \"lossy_kv\"}', "
+                                 "full_kv_in_host not false)")
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("model", nargs="?", default=None,
-                       help="a .gguf file, an HF folder, or tiny-random (default: the embedded SmolLM2)")
+                       help="a .gguf file, an HF folder, or tiny-random (default: the embedded "
+                            "SmolLM2)")
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None,
@@ -55,11 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS)
     serve.add_argument("--speculative-config", default=None,
                        help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                            "\"adaptive\": true, \"frontier_size\": 2}' (scheduler/config.py: SpeculativeConfig)")
+                            "\"adaptive\": true, \"frontier_size\": 2}' (scheduler/config.py: "
+                            "SpeculativeConfig)")
     serve.add_argument("--kv-draft-compressor", choices=KV_COMPRESSORS, default=None,
-                       help="lossy_kv (VeriCache): the drafting cache's compressor (default: mustafar)")
+                       help="lossy_kv (VeriCache): the drafting cache's compressor (default: "
+                            "mustafar)")
     serve.add_argument("--kv-draft-compressor-config", default=None,
-                       help="lossy_kv: compressor settings as JSON, e.g. '{\"sparsity\": 0.7}' (docs/vericache.md)")
+                       help="lossy_kv: compressor settings as JSON, e.g. '{\"sparsity\": 0.7}' "
+                            "(docs/vericache.md)")
     serve.add_argument("--enable-force-include-usage", action="store_true")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true")
     serve.add_argument("--per-request-spec-decode-metrics", choices=["summary"], default=None)

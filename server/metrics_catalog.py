@@ -84,7 +84,8 @@ class EngineMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc",
                               "Fraction of KV cache blocks in use (0..1).")
         self.gpu_kv_usage = gauge("vllm:gpu_cache_usage_perc",
-                                  "Legacy alias of vllm:kv_cache_usage_perc (production-stack router).")
+                                  "Legacy alias of vllm:kv_cache_usage_perc (production-stack "
+                                  "router).")
         self.gpu_prefix_hit_rate = gauge("vllm:gpu_prefix_cache_hit_rate",
                                          "Legacy: prefix cache hits / queries since start.")
         # -- token and request counters -----------------------------------------------------------
@@ -196,7 +197,8 @@ class EngineMetrics:
                           names + ["position"], registry=registry)
         self.spec_accepted_per_pos = [per_pos.labels(**base, position=str(i)) for i in range(k)]
         drafted_per_pos = Counter("specserve:spec_decode_num_draft_tokens_per_pos",
-                                  "Draft tokens proposed by position (the true per-position denominator).",
+                                  "Draft tokens proposed by position (the true per-position "
+                                  "denominator).",
                                   names + ["position"], registry=registry)
         self.spec_drafted_per_pos = [drafted_per_pos.labels(**base,
                                                             position=str(i)) for i in range(k)]
@@ -219,12 +221,14 @@ class EngineMetrics:
                                         registry=registry).labels(**base, **by)
         self.spec_pruned_tokens = Counter("specserve:spec_decode_pruned_tokens",
                                           "Draft tokens the target never "
-                                          "computed: an earlier verification frontier rejected (FASER early "
+                                          "computed: an earlier verification frontier rejected "
+                                          "(FASER early "
                                           "pruning).", extra, registry=registry).labels(**base,
                                                                                         **by)
         self.spec_frontiers = Counter("specserve:spec_decode_frontiers",
                                       "Verify forwards (frontiers) run in "
-                                      "steps that carried drafts; one per such step without frontiers.",
+                                      "steps that carried drafts; one per such step without "
+                                      "frontiers.",
                                       extra, registry=registry).labels(**base, **by)
 
     def ensure_position(self, pos: int) -> None:

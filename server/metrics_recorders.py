@@ -170,7 +170,8 @@ class StepRecorder:
         if self.metrics.spec_enabled and d.num_drafts:
             per_pos = ", ".join(f"{a / d.num_drafts:.3f}" for a in d.accepted_per_pos)
             lines.append(
-                f"SpecDecoding metrics: Mean acceptance length: {1 + d.num_accepted_tokens / d.num_drafts:.2f}, "
+                f"SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + d.num_accepted_tokens / d.num_drafts:.2f}, "
                 f"Accepted throughput: {d.num_accepted_tokens / elapsed:.2f} tokens/s, "
                 f"Drafted throughput: {d.num_draft_tokens / elapsed:.2f} tokens/s, "
                 f"Accepted: {d.num_accepted_tokens} tokens, Drafted: {d.num_draft_tokens} tokens, "

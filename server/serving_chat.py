@@ -33,7 +33,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"content part type {part.type!r} is not supported by this server; "
+                    raise bad_request(f"content part type {part.type!r} is not supported by this "
+                                      f"server; "
                                       "only text parts are.", f"messages.{i}.content")
                 texts.append(part.text)
             content = "\n".join(texts)

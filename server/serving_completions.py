@@ -34,7 +34,8 @@ def parse_prompts(ctx: ServingContext,
     else:
         items = list(prompt)
     if len(items) > ctx.settings.max_choices:
-        raise bad_request(f"at most {ctx.settings.max_choices} prompts per request, got {len(items)}.",
+        raise bad_request(f"at most {ctx.settings.max_choices} prompts per request, got "
+                          f"{len(items)}.",
                           "prompt")
     prompts = []
     for item in items:
@@ -57,7 +58,8 @@ def check_logprobs_field(name: str, value: int | None, max_logprobs: int) -> Non
     if value is None:
         return
     if value < 0:
-        raise bad_request(f"`{name}` must be a positive value or -1. (-1 is not supported by this server.)",
+        raise bad_request(f"`{name}` must be a positive value or -1. (-1 is not supported by this "
+                          f"server.)",
                           name)
     if value > max_logprobs:
         raise bad_request(f"{name} must be at most {max_logprobs}, got {value}.", name)

@@ -111,7 +111,8 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
                                                 strict=False)
     missing = [m for m in missing if not m.startswith("rope.")]
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
+        raise ValueError(f"checkpoint does not match the model: missing={missing} "
+                         f"unexpected={unexpected}")
     model.rope = type(model.rope)(cfg.head_dim, cfg.max_position, cfg.rope_theta).to(device)
     return model.to(dtype).eval().requires_grad_(False)
 

@@ -68,7 +68,8 @@ class SamplingParams:
                        f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
         if self.num_speculative_tokens is not None:
             _check(self.num_speculative_tokens >= 0, "num_speculative_tokens",
-                   f"num_speculative_tokens must be non-negative, got {self.num_speculative_tokens}.")
+                   f"num_speculative_tokens must be non-negative, got "
+                   f"{self.num_speculative_tokens}.")
         clamped = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
         object.__setattr__(self, "logit_bias", clamped)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

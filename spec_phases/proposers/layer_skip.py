@@ -89,7 +89,8 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
     logger.info("layer_skip calibration: %d skip sets tried in %.1fs", len(trace),
                 time.perf_counter() - start)
     if best_speedup <= 1.0:
-        logger.warning("layer_skip is not expected to pay on this model: best skip set %s gives an estimated "
+        logger.warning("layer_skip is not expected to pay on this model: best skip set %s gives an "
+                       "estimated "
                        "%.2fx at k=%d", list(best), best_speedup, k)
     return best, {"single_layer_agreement": single, "trace": trace,
                   "expected_speedup": best_speedup}
