@@ -98,7 +98,8 @@ class BlockPool:
                                 f"{expected} owners")
             in_queue = block_id in self.free_queue
             if in_queue != (expected == 0):
-                problems.append(f"block {block_id}: in free queue={in_queue} with {expected} owners")
+                problems.append(f"block {block_id}: in free queue={in_queue} with {expected} "
+                                "owners")
         for block_hash, block_id in self.cached.items():
             if self.block_hash[block_id] != block_hash:
                 problems.append(f"cache index points hash {block_hash} at block {block_id} with "
@@ -110,4 +111,5 @@ class BlockPool:
             problems.append(f"owned {num_owned} + cached {num_cached} + free {num_free} != "
                             f"{self.num_blocks}")
         if problems:
-            raise AssertionError(f"KV pool {self.name!r} integrity:\n  " + "\n  ".join(problems[:20]))
+            raise AssertionError(f"KV pool {self.name!r} integrity:\n  "
+                                 + "\n  ".join(problems[:20]))

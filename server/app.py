@@ -33,7 +33,8 @@ STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
 def build_app(engine, tokenizer, settings: ServerSettings,
               routers: Sequence[APIRouter] = ()) -> FastAPI:
     app = FastAPI(title="specserve", version=VERSION,
-                  description="OpenAI-compatible server (vLLM semantics) with speculative decoding.")
+                  description="OpenAI-compatible server (vLLM semantics) with speculative "
+                              "decoding.")
     ctx = ServingContext(EngineClient(engine), tokenizer, settings)
     app.state.serving = ctx
     install_error_handlers(app)

@@ -14,7 +14,8 @@ from pathlib import Path
 from specserve.kv_cache.compress.registry import COMPRESSORS as KV_COMPRESSORS
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.spec_phases.sampling_params import MAX_LOGPROBS
-from specserve.server.settings import VERSION, ServerSettings, api_key_from_env, apply_kv_draft_flags
+from specserve.server.settings import (VERSION, ServerSettings, api_key_from_env,
+                                       apply_kv_draft_flags)
 
 logger = logging.getLogger("specserve.server")
 ENGINE_FLAG_SKIP = {"model", "speculative"}

@@ -76,7 +76,9 @@ class StopStringMatcher:
         # earliest match wins; ties go to the longest string
         for stop in self.stops:
             at = buffer.find(stop)
-            if at >= 0 and (first is None or at < first[0] or (at == first[0] and len(stop) > len(first[1]))):
+            earlier = first is None or at < first[0] or (at == first[0]
+                                                          and len(stop) > len(first[1]))
+            if at >= 0 and earlier:
                 first = (at, stop)
         if first is not None:
             at, stop = first

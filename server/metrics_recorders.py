@@ -271,4 +271,5 @@ class RequestTracker:
         m.decode_time.observe(timing.last_token - timing.first_token)
         m.inference_time.observe(timing.last_token - scheduled)
         if timing.num_generation_tokens > 1:
-            m.tpot.observe((timing.last_token - timing.first_token) / (timing.num_generation_tokens - 1))
+            decode_s = timing.last_token - timing.first_token
+            m.tpot.observe(decode_s / (timing.num_generation_tokens - 1))

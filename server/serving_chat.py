@@ -109,7 +109,9 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
     if body.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
     info = ctx.model_info
-    explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    explicit = body.max_completion_tokens
+    if explicit is None:
+        explicit = body.max_tokens
     if explicit is not None and explicit < 1:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise bad_request(f"{param} must be at least 1, got {explicit}.", param)
@@ -134,13 +136,15 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
 class ChatJob:
     def __init__(self, ctx, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids,
                  states):
-        self.ctx, self.body, self.model, self.prompt_ids, self.states = ctx, body, model, prompt_ids, states
+        self.ctx, self.body, self.model = ctx, body, model
+        self.prompt_ids, self.states = prompt_ids, states
         self.id = f"chatcmpl-{request_id}"
         self.created = int(time.time())
         self.k = body.top_logprobs or 0
 
     def usage(self) -> dict:
-        cached = self.states[0].num_cached_tokens if self.ctx.settings.enable_prompt_tokens_details else None
+        details = self.ctx.settings.enable_prompt_tokens_details
+        cached = self.states[0].num_cached_tokens if details else None
         return usage_dict(len(self.prompt_ids), sum(len(s.token_ids) for s in self.states), cached,
                           self.states)
 
@@ -198,7 +202,8 @@ class ChatJob:
                 if delta.stopped_by_string:
                     stream.finish(index)
                 logprobs = self.logprobs(delta.token_ids, delta.logprobs)
-                if not delta.text and delta.finish_reason is None and not (logprobs and logprobs["content"]):
+                has_logprobs = bool(logprobs and logprobs["content"])
+                if not delta.text and delta.finish_reason is None and not has_logprobs:
                     continue
                 choice = {"index": state.index,
                           "delta": {"content": delta.text} if delta.text else {},

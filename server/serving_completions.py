@@ -49,7 +49,8 @@ def parse_prompts(ctx: ServingContext,
         if not ids:
             raise empty
         if body.truncate_prompt_tokens is not None:
-            ids, text = ids[-body.truncate_prompt_tokens:], None if len(ids) > body.truncate_prompt_tokens else text
+            cut = len(ids) > body.truncate_prompt_tokens
+            ids, text = ids[-body.truncate_prompt_tokens:], None if cut else text
         prompts.append((text, ids))
     return prompts
 
@@ -134,9 +135,10 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
     requests, states = [], []
     for prompt_index, (_, ids) in enumerate(prompts):
         for i in range(body.n):
+            prompt_lp = max(want_prompt_lp) if want_prompt_lp else None
             params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                                     prompt_logprobs=max(want_prompt_lp) if want_prompt_lp else None,
-                                     vocab_size=info.vocab_size, seed_offset=i)
+                                     prompt_logprobs=prompt_lp, vocab_size=info.vocab_size,
+                                     seed_offset=i)
             index = prompt_index * body.n + i
             requests.append(EngineRequest(engine_request_id(request_id, index), ids, params))
             states.append(new_choice(ctx, body, index, prompt_index))
@@ -146,7 +148,8 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
 
 class CompletionJob:
     def __init__(self, ctx, body: CompletionRequest, model: str, request_id: str, prompts, states):
-        self.ctx, self.body, self.model, self.prompts, self.states = ctx, body, model, prompts, states
+        self.ctx, self.body, self.model = ctx, body, model
+        self.prompts, self.states = prompts, states
         self.id = f"cmpl-{request_id}"
         self.created = int(time.time())
 
@@ -240,7 +243,8 @@ class CompletionJob:
                 if lps[index] is not None:
                     gen = lps[index].build(delta.token_ids, delta.logprobs)
                     logprobs = gen if logprobs is None else {k: logprobs[k] + gen[k] for k in gen}
-                if not text and delta.finish_reason is None and not (logprobs and logprobs["tokens"]):
+                has_logprobs = bool(logprobs and logprobs["tokens"])
+                if not text and delta.finish_reason is None and not has_logprobs:
                     # nothing to say yet (held back or half a character)
                     continue
                 chunk = {"id": self.id, "object": "text_completion", "created": self.created,

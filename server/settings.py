@@ -75,7 +75,8 @@ def apply_kv_draft_flags(speculative: SpeculativeConfig | None, speculative_json
         except json.JSONDecodeError as exc:
             raise ValueError(f"--kv-draft-compressor-config is not valid JSON: {exc}") from None
         if not isinstance(settings, dict):
-            raise ValueError("--kv-draft-compressor-config must be a JSON object, e.g. '{\"sparsity\": 0.7}'")
+            raise ValueError("--kv-draft-compressor-config must be a JSON object, e.g. "
+                             "'{\"sparsity\": 0.7}'")
     flags = [f for f,
              v in (("--kv-draft-compressor", compressor),
                    ("--kv-draft-compressor-config", settings))
@@ -83,8 +84,8 @@ def apply_kv_draft_flags(speculative: SpeculativeConfig | None, speculative_json
     if flags and (speculative is None or speculative.method != "lossy_kv"):
         got = "no --speculative-config" if speculative is None else f"method {speculative.method!r}"
         verb = "requires" if len(flags) == 1 else "require"
-        raise ValueError(f"{' and '.join(flags)} {verb} --speculative-config with \"method\": \"lossy_kv\" "
-                         f"(got {got})")
+        raise ValueError(f"{' and '.join(flags)} {verb} --speculative-config with "
+                         f"\"method\": \"lossy_kv\" (got {got})")
     if speculative is None or speculative.method != "lossy_kv":
         return speculative
     given = _json_keys(speculative_json)
@@ -100,7 +101,8 @@ def apply_kv_draft_flags(speculative: SpeculativeConfig | None, speculative_json
         speculative = replace(speculative, kv_compressor=compressor)
     if settings is not None:
         speculative = replace(speculative, kv_compressor_config=settings)
-    name_src = "--kv-draft-compressor" if compressor is not None else "--speculative-config \"kv_compressor\""
+    name_src = ("--kv-draft-compressor" if compressor is not None
+                else "--speculative-config \"kv_compressor\"")
     cfg_src = ("--kv-draft-compressor-config" if settings is not None
                else "--speculative-config \"kv_compressor_config\"")
     if speculative.kv_compressor not in kv_compressors.COMPRESSORS:

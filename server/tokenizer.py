@@ -22,7 +22,8 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path))
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    name = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(name.encode()).hexdigest()[:16]
     saved = cache_dir() / "tokenizers" / key
     if (saved / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(saved))

@@ -69,8 +69,8 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, dev
 
 def _split_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of the unfused tensors a checkpoint holds, by internal name."""
-    q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
-        cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     shapes = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -126,7 +126,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     arch = meta["general.architecture"]
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama family only)")
-    n_head, n_kv = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.attention.head_count_kv"])
+    n_head = int(meta[f"{arch}.attention.head_count"])
+    n_kv = int(meta[f"{arch}.attention.head_count_kv"])
     hidden = int(meta[f"{arch}.embedding_length"])
     names = {t.name for t in reader.tensors}
     vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
@@ -156,7 +157,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             w = _unpermute(w, n_head)
         elif arch == "llama" and leaf_is(name, "k"):
             w = _unpermute(w, n_kv)
-        tensors[name] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+        usable = w.flags.writeable and w.flags.c_contiguous
+        tensors[name] = torch.from_numpy(w if usable else w.copy())
     return cfg, tensors
 
 

@@ -154,7 +154,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -180,8 +181,8 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         o = attn(self.layer_idx, q, k, v)                 # [num_tokens, num_heads, head_dim]
-        x, h = self.post_attention_layernorm.add_forward(x,
-                                                         self.o_proj(o.reshape(num_tokens, self.q_size)))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.o_proj(o.reshape(num_tokens, self.q_size)))
         return x, self.down_proj(silu_mul(self.gate_up_proj(h)))
 
 
@@ -220,10 +221,12 @@ class LlamaModel(nn.Module):
         a second copy of those weights in memory. Returns False (and changes nothing) where
         unsupported."""
         weight = self.embed_tokens.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not cpu_packing_available():
+        if (weight.device.type != "cpu" or weight.dtype != torch.float32
+                or not cpu_packing_available()):
             return False
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self._lm_head_packed = pack_cpu_weight(weight if self.lm_head is None else self.lm_head.weight)
+        head = weight if self.lm_head is None else self.lm_head.weight
+        self._lm_head_packed = pack_cpu_weight(head)
         return True

@@ -36,7 +36,8 @@ def resolve_model_path(model: str | None) -> Path:
         return path
     if path.is_dir() and (path / "config.json").exists():
         return path
-    raise FileNotFoundError(f"model {model!r} is neither a .gguf file nor a folder with config.json")
+    raise FileNotFoundError(f"model {model!r} is neither a .gguf file nor a folder with "
+                            "config.json")
 
 
 def cache_dir() -> Path:

@@ -127,7 +127,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     short = _short_requests(meta, q.device)
     if short is not None:
         reqs, firsts, qlens, lens, tables, rows, max_ctx = short
-        assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
+        assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1
+        assert v_cache.stride() == k_cache.stride()
         # padded query rows are masked out
         qc = q.contiguous()
         num_splits, split = plan_splits(max_ctx, reqs.shape[0] * num_heads, BN)

@@ -283,7 +283,8 @@ class Compressor(ABC):
         sinks = min(num_tokens, c.num_sink)
         pages = max(0, (num_tokens - sinks - c.window) // c.page_size)
         dense = num_tokens - pages * c.page_size
-        return c.num_layers * (dense * c.dense_bytes_per_token() + pages * self.nominal_page_bytes())
+        per_layer = dense * c.dense_bytes_per_token() + pages * self.nominal_page_bytes()
+        return c.num_layers * per_layer
 
     def state_bytes(self, state: SequenceState) -> int:
         """Actual bytes held: dense sinks and tail at fp16 plus every page in its packed format."""

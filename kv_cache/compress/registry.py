@@ -32,7 +32,8 @@ def check_settings(name: str, settings: object) -> None:
     keys."""
     allowed = known_keys(name)
     if not isinstance(settings, dict):
-        raise ValueError(f"compressor settings must be a JSON object, got {type(settings).__name__}")
+        raise ValueError(f"compressor settings must be a JSON object, "
+                         f"got {type(settings).__name__}")
     unknown = sorted(set(settings) - set(allowed))
     if unknown:
         raise ValueError(f"unknown {name} compressor settings {unknown}; known: {sorted(allowed)}")

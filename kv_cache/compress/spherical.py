@@ -85,7 +85,8 @@ class SphericalCompressor(Compressor):
                 raise ValueError(f"tier {t} codebook shape {tuple(cb.shape)} != {want}")
         self.codebooks = codebooks
         self.tier, self.value_bits, self.budget_bits = tier, value_bits, budget_bits
-        self.name = f"spherical-T{tier}-v{value_bits}" + (f"-rdr{budget_bits:g}" if budget_bits else "")
+        self.name = (f"spherical-T{tier}-v{value_bits}"
+                     + (f"-rdr{budget_bits:g}" if budget_bits else ""))
 
     # ---- format --------------------------------------------------------------------------------
     def _encode_keys(self, layer: int, k: torch.Tensor, tier: int, page: SphericalPage) -> None:

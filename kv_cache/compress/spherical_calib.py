@@ -98,7 +98,8 @@ def local_texts(limit_chars: int, exclude: tuple[str, ...] = ("transformers",)) 
 def cache_path(model_path: Path, settings: str, cache_root: Path) -> Path:
     """cache_root: the specserve cache (the caller passes `spec_phases.paths.cache_dir()`)."""
     stat = os.stat(model_path)
-    key = hashlib.sha256(f"{model_path.name}:{stat.st_size}:{settings}:{CALIB_VERSION}".encode()).hexdigest()
+    name = f"{model_path.name}:{stat.st_size}:{settings}:{CALIB_VERSION}"
+    key = hashlib.sha256(name.encode()).hexdigest()
     folder = cache_root / "spherical"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{model_path.stem}-{key[:16]}.pt"

@@ -61,11 +61,11 @@ class DraftAttention:
         for i, ls in enumerate(lss):
             n = ls.sink_k.shape[0]
             k[i, :, :n], v[i, :, :n] = ls.sink_k.transpose(0, 1), ls.sink_v.transpose(0, 1)
-            k[i, :, n:lens[i]], v[i, :, n:lens[i]] = ls.tail_k.transpose(0,
-                                                                         1), ls.tail_v.transpose(0, 1)
+            k[i, :, n:lens[i]] = ls.tail_k.transpose(0, 1)
+            v[i, :, n:lens[i]] = ls.tail_v.transpose(0, 1)
         cols = torch.arange(width + self.max_len, device=k.device)
-        valid = (cols[None, :] < torch.tensor(lens, device=k.device)[:, None]) | (cols[None,
-                                                                                       :] >= width)
+        held = cols[None, :] < torch.tensor(lens, device=k.device)[:, None]
+        valid = held | (cols[None, :] >= width)
         return k, v, valid, width, self.comp.draft_pages(layer, lss)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
