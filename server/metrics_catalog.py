@@ -75,6 +75,13 @@ class EngineMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, names, buckets=buckets, registry=registry).labels(**base)
 
+        self._declare_scheduler_state(registry, base, names, gauge, counter)
+        self._declare_request_histograms(histogram, max_model_len)
+        self._declare_specserve(registry, base, names)
+        self._declare_spec_decode(registry, base, names)
+
+    def _declare_scheduler_state(self, registry: CollectorRegistry, base: dict, names: list[str],
+                                 gauge, counter) -> None:
         # -- scheduler state (gauges) ------------------------------------------------------------
         self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -109,6 +116,8 @@ class EngineMetrics:
                                           "Legacy alias of vllm:prefix_cache_queries.")
         self.gpu_prefix_hits = counter("vllm:gpu_prefix_cache_hits",
                                        "Legacy alias of vllm:prefix_cache_hits.")
+
+    def _declare_request_histograms(self, histogram, max_model_len: int) -> None:
         # -- request histograms --------------------------------------------------------------------
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
                               TTFT_BUCKETS)
@@ -144,8 +153,6 @@ class EngineMetrics:
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
-        self._declare_specserve(registry, base, names)
-        self._declare_spec_decode(registry, base, names)
 
     def _declare_specserve(self, registry: CollectorRegistry, base: dict, names: list[str]) -> None:
         comp = {"kv_compressor": self.labels.kv_compressor}
