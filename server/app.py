@@ -21,7 +21,7 @@ from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResp
                                        CompletionResponse, DetokenizeRequest, ErrorResponse,
                                        TokenizeRequest)
 from specserve.scheduler.validation import check_prompt_ids
-from specserve.server.serving_base import ServingContext, served_model
+from specserve.server.serving_base import ServingContext, encode_text, served_model
 from specserve.server.serving_chat import create_chat_completion, render_chat
 from specserve.server.serving_completions import create_completion
 from specserve.server.settings import VERSION, ServerSettings
@@ -104,7 +104,8 @@ def openai_router(ctx: ServingContext) -> APIRouter:
         else:
             text = body.prompt
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = ctx.tokenizer.encode(text, add_special_tokens=add_special)
+        tokens = encode_text(ctx, text, "messages" if body.messages is not None else "prompt",
+                             add_special)
         strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": ctx.model_info.max_model_len,
                 "tokens": tokens,
@@ -123,14 +124,18 @@ def ops_router(ctx: ServingContext) -> APIRouter:
     """Open routes for probes and tools (no API key)."""
     router = APIRouter()
 
-    @router.get("/health", responses={503: {"model": ErrorResponse}})
+    @router.get("/health", response_class=Response,
+                responses={200: {"description": "Healthy (empty body)."},
+                           503: {"model": ErrorResponse}})
     async def health():
         if ctx.client.is_dead:
             err = engine_dead()
             return JSONResponse(err.envelope(), status_code=503, headers=err.headers)
         return Response(status_code=200)
 
-    @router.get("/ping")
+    @router.get("/ping", response_class=Response,
+                responses={200: {"description": "Healthy (empty body)."},
+                           503: {"model": ErrorResponse}})
     async def ping():
         return await health()
 

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from specserve.scheduler.messages import EngineDeadError, EngineOverloadedError
+from specserve.server.generation import EngineRequestError
 from specserve.spec_phases.sampling_params import ParamError
 
 logger = logging.getLogger("specserve.server")
@@ -140,6 +141,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDeadError):
         err = engine_dead()
         return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(EngineRequestError)
+    async def _engine_request(_: Request, exc: EngineRequestError):
+        # the engine's own message, as the streaming path reports it
+        return error_response(500, f"The engine failed on this request: {exc}")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -38,18 +38,19 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1, /tokenize and /detokenize, compared in constant
-    time."""
+    """`Authorization: Bearer <key>` on /v1, /tokenize and /detokenize: the scheme in any case
+    (RFC 9110), the key compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
                 scope["path"].startswith(GUARDED_PREFIXES):
-            given = (_header(scope, b"authorization") or "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, token = (_header(scope, b"authorization") or "").strip().partition(" ")
+            given = token.strip().encode("latin-1", "replace")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.expected):
                 await send_envelope(send, 401, "Invalid or missing API key.")
                 return
         await self.app(scope, receive, send)

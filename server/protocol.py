@@ -56,7 +56,9 @@ class SamplingFields(OpenAIBase):
     return_token_ids: bool = False
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    request_id: str | None = None
+    # echoed in the x-request-id header: printable ASCII, bounded
+    request_id: str | None = Field(default=None, min_length=1, max_length=256,
+                                   pattern=r"^[\x21-\x7e]+$")
     user: str | None = None
     num_speculative_tokens: int | None = None
     # Known to vLLM, refused here until implemented (openai-api.md §2.3).

@@ -47,6 +47,17 @@ class ServingContext:
         return self.client.model_info
 
 
+def encode_text(ctx: ServingContext, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    """Tokenize request text; text that is not valid Unicode (a lone UTF-16 surrogate from a JSON
+    escape such as \\ud800) is a 400 naming `param`, not a tokenizer crash."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} is not valid Unicode text: a lone surrogate "
+                          f"{text[exc.start]!r} at character {exc.start}.", param) from None
+    return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def served_model(ctx: ServingContext, requested: str | None) -> str:
     """The name to echo in `model`; 404 for a name we do not serve (openai-api.md §6)."""
     if requested is None or requested == "":

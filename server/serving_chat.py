@@ -13,6 +13,7 @@ from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import ChatCompletionRequest, ChatMessage
 from specserve.scheduler.validation import check_context
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
+                                           encode_text,
                                            engine_request_id, error_event, logprob_value,
                                            new_choice, request_id_for,
                                            sampling_params, served_model,
@@ -105,7 +106,7 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
                        add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message,
                        chat_template_kwargs=body.chat_template_kwargs)
-    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    prompt_ids = encode_text(ctx, text, "messages", body.add_special_tokens)
     if body.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
     info = ctx.model_info

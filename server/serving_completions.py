@@ -13,6 +13,7 @@ from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import CompletionRequest
 from specserve.scheduler.validation import check_context, check_prompt_ids
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
+                                           encode_text,
                                            engine_request_id,
                                            error_event, logprob_value, new_choice, request_id_for,
                                            sampling_params,
@@ -40,8 +41,7 @@ def parse_prompts(ctx: ServingContext,
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = ctx.tokenizer.encode(item,
-                                       add_special_tokens=body.add_special_tokens) if item else []
+            ids = encode_text(ctx, item, "prompt", body.add_special_tokens) if item else []
             text = item
         else:
             ids, text = [int(t) for t in item], None
