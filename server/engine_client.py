@@ -12,10 +12,17 @@ import inspect
 import logging
 from collections.abc import AsyncIterator
 
-from specserve.scheduler.messages import (EngineDeadError, EngineRequest, ModelInfo, RequestOutput)
+from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, EngineRequest,
+                                          ModelInfo, RequestOutput)
+from specserve.spec_phases.sampling_params import ParamError
 
 logger = logging.getLogger("specserve.server")
 _END = object()
+
+
+# submit() refusals: the request never started (counted apart from finished requests)
+REJECTED = {EngineOverloadedError: "overloaded", EngineDeadError: "engine_dead",
+            ParamError: "invalid"}
 
 
 class EngineClient:
@@ -89,7 +96,10 @@ class ChoiceStream:
             for index, request in enumerate(self.requests):
                 outputs = await self.client.submit(request)
                 self.pumps.append(asyncio.create_task(self._pump(index, outputs)))
-        except BaseException:
+        except BaseException as exc:
+            reason = REJECTED.get(type(exc))
+            if reason is not None and self.tracker is not None:
+                self.tracker.rejected(reason)
             await self.close()
             raise
         return self

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 WAITING_REASONS = ("capacity", "deferred")
+REJECT_REASONS = ("overloaded", "engine_dead", "invalid")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 # vLLM's bucket edges (vllm/v1/metrics: the lists its loggers pass to each histogram)
@@ -156,6 +157,11 @@ class EngineMetrics:
 
     def _declare_specserve(self, registry: CollectorRegistry, base: dict, names: list[str]) -> None:
         comp = {"kv_compressor": self.labels.kv_compressor}
+        rejected = Counter("specserve:requests_rejected",
+                           "API requests refused at admission (never started), by reason; not "
+                           "counted in vllm:request_success or the latency histograms.",
+                           names + ["reason"], registry=registry)
+        self.requests_rejected = {r: rejected.labels(**base, reason=r) for r in REJECT_REASONS}
         self.kv_bytes_per_token = Gauge(
             "specserve:kv_bytes_per_token", "KV bytes one token takes, by pool and compressor.",
             names + ["pool", "kv_compressor"], registry=registry)

@@ -207,6 +207,7 @@ class RequestTracker:
         self.requests = requests
         self.n = max(n, 1)
         self.timings = [_Timing(r.arrival_time, r.sampling_params.max_tokens) for r in requests]
+        self.was_rejected = False
 
     def output(self, index: int, out: RequestOutput) -> None:
         timing = self.timings[index]
@@ -232,7 +233,15 @@ class RequestTracker:
     def failed(self, index: int) -> None:
         self._finish(index, "error", None)
 
+    def rejected(self, reason: str) -> None:
+        """Refused at admission (overload, a dead engine, input the engine refuses): counted as one
+        rejection, never as a finished request, and kept out of the latency histograms."""
+        self.metrics.requests_rejected[reason].inc()
+        self.was_rejected = True
+
     def close(self) -> None:
+        if self.was_rejected:
+            return                                    # nothing ran: nothing to count
         for index, timing in enumerate(self.timings):
             if not timing.done:
                 self._finish(index, "abort", None)

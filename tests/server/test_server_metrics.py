@@ -306,3 +306,34 @@ def test_kv_compressor_label_names_the_drafting_cache_under_lossy_kv(tiny_core):
     assert 0 < draft_rate < full_rate
     assert not [k for k in found if dict(k[1]).get("kv_compressor") == "none"
                 and k[0].startswith("specserve:spec_decode")]
+
+
+def test_requests_refused_at_admission_are_rejections_not_finished_requests(tiny_core):
+    """A 503 at admission (queue full) counts in specserve:requests_rejected_total, never as an
+    abort in vllm:request_success_total, and never in the latency histograms (issue 19, D5)."""
+    import asyncio
+
+    from specserve.scheduler.messages import EngineOverloadedError
+    from specserve.server.engine_client import EngineClient
+
+    metrics = ServerMetrics(stand_in(tiny_core()), ServerSettings(served_model_names=("tiny",)))
+
+    class Full:
+        model_info = None
+
+        def submit(self, request):
+            raise EngineOverloadedError("queue full")
+
+    client = EngineClient(Full())
+    client.tracker_factory = metrics.tracker
+    request = EngineRequest("x", [5, 6, 7], SamplingParams(max_tokens=4))
+
+    async def main():
+        with pytest.raises(EngineOverloadedError):
+            async with client.open([request, request], n=2):
+                pass
+    asyncio.run(main())
+    found = samples(metrics)
+    assert value(found, "specserve:requests_rejected_total", reason="overloaded") == 1
+    assert value(found, "vllm:request_success_total", finished_reason="abort") == 0
+    assert value(found, "vllm:e2e_request_latency_seconds_count") == 0
