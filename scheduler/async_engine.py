@@ -29,7 +29,9 @@ class AsyncEngine:
         self.core = core or EngineCore(config)
         self.model_info = self.core.model_info
         self.engine_info = self.core.engine_info
-        self.on_step: Callable[[StepStats], None] | None = None    # metrics hook, engine thread
+        self.on_step: Callable[[StepStats], None] | None = None
+        # called once on the engine thread after the loop died and every stream was failed
+        self.on_death: Callable[[BaseException], None] | None = None    # metrics hook, engine thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -121,6 +123,8 @@ class AsyncEngine:
                 streams = list(self._streams.values())
             for target in streams:
                 _post(target, EngineDeadError(f"engine died: {exc}"))
+            if self.on_death is not None:              # the server exits (vLLM's behaviour)
+                self.on_death(exc)
 
     def _drain(self, block: bool) -> bool:
         while True:

@@ -146,10 +146,19 @@ def serve(args: argparse.Namespace) -> None:
     try:
         settings = server_settings(args, engine.model_info)
         app = build_app(engine, tokenizer, settings, routers=extra_routers(engine, settings))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_keep_alive=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.uvicorn_log_level,
+                                               timeout_keep_alive=5))
+
+        def stop(exc: BaseException) -> None:       # the engine died: stop serving, then exit 1
+            server.should_exit = True
+        engine.on_death = stop
+        server.run()
     finally:
         engine.shutdown()
+    if engine.is_dead:                             # a supervisor (compose, k8s) restarts us
+        raise SystemExit("specserve: the engine loop died; exiting so that a supervisor restarts "
+                         "the server")
 
 
 def extra_routers(engine, settings) -> list:

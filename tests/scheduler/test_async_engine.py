@@ -61,11 +61,15 @@ def test_validation_and_overload_raise_before_streaming(engines):
 def test_dead_engine_fails_streams_and_new_submits(engine, monkeypatch):
     def explode():
         raise SystemError("kaput")
+    deaths = []
+    engine.on_death = deaths.append                          # the server stops and exits 1 here
+
     async def main():
         monkeypatch.setattr(engine.core, "step", explode)
         with pytest.raises(EngineDeadError):
             await collect(engine, req("d"))
         assert engine.is_dead
+        assert len(deaths) == 1 and isinstance(deaths[0], SystemError)
         with pytest.raises(EngineDeadError):
             engine.submit(req("after"))
     asyncio.run(main())
