@@ -29,9 +29,9 @@ class AsyncEngine:
         self.core = core or EngineCore(config)
         self.model_info = self.core.model_info
         self.engine_info = self.core.engine_info
-        self.on_step: Callable[[StepStats], None] | None = None
+        self.on_step: Callable[[StepStats], None] | None = None     # metrics hook, engine thread
         # called once on the engine thread after the loop died and every stream was failed
-        self.on_death: Callable[[BaseException], None] | None = None    # metrics hook, engine thread
+        self.on_death: Callable[[BaseException], None] | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
