@@ -1,4 +1,5 @@
-"""The README's test command is what CI runs, and the serve command names the real CLI."""
+"""The README's test command is what CI runs (its last line; the lines before it only install the
+tools the deploy tests need), and the serve command names the real CLI."""
 import re
 from pathlib import Path
 
@@ -15,4 +16,5 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert "pytest" in test
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                 if line and not line.startswith(("#", "set ", "cd "))]
-    assert test in ci_lines
+    assert ci_lines[-1] == test                      # CI ends with exactly the README's command
+    assert sum("pytest" in line for line in ci_lines) == 1   # and runs tests nowhere else
