@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from specserve.scheduler.config import EngineConfig
@@ -21,6 +23,7 @@ from specserve.scheduler.messages import StepStats
 
 logger = logging.getLogger(__name__)
 _STOP = object()
+DRAIN_WINDOW = 64
 
 
 class AsyncEngine:
@@ -37,6 +40,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._busy = False                        # the engine thread is inside a step
+        self._completions: deque[float] = deque(maxlen=DRAIN_WINDOW)   # finish times
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -55,8 +59,9 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is dead: {self._dead}")
         self.core.validate(request)
         waiting = self.core.scheduler.num_waiting + self._inbox.qsize()
-        if waiting >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(f"{waiting} requests are already waiting")
+        if waiting >= self.config.waiting_bound:
+            raise EngineOverloadedError(f"{waiting} requests are already waiting",
+                                        retry_after_s=self.drain_estimate_s(waiting))
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request.request_id in self._streams:
@@ -149,8 +154,19 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver([out])
 
+    def drain_estimate_s(self, waiting: int) -> int:
+        """Seconds until `waiting` requests would be served at the measured completion rate (the
+        last DRAIN_WINDOW completions), clamped to [1, 600]; 5 before anything finished."""
+        done = list(self._completions)
+        if len(done) < 2 or done[-1] <= done[0]:
+            return 5
+        rate = (len(done) - 1) / (done[-1] - done[0])            # requests per second
+        return max(1, min(600, math.ceil(waiting / rate)))
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished:
+                self._completions.append(time.monotonic())
             with self._lock:
                 target = self._streams.get(out.request_id)
             if target is not None:

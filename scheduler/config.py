@@ -26,8 +26,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    # bounded queue: submit() beyond it raises EngineOverloadedError
-    max_waiting_requests: int = 1024
+    # bounded queue: submit() beyond it raises EngineOverloadedError (503). None: 2 x max_num_seqs,
+    # two batches' worth waiting beside the running one
+    max_waiting_requests: int | None = None
     seed: int = 0
     num_threads: int | None = None      # torch intra-op threads on CPU (None: torch's default)
     # fp32 on CPU: prepack linear weights for oneDNN (faster GEMMs,
@@ -43,7 +44,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
-        if self.max_waiting_requests < 1:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
         if self.host_kv_cache_memory_gb is not None:
             spec = self.speculative
@@ -54,6 +55,13 @@ class EngineConfig:
                 raise ValueError("host_kv_cache_memory_gb sizes the full-KV host pool of lossy_kv "
                                  "(--speculative-config '{\"method\": \"lossy_kv\"}', "
                                  "full_kv_in_host not false)")
+
+    @property
+    def waiting_bound(self) -> int:
+        """The waiting queue's bound: `max_waiting_requests`, by default derived from capacity."""
+        if self.max_waiting_requests is not None:
+            return self.max_waiting_requests
+        return 2 * self.max_num_seqs
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(

@@ -118,6 +118,10 @@ class EngineDeadError(RuntimeError):
 class EngineOverloadedError(RuntimeError):
     """The bounded waiting queue is full (the server answers 503 with Retry-After)."""
 
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s        # the engine's estimate of the queue's drain time
+
 
 class EngineClientProtocol(Protocol):
     """What the server may call on an engine (the real one is `scheduler.async_engine.AsyncEngine`;

@@ -78,7 +78,7 @@ def map_engine_exception(exc: BaseException, retry_after_s: int = 1) -> APIError
     if isinstance(exc, ParamError):
         return bad_request(exc.message, exc.param)
     if isinstance(exc, EngineOverloadedError):
-        return overloaded(retry_after_s)
+        return overloaded(max(retry_after_s, exc.retry_after_s))
     if isinstance(exc, EngineDeadError):
         return engine_dead()
     logger.exception("engine failure", exc_info=exc)

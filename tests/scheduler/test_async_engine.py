@@ -74,3 +74,24 @@ def test_dead_engine_fails_streams_and_new_submits(engine, monkeypatch):
             engine.submit(req("after"))
     asyncio.run(main())
     engine.core.scheduler.abort("d")                        # the dead loop left it behind
+
+
+def test_the_queue_is_bounded_by_default_and_retry_after_follows_the_drain_rate(engines):
+    """Issue 19 D4: with no flag the waiting queue holds 2 x max_num_seqs; a refusal carries the
+    engine's estimate of how long the queue takes to drain at its measured completion rate."""
+    eng = engines.async_engine(model="tiny-random", kv_cache_memory_gb=0.05, max_num_seqs=3)
+    assert eng.config.max_waiting_requests is None and eng.config.waiting_bound == 6
+    assert eng.drain_estimate_s(10) == 5                  # nothing finished yet: a default
+
+    async def main():
+        await asyncio.gather(*(collect(eng, req(f"w{i}", max_tokens=3)) for i in range(6)))
+        rate_s = eng.drain_estimate_s(1000)
+        for _ in range(6):                                # a full queue, as the engine sees it
+            eng.core.scheduler.waiting.append(object())
+        with pytest.raises(EngineOverloadedError) as refused:
+            eng.submit(req("over"))
+        eng.core.scheduler.waiting.clear()
+        return rate_s, refused.value.retry_after_s
+    long_queue, retry_after = asyncio.run(main())
+    assert 1 <= retry_after <= long_queue <= 600
+    assert long_queue > retry_after or long_queue == 600   # more waiting, a longer wait

@@ -93,3 +93,10 @@ def test_an_engine_error_is_reported_with_its_message_streaming_or_not(tok):
     events = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: {")]
     assert any(e.get("error", {}).get("message") == message for e in events), events
+
+
+def test_a_503_carries_the_engines_drain_estimate_as_retry_after():
+    from specserve.scheduler.messages import EngineOverloadedError
+    from specserve.server.errors import map_engine_exception
+    err = map_engine_exception(EngineOverloadedError("full", retry_after_s=42), retry_after_s=1)
+    assert err.status == 503 and err.headers["Retry-After"] == "42"
