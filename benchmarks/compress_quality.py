@@ -1,6 +1,8 @@
-"""KV compressor quality on the embedded model: bytes/token vs attention error vs next-token agreement.
+"""KV compressor quality on the embedded model: bytes/token vs attention error vs next-token
+agreement.
 
-    HF_HUB_OFFLINE=1 python benchmarks/compress_quality.py [--context 2048] [--eval 256] [--out docs]
+    HF_HUB_OFFLINE=1 python benchmarks/compress_quality.py [--context 2048] [--eval 256] \
+        [--out docs]
 
 Method (teacher-forced, VeriCache semantics). One full-cache forward over the context gives every
 layer's exact post-RoPE K/V and the reference greedy tokens. Then, for each compressor, the last
@@ -42,13 +44,15 @@ def load_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from specserve.spec_phases.paths import embedded_model_path
     p = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                 dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return p, model, tok
 
 
 def eval_text() -> str:
-    """transformers' own README (its METADATA), which calibration never sees (`local_texts` excludes it)."""
+    """transformers' own README (its METADATA), which calibration never sees (`local_texts`
+    excludes it)."""
     import importlib.metadata as md
     return md.distribution("transformers").read_text("METADATA").split("\n\n", 1)[-1]
 
@@ -61,7 +65,8 @@ def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
 
 
 def run_chunk(model, comp, state, ids, start, kv_exact, errs):
-    """Functional forward of tokens ids[start:start+n] over the compressed state -> logits [n, V]."""
+    """Functional forward of tokens ids[start:start+n] over the compressed state -> logits
+    [n, V]."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     cfg = model.config
     n, d = ids.shape[0], cfg.head_dim
@@ -77,12 +82,15 @@ def run_chunk(model, comp, state, ids, start, kv_exact, errs):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)   # [n, heads, D]
         ek, ev = kv_exact[layer]                                               # [T, H, D] exact
-        chunk = dense_attention(q, ek[start:start + n], ev[start:start + n], comp.sm_scale, pos, pos + 1)
+        chunk = dense_attention(q, ek[start:start + n], ev[start:start + n], comp.sm_scale, pos,
+                                pos + 1)
         own = self_attention(q, k, v, comp.sm_scale)
         out, _ = merge_attention([comp.attend(state, layer, q), chunk, own])
-        if getattr(comp, "budget_bits", None):                                 # RDR: attention-mass feedback
+        # RDR: attention-mass feedback
+        if getattr(comp, "budget_bits", None):
             comp.observe(state, layer, comp.page_attention_mass(state, layer, q))
-        full, _ = merge_attention([dense_attention(q, ek[:start], ev[:start], comp.sm_scale), chunk, own])
+        full, _ = merge_attention([dense_attention(q, ek[:start], ev[:start], comp.sm_scale),
+                                   chunk, own])
         errs.append(((out - full).norm(dim=-1) / full.norm(dim=-1)).mean().item())
         h = h + attn.o_proj(out.reshape(1, n, -1))
         h = h + block.mlp(block.post_attention_layernorm(h))
@@ -90,14 +98,16 @@ def run_chunk(model, comp, state, ids, start, kv_exact, errs):
 
 
 def observation_queries(model, hidden_states, start: int, end: int) -> list[torch.Tensor]:
-    """Post-RoPE queries [end - start, Hq, D] of prefix positions [start, end) for every layer, from
-    the full run's layer inputs: the prefill attention-mass prior RDR uses (an observation window)."""
+    """Post-RoPE queries [end - start, Hq, D] of prefix positions [start, end) for every layer,
+    from the full run's layer inputs: the prefill attention-mass prior RDR uses (an observation
+    window)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     pos = torch.arange(start, end)[None]
     queries = []
     for layer, block in enumerate(model.model.layers):
         x = block.input_layernorm(hidden_states[layer][:, start:end])
-        q = block.self_attn.q_proj(x).view(1, end - start, -1, model.config.head_dim).transpose(1, 2)
+        q = block.self_attn.q_proj(x).view(1, end - start, -1,
+                                           model.config.head_dim).transpose(1, 2)
         cos, sin = model.model.rotary_emb(x, pos)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         queries.append(q[0].transpose(0, 1))
@@ -105,8 +115,8 @@ def observation_queries(model, hidden_states, start: int, end: int) -> list[torc
 
 
 def encode_prefix(comp, state, kv_exact, first, obs_queries) -> None:
-    """Encode the prefix; an RDR compressor first sees every page at T1, gets the observation window's
-    attention mass per page, and only then applies its budget."""
+    """Encode the prefix; an RDR compressor first sees every page at T1, gets the observation
+    window's attention mass per page, and only then applies its budget."""
     budget = getattr(comp, "budget_bits", None)
     if budget:
         comp.set_retention(budget_bits=None)
@@ -125,8 +135,9 @@ def evaluate(model, comp, ids, kv_exact, ref_tokens, context, num_eval, chunk, o
         encode_prefix(comp, state, kv_exact, first, obs_queries)
     dense = comp.config.dense_bytes_per_token()
     cache_ratio = comp.state_bytes(state) / (first * len(kv_exact) * dense)
-    pages = [p for ls in state.layers for p in ls.pages]                      # measured, so RDR counts
-    page_ratio = sum(comp.page_bytes(p) for p in pages) / max(1, len(pages) * comp.config.page_size * dense)
+    pages = [p for ls in state.layers for p in ls.pages]             # measured, so RDR counts
+    page_ratio = sum(comp.page_bytes(p) for p in pages) / max(
+        1, len(pages) * comp.config.page_size * dense)
     errs, agree = [], 0
     with torch.no_grad():
         for start in range(first, context, chunk):
@@ -140,7 +151,8 @@ def evaluate(model, comp, ids, kv_exact, ref_tokens, context, num_eval, chunk, o
 
 
 def settings(cfg: CompressorConfig, books):
-    full = WindowCompressor(CompressorConfig(**{**cfg.__dict__, "window": 1 << 20}))   # nothing compressed
+    # nothing compressed
+    full = WindowCompressor(CompressorConfig(**{**cfg.__dict__, "window": 1 << 20}))
     full.name = "full-fp16"                                                           # (sanity row)
     yield full
     for window in (128, 192, 448):
@@ -152,8 +164,9 @@ def settings(cfg: CompressorConfig, books):
     for tier, vbits in ((1, 16), (1, 8), (1, 4), (2, 4), (3, 4)):
         yield SphericalCompressor(cfg, books, tier=tier, value_bits=vbits)
     dense_bits = cfg.dense_bytes_per_token() * 8
-    for vbits, share in ((8, 0.20), (4, 0.12)):                        # RDR budget as a share of fp16
-        rdr = SphericalCompressor(cfg, books, tier=1, value_bits=vbits, budget_bits=share * dense_bits)
+    for vbits, share in ((8, 0.20), (4, 0.12)):              # RDR budget as a share of fp16
+        rdr = SphericalCompressor(cfg, books, tier=1, value_bits=vbits,
+                                  budget_bits=share * dense_bits)
         rdr.name = f"spherical-T1-v{vbits}-rdr{round(100 * share)}"
         yield rdr
     for ks, vs in ((0.5, 0.5), (0.7, 0.7), (0.8, 0.8), (0.85, 0.85)):
@@ -171,7 +184,8 @@ def plot(rows, path: Path):
                    label=family)
     ax.axvline(25, color="grey", ls=":", lw=1)
     ax.axhline(90, color="grey", ls=":", lw=1)
-    ax.set_xlabel("whole KV cache after the 1,792-token prefix, % of fp16 (sinks + window included)")
+    ax.set_xlabel("whole KV cache after the 1,792-token prefix, % of fp16 "
+                  "(sinks + window included)")
     ax.set_ylabel("next-token agreement with full cache, %")
     ax.set_title("SmolLM2-135M, 256 teacher-forced positions")
     ax.legend()
@@ -184,13 +198,14 @@ def table(rows) -> str:
              "| attn-output rel. error | next-token agreement |",
              "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["cache"]):
-        lines.append(f"| {r['name']} | {100 * r['bytes']:.1f} | {100 * r['cache']:.1f} | {r['attn_err']:.4f} "
-                     f"| {100 * r['agree']:.1f}% |")
+        lines.append(f"| {r['name']} | {100 * r['bytes']:.1f} | {100 * r['cache']:.1f} "
+                     f"| {r['attn_err']:.4f} | {100 * r['agree']:.1f}% |")
     return "\n".join(lines)
 
 
 def render(json_files: list[str], out_dir: Path) -> None:
-    """Merge result files of several (parallel) runs into one JSON, a Markdown table and the plot."""
+    """Merge result files of several (parallel) runs into one JSON, a Markdown table and the
+    plot."""
     rows = [r for f in json_files for r in json.loads(Path(f).read_text())]
     (out_dir / "img").mkdir(parents=True, exist_ok=True)
     (out_dir / "img" / "compress_quality.json").write_text(json.dumps(rows, indent=1))
@@ -205,7 +220,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--calib-tokens", type=int, default=6144)
     ap.add_argument("--out", default="docs")
-    ap.add_argument("--only", default="", help="comma-separated setting names to run (default: all)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated setting names to run (default: all)")
     ap.add_argument("--render", nargs="*", help="only merge these result JSON files into --out")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
@@ -217,11 +233,13 @@ def main() -> None:
     t0 = time.time()
     path, model, tok = load_model()
     cfg_m = model.config
-    cfg = CompressorConfig(num_layers=cfg_m.num_hidden_layers, num_kv_heads=cfg_m.num_key_value_heads,
+    cfg = CompressorConfig(num_layers=cfg_m.num_hidden_layers,
+                           num_kv_heads=cfg_m.num_key_value_heads,
                            head_dim=cfg_m.head_dim, num_sink=4, window=64, page_size=64)
 
     def calib_keys():
-        ids = torch.tensor(tok(local_texts(60 * args.calib_tokens))["input_ids"][: args.calib_tokens])
+        ids = torch.tensor(
+            tok(local_texts(60 * args.calib_tokens))["input_ids"][: args.calib_tokens])
         return collect_keys(model, list(ids.split(2048)))
 
     from specserve.spec_phases.paths import cache_dir
@@ -234,7 +252,8 @@ def main() -> None:
         obs_queries = observation_queries(model, out.hidden_states, first - 64, first)
         out.hidden_states = None
     ref_tokens = out.logits[0, args.context - args.eval:].argmax(-1)
-    kv_exact = [(layer.keys[0].transpose(0, 1).contiguous(), layer.values[0].transpose(0, 1).contiguous())
+    kv_exact = [(layer.keys[0].transpose(0, 1).contiguous(),
+                 layer.values[0].transpose(0, 1).contiguous())
                 for layer in out.past_key_values.layers]                      # [T, H, D] per layer
     print(f"setup {time.time() - t0:.0f}s", flush=True)
     rows = []

@@ -1,4 +1,5 @@
-"""The FASER controller's own cost: time of one `DraftLengthController.choose` per step (a benchmark).
+"""The FASER controller's own cost: time of one `DraftLengthController.choose` per step (a
+benchmark).
 
 It runs on every step's critical path, so its time adds to every step: small next to a CPU step,
 up to several percent of a launch-bound GPU step (25-45 ms on the H100, BENCHMARKS §7).
@@ -19,7 +20,8 @@ def time_choose(batch: int, k_max: int, pass_cost: float, repeats: int) -> float
     ctl = DraftLengthController(k_max, cost=CostModel(0.03, 0.0002, pass_cost))
     ids = [f"r{i}" for i in range(batch)]
     rng = np.random.default_rng(0)
-    for r in ids:                                  # accepting ~90%: most candidate drafts are considered
+    # accepting ~90%: most candidate drafts are considered
+    for r in ids:
         for _ in range(20):
             ctl.observe(r, k_max, int(rng.binomial(k_max, 0.9)))
     ctl.choose(ids, [k_max] * batch, batch)
@@ -30,7 +32,8 @@ def time_choose(batch: int, k_max: int, pass_cost: float, repeats: int) -> float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=200)

@@ -1,10 +1,11 @@
-"""Why fp32, why prepacked weights, and why verify rows are not free on a CPU: time one SmolLM2-sized
-linear layer (gate_up, 3072 x 576) and the LM head (49152 x 576) at 1, 9 and 16 rows: fp32 through
-F.linear (MKL sgemm), fp32 with the weight prepacked for oneDNN (what the model runs on CPU, see
-`spec_phases/model.py: Linear`), bf16 and fp16 (a benchmark, not a test). Median of repeated calls.
+"""Why fp32, why prepacked weights, and why verify rows are not free on a CPU: time one
+SmolLM2-sized linear layer (gate_up, 3072 x 576) and the LM head (49152 x 576) at 1, 9 and 16 rows:
+fp32 through F.linear (MKL sgemm), fp32 with the weight prepacked for oneDNN (what the model runs on
+CPU, see `spec_phases/model.py: Linear`), bf16 and fp16 (a benchmark, not a test). Median of
+repeated calls.
 Then, for the fp32 kernels, whether a row's result depends on how many rows share the call, and one
-forward of the embedded model (stub attention: linear layers, norms, RoPE, LM head) by rows in the step,
-dense weights vs packed.
+forward of the embedded model (stub attention: linear layers, norms, RoPE, LM head) by rows in the
+step, dense weights vs packed.
 
     python benchmarks/cpu_gemm.py
 """
@@ -47,16 +48,19 @@ def main(repeats: int = 50) -> None:
                 us = median_us(lambda: fn(x, w), repeats)
                 one_row = one_row or us
                 gflops = 2 * shape[0] * shape[1] * rows / us / 1e3
-                print(f"{name:>8} {kernel:>13} {rows:>4} {us:>8.0f} {gflops:>8.1f} {us / one_row:>8.2f}")
+                print(f"{name:>8} {kernel:>13} {rows:>4} {us:>8.0f} {gflops:>8.1f} "
+                      f"{us / one_row:>8.2f}")
     if cpu_packing_available():
         row_invariance()
         model_forward()
 
 
 def row_invariance(counts=(1, 2, 7, 8, 9, 16, 17, 72, 144, 200)) -> None:
-    """Are the first m rows of a call bit-identical to the same rows computed in a call of 200 rows?"""
+    """Are the first m rows of a call bit-identical to the same rows computed in a call of 200
+    rows?"""
     torch.manual_seed(0)
-    print(f"{'layer':>16} {'fp32 mkl':>9} {'fp32 packed':>12}   (rows bit-identical at {list(counts)} rows)")
+    print(f"{'layer':>16} {'fp32 mkl':>9} {'fp32 packed':>12}   "
+          f"(rows bit-identical at {list(counts)} rows)")
     for shape in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
         w, x = torch.randn(*shape), torch.randn(max(counts), shape[1])
         packed = pack_cpu_weight(w)
@@ -80,7 +84,8 @@ def model_forward(row_counts=(1, 8, 16, 72, 144), repeats: int = 10) -> None:
     dense = {n: forward_ms(n) for n in row_counts}
     model.pack_for_cpu()
     packed = {n: forward_ms(n) for n in row_counts}
-    print(f"{'rows':>5} {'dense ms':>9} {'packed ms':>10} {'speedup':>8}   (embedded model, one forward, stub attention)")
+    print(f"{'rows':>5} {'dense ms':>9} {'packed ms':>10} {'speedup':>8}   "
+          "(embedded model, one forward, stub attention)")
     for n in row_counts:
         print(f"{n:>5} {dense[n]:>9.1f} {packed[n]:>10.1f} {dense[n] / packed[n]:>7.2f}x")
 

@@ -44,8 +44,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def spherical_inputs(heads: int, kv_heads: int, q: int, t: int, d: int, group: int, bits: int, page: int,
-                     device: str, dtype: torch.dtype):
+def spherical_inputs(heads: int, kv_heads: int, q: int, t: int, d: int, group: int, bits: int,
+                     page: int, device: str, dtype: torch.dtype):
     g = torch.Generator(device="cpu").manual_seed(t * 31 + q)
     num_groups, codes = d // group, 2 ** bits
     cb = F.normalize(torch.randn(kv_heads, num_groups, codes, group, generator=g), dim=-1)
@@ -65,7 +65,8 @@ def bitmap_inputs(heads: int, kv_heads: int, q: int, t: int, d: int, sparsity: f
     for x in (keys, vals):                     # per-token magnitude pruning, as Mustafar does
         thresh = x.abs().quantile(sparsity, dim=-1, keepdim=True)
         x[x.abs() < thresh] = 0
-    kb, ko, kv = ref_mustafar_encode(keys.reshape(kv_heads, nb, 64, d).transpose(2, 3).reshape(-1, 64))
+    kb, ko, kv = ref_mustafar_encode(
+        keys.reshape(kv_heads, nb, 64, d).transpose(2, 3).reshape(-1, 64))
     vb, vo, vv = ref_mustafar_encode(vals.reshape(-1, 64))
     args = (kb.view(kv_heads, nb, d), ko.view(kv_heads, nb, d), kv,
             vb.view(kv_heads, t, d // 64), vo.view(kv_heads, t, d // 64), vv)
@@ -80,9 +81,10 @@ def dense_fn(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True)
 
 
-def paged_inputs(batch: int, q: int, t: int, heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
-    """A batch of `batch` requests with `t` tokens of context each, `q` new query rows each, in a paged
-    cache of 16-token blocks scattered at random."""
+def paged_inputs(batch: int, q: int, t: int, heads: int, kv_heads: int, d: int, device: str,
+                 dtype: torch.dtype):
+    """A batch of `batch` requests with `t` tokens of context each, `q` new query rows each, in a
+    paged cache of 16-token blocks scattered at random."""
     from specserve.kernels.metadata import PagedAttentionMetadata
     g = torch.Generator(device="cpu").manual_seed(batch * t + q)
     bs, per = 16, -(-t // 16)
@@ -91,7 +93,8 @@ def paged_inputs(batch: int, q: int, t: int, heads: int, kv_heads: int, d: int, 
     k = torch.randn(batch * per * bs, kv_heads, d, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(batch * per * bs, kv_heads, d, generator=g).to(device=device, dtype=dtype)
     query = torch.randn(batch * q, heads, d, generator=g).to(device=device, dtype=dtype)
-    meta = lambda: PagedAttentionMetadata([b * q for b in range(batch + 1)], [t] * batch, tables, bs, device)  # noqa: E731
+    meta = lambda: PagedAttentionMetadata(  # noqa: E731
+        [b * q for b in range(batch + 1)], [t] * batch, tables, bs, device)
     return query, k, v, meta
 
 
@@ -100,7 +103,8 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 9])
@@ -132,8 +136,8 @@ def main() -> None:
             v_dense = sph[5]
             dense = dense_fn(sph[0], k_dense, v_dense, scale)
             row = {"op": "spherical_attention", "T": t, "Q": q,
-                   "dense_ms": bench(dense, dev, args.reps), "ref_ms": bench(lambda: ref(*sph, scale, 128), dev,
-                                                                            args.reps),
+                   "dense_ms": bench(dense, dev, args.reps),
+                   "ref_ms": bench(lambda: ref(*sph, scale, 128), dev, args.reps),
                    "dense_bytes": nbytes(k_dense, v_dense), "bytes": nbytes(*sph[1:4], v_dense)}
             if cuda:
                 fast = dispatch.triton_kernel("spherical_attention")
@@ -148,7 +152,8 @@ def main() -> None:
             k_dense, v_dense = keys.to(device=dev, dtype=dtype), vals.to(device=dev, dtype=dtype)
             dense = dense_fn(bm[0], k_dense, v_dense, scale)
             row = {"op": "mustafar_attention", "T": t, "Q": q,
-                   "dense_ms": bench(dense, dev, args.reps), "ref_ms": bench(lambda: ref(*bm, scale), dev, args.reps),
+                   "dense_ms": bench(dense, dev, args.reps),
+                   "ref_ms": bench(lambda: ref(*bm, scale), dev, args.reps),
                    "dense_bytes": nbytes(k_dense, v_dense), "bytes": nbytes(*bm[1:])}
             if cuda:
                 fast = dispatch.triton_kernel("mustafar_attention")
@@ -158,7 +163,8 @@ def main() -> None:
             rows.append(row)
         # ---- paged attention over a batch of requests (one layer) ----
         for q in args.queries if "paged" in args.ops else []:
-            query, kc, vc, meta = paged_inputs(args.batch, q, t, args.heads, args.kv_heads, d, dev, dtype)
+            query, kc, vc, meta = paged_inputs(args.batch, q, t, args.heads, args.kv_heads, d, dev,
+                                               dtype)
             ref = dispatch.reference("paged_attention")
             out_ref = ref(query, kc, vc, meta(), scale)
             m_ref = meta()
@@ -178,7 +184,8 @@ def main() -> None:
         keys = torch.randn(args.kv_heads, t, d, generator=g).to(dev)
         cb = F.normalize(torch.randn(args.kv_heads, d // 16, 64, 16, generator=g), dim=-1).to(dev)
         ref = dispatch.reference("spherical_encode")
-        row = {"op": "spherical_encode", "T": t, "Q": 0, "ref_ms": bench(lambda: ref(keys, cb, 128), dev, args.reps),
+        row = {"op": "spherical_encode", "T": t, "Q": 0,
+               "ref_ms": bench(lambda: ref(keys, cb, 128), dev, args.reps),
                "bytes": nbytes(keys)}
         if cuda:
             fast = dispatch.triton_kernel("spherical_encode")
@@ -190,7 +197,8 @@ def main() -> None:
         tiles[tiles.abs() < tiles.abs().quantile(args.sparsity, dim=-1, keepdim=True)] = 0
         tiles = tiles.half().to(dev)
         ref = dispatch.reference("mustafar_encode")
-        row = {"op": "mustafar_encode", "T": t, "Q": 0, "ref_ms": bench(lambda: ref(tiles), dev, args.reps),
+        row = {"op": "mustafar_encode", "T": t, "Q": 0,
+               "ref_ms": bench(lambda: ref(tiles), dev, args.reps),
                "bytes": nbytes(tiles)}
         if cuda:
             fast = dispatch.triton_kernel("mustafar_encode")
@@ -203,15 +211,17 @@ def main() -> None:
     for r in rows:
         tri = r.get("triton_ms")
         check = r.get("triton_rel_err", r.get("triton_theta_match", r.get("triton_exact", "")))
-        fmt = lambda x, f="9.3f": format(x, f) if isinstance(x, (int, float)) else format("-", ">9")  # noqa: E731
-        print(f"{r['op']:20} {r['T']:>6} {r['Q']:>2} {fmt(r.get('dense_ms'))} {fmt(r['ref_ms'])} {fmt(tri)} "
-              f"{fmt(tri / r['dense_ms'] if tri and r.get('dense_ms') else None)} "
+        fmt = lambda x, f="9.3f": (format(x, f) if isinstance(x, (int, float))  # noqa: E731
+                                   else format("-", ">9"))
+        print(f"{r['op']:20} {r['T']:>6} {r['Q']:>2} {fmt(r.get('dense_ms'))} {fmt(r['ref_ms'])} "
+              f"{fmt(tri)} {fmt(tri / r['dense_ms'] if tri and r.get('dense_ms') else None)} "
               f"{fmt(r['ref_ms'] / tri if tri else None, '8.2f')} "
               f"{fmt(r['bytes'] / r['dense_bytes'] if r.get('dense_bytes') else None, '11.3f')} "
               f"{fmt(r['bytes'] / tri / 1e6 if tri else None, '8.1f')} {str(check)[:10]:>10}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

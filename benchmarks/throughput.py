@@ -1,7 +1,7 @@
 """Engine throughput on the embedded model (a benchmark, not a test).
 
-Prints output tokens/s at each concurrency (closed batch, greedy, fixed output length, ignore_eos) and
-the decode step's achieved memory bandwidth (weights + KV read per step / step time) against a
+Prints output tokens/s at each concurrency (closed batch, greedy, fixed output length, ignore_eos)
+and the decode step's achieved memory bandwidth (weights + KV read per step / step time) against a
 measured copy bandwidth on the same machine, all in one run.
 
     python benchmarks/throughput.py --concurrency 1 16 --prompt-len 128 --output-len 128
@@ -61,28 +61,33 @@ def run(core: EngineCore, concurrency: int, prompt_len: int, output_len: int) ->
     core.check_integrity()
     return {"concurrency": concurrency, "output_tokens": tokens, "seconds": round(elapsed, 2),
             "output_tokens_per_s": round(tokens / elapsed, 2),
-            "decode_bandwidth_gbs": round(decode_bytes / decode_time / 1e9, 2) if decode_time else None}
+            "decode_bandwidth_gbs": (round(decode_bytes / decode_time / 1e9, 2) if decode_time
+                                     else None)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--no-cpu-weight-packing", action="store_true", help="F.linear (MKL) instead of oneDNN")
+    ap.add_argument("--no-cpu-weight-packing", action="store_true",
+                    help="F.linear (MKL) instead of oneDNN")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     core = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                    kv_cache_memory_gb=2.0, max_num_seqs=max(args.concurrency),
                                    cpu_weight_packing=not args.no_cpu_weight_packing))
-    run(core, max(args.concurrency), args.prompt_len, 16)         # warm-up: every batch shape, GPU clocks up
+    # warm-up: every batch shape, GPU clocks up
+    run(core, max(args.concurrency), args.prompt_len, 16)
     copy_bw = copy_bandwidth(core.worker.device)
     results = [run(core, c, args.prompt_len, args.output_len) for c in args.concurrency]
-    env = {"machine": platform.machine(), "processor": platform.processor() or "?", "cpus": os.cpu_count(),
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "device": core.worker.device,
+    env = {"machine": platform.machine(), "processor": platform.processor() or "?",
+           "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "device": core.worker.device,
            "dtype": str(core.worker.dtype), "cpu_weight_packing": not args.no_cpu_weight_packing,
            "weight_bytes": core.worker.weight_bytes,
            "copy_bandwidth_gbs": round(copy_bw / 1e9, 2)}

@@ -1,19 +1,20 @@
 """VeriCache on the embedded model: capacity, throughput and swap cost, side by side in one run.
 
     HF_HUB_OFFLINE=1 nice -n 19 python benchmarks/vericache.py --context 1024 --concurrency 4 \
-        --new-tokens 32 --k 16 --compressors window,quant,mustafar,spherical --out docs/img/vericache.json
+        --new-tokens 32 --k 16 --compressors window,quant,mustafar,spherical \
+        --out docs/img/vericache.json
     # throughput only, compressor settings of your own, the FASER controller choosing k:
-    python benchmarks/vericache.py --context 8100 --concurrency 8 --k 8 --skip-capacity-swap --adaptive \
-        --variant window-1024 window '{"window": 1024}'
+    python benchmarks/vericache.py --context 8100 --concurrency 8 --k 8 --skip-capacity-swap \
+        --adaptive --variant window-1024 window '{"window": 1024}'
 
-(a) capacity: at a fixed device KV budget, how many `--capacity-context`-token sequences fit with full
-    fp16 KV vs with the compressed drafting cache only (measured `state_bytes` of a real sequence's
-    K/V, sinks and dense window included). The full cache then lives in the host pool.
+(a) capacity: at a fixed device KV budget, how many `--capacity-context`-token sequences fit with
+    full fp16 KV vs with the compressed drafting cache only (measured `state_bytes` of a real
+    sequence's K/V, sinks and dense window included). The full cache then lives in the host pool.
 (b) throughput: output tokens/s of `--concurrency` requests at `--context` tokens, plain decoding vs
     lossy_kv per compressor; acceptance rate and mean accepted tokens per verify round. Every prompt
-    is prefilled in the first step; tokens/s counts the decode-only steps (their tokens and time; the
-    drafting cache's encode of the prompts falls in the first of them). `full_batch_*` counts only
-    the decode steps that began with every request running: with speculation requests finish at
+    is prefilled in the first step; tokens/s counts the decode-only steps (their tokens and time;
+    the drafting cache's encode of the prompts falls in the first of them). `full_batch_*` counts
+    only the decode steps that began with every request running: with speculation requests finish at
     different steps, and the last few then run rounds nearly as costly as a full batch's (a draft
     step reads all the weights for 1 row or for 16), a tail a server with a queue refills.
 (c) swap: one verify forward with the full cache in a HostKVPool staged layer by layer vs the
@@ -54,14 +55,17 @@ def prompts_of(tok, num: int, length: int) -> list[list[int]]:
 
 def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtype: str = "auto",
         kv_gb: float = 1.0) -> dict:
-    # every prompt is prefilled in the first step, so every later step decodes all requests together:
-    # with staggered prefills, requests admitted early would decode (and finish) beside later prefills
+    # every prompt is prefilled in the first step, so every later step decodes all requests
+    # together: with staggered prefills, requests admitted early would decode (and finish) beside
+    # later prefills
     budget = max(4096, sum(len(p) for p in prompts) + len(prompts))
-    core = EngineCore(EngineConfig(kv_cache_memory_gb=kv_gb, max_num_batched_tokens=budget, num_threads=threads,
-                                   device=device, dtype=dtype, speculative=spec))
+    core = EngineCore(EngineConfig(kv_cache_memory_gb=kv_gb, max_num_batched_tokens=budget,
+                                   num_threads=threads, device=device, dtype=dtype,
+                                   speculative=spec))
     for i, ids in enumerate(prompts):
-        core.add_request(EngineRequest(f"b{i}", ids, SamplingParams(max_tokens=new_tokens, temperature=0,
-                                                                   ignore_eos=True)))
+        core.add_request(EngineRequest(f"b{i}", ids, SamplingParams(max_tokens=new_tokens,
+                                                                    temperature=0,
+                                                                    ignore_eos=True)))
     outs = {f"b{i}": [] for i in range(len(prompts))}
     drafted = accepted = rounds = 0
     decode_s, decode_tokens, full_s, full_tokens = 0.0, 0, 0.0, 0
@@ -74,10 +78,10 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
             outs[out.request_id].extend(out.new_token_ids)
             new += len(out.new_token_ids)
         st = step.stats
-        if st.num_prompt_tokens == 0:                 # decode-only steps: the throughput we compare
+        if st.num_prompt_tokens == 0:               # decode-only steps: the throughput we compare
             decode_s += time.perf_counter() - start
             decode_tokens += new
-            if full:                                  # ... of which those with every request running
+            if full:                                # ... of which those with every request running
                 full_s += time.perf_counter() - start
                 full_tokens += new
         drafted, accepted = drafted + st.num_draft_tokens, accepted + st.num_accepted_tokens
@@ -86,7 +90,8 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
     prop = core.worker.runner.proposer
     ctl = core.scheduler.controller
     return {"outputs": [outs[f"b{i}"] for i in range(len(prompts))], "decode_s": decode_s,
-            "decode_tokens": decode_tokens, "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
+            "decode_tokens": decode_tokens,
+            "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
             "full_batch_s": full_s, "full_batch_tokens": full_tokens,
             "full_batch_tokens_per_s": full_tokens / full_s if full_s else 0.0,
             "drafted": drafted, "accepted": accepted,
@@ -98,7 +103,8 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
 
 def repeated_ngram_share(outputs: list[list[int]], n: int = 4) -> float:
     """Share of the outputs' n-grams that repeat an earlier one of the same output: greedy text of a
-    small model turns repetitive over long outputs, which a drafter predicts easily (acceptance rises)."""
+    small model turns repetitive over long outputs, which a drafter predicts easily (acceptance
+    rises)."""
     grams = repeats = 0
     for ids in outputs:
         seen: set[tuple[int, ...]] = set()
@@ -113,9 +119,9 @@ def repeated_ngram_share(outputs: list[list[int]], n: int = 4) -> float:
 @torch.inference_mode()
 def capacity(model, ids: list[int], budget_gb: float, variants: list[tuple[str, str, dict]],
              chunk: int = 512) -> list[dict]:
-    """Encode one real sequence's K/V (a chunked dense forward) into each (label, compressor, settings)
-    variant; sequences that fit in `budget_gb` of device memory with full fp16 KV vs with the
-    compressed drafting cache."""
+    """Encode one real sequence's K/V (a chunked dense forward) into each (label, compressor,
+    settings) variant; sequences that fit in `budget_gb` of device memory with full fp16 KV vs with
+    the compressed drafting cache."""
     cfg, dev = model.config, model.embed_tokens.weight.device
     cache = DenseCache(cfg.num_layers)
     for start in range(0, len(ids), chunk):
@@ -158,7 +164,8 @@ def swap_cost(core: EngineCore, num_reqs: int, context: int, k: int, repeats: in
         w.model(ids, positions, staged)
         times["staged_s"].append(time.perf_counter() - start)
     return {"resident_s": min(times["resident_s"]), "staged_s": min(times["staged_s"]),
-            "h2d_bytes_per_verify": pool.bytes_h2d // repeats, "d2h_bytes_per_verify": pool.bytes_d2h // repeats}
+            "h2d_bytes_per_verify": pool.bytes_h2d // repeats,
+            "d2h_bytes_per_verify": pool.bytes_d2h // repeats}
 
 
 def main() -> None:
@@ -174,27 +181,32 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.0,
-                    help="the engine's paged cache (0: sized for every request's context + new tokens + k)")
-    ap.add_argument("--variant", nargs=3, action="append", default=[], metavar=("LABEL", "COMPRESSOR", "JSON"),
-                    help="a lossy_kv configuration of its own, e.g. window-1024 window '{\"window\": 1024}' "
-                         "(repeatable; replaces --compressors)")
+                    help="the engine's paged cache (0: sized for every request's context + new "
+                         "tokens + k)")
+    ap.add_argument("--variant", nargs=3, action="append", default=[],
+                    metavar=("LABEL", "COMPRESSOR", "JSON"),
+                    help="a lossy_kv configuration of its own, e.g. window-1024 window "
+                         "'{\"window\": 1024}' (repeatable; replaces --compressors)")
     ap.add_argument("--adaptive", action="store_true",
                     help="the FASER controller picks each request's k per step (k_max = --k)")
     ap.add_argument("--fixed-and-adaptive", action="store_true",
-                    help="run every variant twice, fixed k and then the controller (label + '+faser')")
+                    help="run every variant twice, fixed k and then the controller "
+                         "(label + '+faser')")
     ap.add_argument("--skip-capacity-swap", action="store_true", help="throughput (b) only")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     tok = load_tokenizer(None)
     report = {"args": vars(args)}
     prompts = prompts_of(tok, args.concurrency, args.context)
-    per_token = load_model(None).config.kv_bytes_per_token(torch.float32)        # the widest cache dtype
+    per_token = load_model(None).config.kv_bytes_per_token(torch.float32)  # the widest cache dtype
     kv_gb = args.kv_cache_memory_gb or max(
-        1.0, 1.25 * args.concurrency * (args.context + args.new_tokens + args.k + 1) * per_token / 2**30)
+        1.0,
+        1.25 * args.concurrency * (args.context + args.new_tokens + args.k + 1) * per_token / 2**30)
     plain = run(prompts, args.new_tokens, None, args.threads, args.device, args.dtype, kv_gb)
     report["plain"] = {k: v for k, v in plain.items() if k not in ("outputs", "core")}
     report["plain"]["repeated_4gram_share"] = repeated_ngram_share(plain["outputs"])
-    report["plain"]["repeated_4gram_share_first_32"] = repeated_ngram_share([o[:32] for o in plain["outputs"]])
+    report["plain"]["repeated_4gram_share_first_32"] = repeated_ngram_share(
+        [o[:32] for o in plain["outputs"]])
     print("plain", json.dumps(report["plain"]), flush=True)
     variants = [(label, name, json.loads(cfg)) for label, name, cfg in args.variant] or \
         [(name, name, SETTINGS[name]) for name in args.compressors.split(",")]
@@ -208,14 +220,16 @@ def main() -> None:
     modes = [False, True] if args.fixed_and_adaptive else [args.adaptive]
     for (label, name, settings), adaptive in ((v, m) for v in variants for m in modes):
         label += "+faser" if adaptive and args.fixed_and_adaptive else ""
-        spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k, kv_compressor=name,
+        spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k,
+                                 kv_compressor=name,
                                  kv_compressor_config=settings, adaptive=adaptive)
         r = run(prompts, args.new_tokens, spec, args.threads, args.device, args.dtype, kv_gb)
         row = {k: v for k, v in r.items() if k not in ("outputs", "core")}
         row["compressor"], row["settings"] = name, settings
         row["identical"] = r["outputs"] == plain["outputs"]
         row["speedup"] = row["tokens_per_s"] / report["plain"]["tokens_per_s"]
-        row["full_batch_speedup"] = row["full_batch_tokens_per_s"] / report["plain"]["full_batch_tokens_per_s"]
+        row["full_batch_speedup"] = (row["full_batch_tokens_per_s"]
+                                     / report["plain"]["full_batch_tokens_per_s"])
         report["lossy_kv"][label] = row
         print(label, json.dumps(row), flush=True)
     if args.out:
