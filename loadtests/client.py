@@ -53,11 +53,14 @@ def _sse_payloads(lines):
             yield line[5:].strip()
 
 
-async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, spec: RequestSpec,
-                            extra_body: dict | None = None, result: RequestResult | None = None) -> RequestResult:
-    """Send one streaming request; fills `result` in place as chunks arrive (so a cancel keeps them)."""
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, **(extra_body or {})}
+async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str,
+                            spec: RequestSpec, extra_body: dict | None = None,
+                            result: RequestResult | None = None) -> RequestResult:
+    """Send one streaming request; fills `result` in place as chunks arrive (so a cancel
+    keeps them)."""
+    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            **(extra_body or {})}
     result = result if result is not None else RequestResult()
     result.start_s = time.perf_counter()
     last_chunk_s = None
@@ -114,10 +117,12 @@ async def _aiter_payloads(response: httpx.Response):
 
 async def _bounded(client: httpx.AsyncClient, base_url: str, model: str, spec: RequestSpec,
                    extra_body: dict | None, deadline: float) -> RequestResult:
-    """One request until the hard deadline (perf_counter); past it, failed with error 'cancelled'."""
+    """One request until the hard deadline (perf_counter); past it, failed with error
+    'cancelled'."""
     result = RequestResult()
     try:
-        return await asyncio.wait_for(stream_completion(client, base_url, model, spec, extra_body, result),
+        return await asyncio.wait_for(stream_completion(client, base_url, model, spec, extra_body,
+                                                        result),
                                       max(0.0, deadline - time.perf_counter()))
     except asyncio.TimeoutError:
         result.ok, result.error = False, "cancelled"
@@ -126,7 +131,8 @@ async def _bounded(client: httpx.AsyncClient, base_url: str, model: str, spec: R
 
 
 def _client(max_connections: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    limits = httpx.Limits(max_connections=max_connections,
+                          max_keepalive_connections=max_connections)
     timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
@@ -144,7 +150,8 @@ async def run_closed_loop(base_url: str, model: str, requests: list[RequestSpec]
         async def worker() -> None:
             while queue and time.perf_counter() < soft_deadline:
                 spec = queue.pop()
-                results.append(await _bounded(client, base_url, model, spec, extra_body, hard_deadline))
+                results.append(await _bounded(client, base_url, model, spec, extra_body,
+                                              hard_deadline))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return LoadResult(results, time.perf_counter() - start)

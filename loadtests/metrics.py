@@ -1,8 +1,9 @@
-"""Read Prometheus text exposition and turn `vllm:spec_decode_*` counter deltas into acceptance numbers.
+"""Read Prometheus text exposition and turn `vllm:spec_decode_*` counter deltas into acceptance
+numbers.
 
 Definitions (metrics-and-deploy.md §3):
     acceptance rate             = accepted tokens / draft tokens
-    mean acceptance length      = 1 + accepted tokens / drafts       (bonus token included, at most k+1)
+    mean acceptance length      = 1 + accepted tokens / drafts  (bonus token included, at most k+1)
     acceptance at position i    = accepted_per_pos{position=i} / drafts
 Counters are summed over every label set except `position` (several engines or model names add up).
 """
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import httpx
 
 PREFIX = "vllm:spec_decode_"
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?"
+                     r"\s+(?P<value>\S+)(?:\s+\S+)?$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 
 
@@ -54,12 +56,14 @@ def parse_prometheus(text: str) -> list[Sample]:
         match = _SAMPLE.match(line)
         if match is None:
             raise ValueError(f"not a Prometheus sample line: {line!r}")
-        samples.append(Sample(match["name"], parse_labels(match["labels"] or ""), float(match["value"])))
+        samples.append(Sample(match["name"], parse_labels(match["labels"] or ""),
+                              float(match["value"])))
     return samples
 
 
 def counter_totals(samples: list[Sample]) -> dict[str, float]:
-    """The spec-decode and generation counters, summed over labels; per-position ones keyed `name[i]`."""
+    """The spec-decode and generation counters, summed over labels; per-position ones
+    keyed `name[i]`."""
     totals: dict[str, float] = {}
     for s in samples:
         if not (s.name.startswith(PREFIX) or s.name == "vllm:generation_tokens_total") \
@@ -80,7 +84,8 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else math.nan
+        return (self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens
+                else math.nan)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -100,12 +105,14 @@ class SpecDecodeStats:
 
 
 def spec_decode_delta(before: dict[str, float], after: dict[str, float]) -> SpecDecodeStats:
-    """Counter deltas between two `counter_totals` snapshots (a counter missing before counts as 0)."""
+    """Counter deltas between two `counter_totals` snapshots (a counter missing before counts
+    as 0)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     per_pos_name = PREFIX + "num_accepted_tokens_per_pos_total"
-    positions = sorted(int(k[len(per_pos_name) + 1:-1]) for k in after if k.startswith(per_pos_name + "["))
+    positions = sorted(int(k[len(per_pos_name) + 1:-1]) for k in after
+                       if k.startswith(per_pos_name + "["))
     return SpecDecodeStats(
         num_drafts=delta(PREFIX + "num_drafts_total"),
         num_draft_tokens=delta(PREFIX + "num_draft_tokens_total"),
@@ -116,7 +123,8 @@ def spec_decode_delta(before: dict[str, float], after: dict[str, float]) -> Spec
 
 
 async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
-    """`counter_totals` of GET /metrics, or None when the server has no (parsable) metrics endpoint."""
+    """`counter_totals` of GET /metrics, or None when the server has no (parsable) metrics
+    endpoint."""
     try:
         response = await client.get(f"{base_url}/metrics", timeout=10.0)
         if response.status_code != 200:

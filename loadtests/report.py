@@ -3,10 +3,11 @@
 `results.json` shape (written by run.py, read here):
     {"meta": {...}, "peers": {name: {"status": "ok"|error text, ...}},
      "cells": [{"label", "workload", "concurrency", "rate", "peer", "summary": stats.summarize(...),
-                "spec_decode": metrics.SpecDecodeStats.to_dict() | None, "e2e_s": [...], "ttft_s": [...]}],
+                "spec_decode": metrics.SpecDecodeStats.to_dict() | None, "e2e_s": [...],
+                "ttft_s": [...]}],
      "vllm_bench": {...} | None}
-Ratios are specserve's best mode over the best other peer, per cell; above 1 means specserve is better
-(for latencies the ratio is inverted so that this stays true).
+Ratios are specserve's best mode over the best other peer, per cell; above 1 means specserve is
+better (for latencies the ratio is inverted so that this stays true).
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def ratio_rows(results: dict) -> list[dict]:
     rows = []
     for label, by_peer in _by_cell(results["cells"]).items():
         row = {"label": label}
-        for key, name, higher in (("output_tokens_per_s", "tput", True), ("ttft_s.p50", "ttft", False),
+        for key, name, higher in (("output_tokens_per_s", "tput", True),
+                                  ("ttft_s.p50", "ttft", False),
                                   ("itl_s.p50", "itl", False), ("e2e_s.p99", "e2e99", False),
                                   ("goodput_requests_per_s", "goodput", True)):
             our_peer, ours = best(by_peer, True, key, higher)
@@ -68,16 +70,19 @@ def ratio_rows(results: dict) -> list[dict]:
 
 def markdown(results: dict) -> str:
     peers = list(results["peers"])
-    lines = ["### Ratios: specserve (best mode) / best peer, per cell (> 1 means specserve is better)", "",
-             "| cell | out tok/s ratio | best peer | TTFT p50 ratio | ITL p50 ratio | E2E p99 ratio "
-             "| goodput ratio |", "|---|---|---|---|---|---|---|"]
+    lines = ["### Ratios: specserve (best mode) / best peer, per cell (> 1 means specserve is "
+             "better)", "",
+             "| cell | out tok/s ratio | best peer | TTFT p50 ratio | ITL p50 ratio "
+             "| E2E p99 ratio | goodput ratio |", "|---|---|---|---|---|---|---|"]
     for row in ratio_rows(results):
         t = row["tput"]
-        lines.append(f"| {row['label']} | {_fmt(t['ratio'])} ({_fmt(t['ours'], 1)} vs {_fmt(t['theirs'], 1)}) "
-                     f"| {t['their_peer'] or '–'} | {_fmt(row['ttft']['ratio'])} | {_fmt(row['itl']['ratio'])} "
+        lines.append(f"| {row['label']} | {_fmt(t['ratio'])} ({_fmt(t['ours'], 1)} vs "
+                     f"{_fmt(t['theirs'], 1)}) | {t['their_peer'] or '–'} "
+                     f"| {_fmt(row['ttft']['ratio'])} | {_fmt(row['itl']['ratio'])} "
                      f"| {_fmt(row['e2e99']['ratio'])} | {_fmt(row['goodput']['ratio'])} |")
     lines += _peer_table(results, peers, "Output tokens/s per peer (completed / sent requests)",
-                         lambda s: f"{_fmt(s['output_tokens_per_s'], 1)} ({s['num_completed']}/{s['num_requests']})")
+                         lambda s: f"{_fmt(s['output_tokens_per_s'], 1)} "
+                                   f"({s['num_completed']}/{s['num_requests']})")
     lines += _peer_table(results, peers, "Latency per peer: TTFT p50 / ITL p50 / E2E p99 (seconds)",
                          lambda s: f"{_fmt(s['ttft_s']['p50'])} / {_fmt(s['itl_s']['p50'], 3)} / "
                                    f"{_fmt(s['e2e_s']['p99'])}")
@@ -108,7 +113,8 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     written = []
     closed = [c for c in results["cells"] if c.get("concurrency")]
     workloads = sorted({c["workload"] for c in closed})
-    fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(5 * max(1, len(workloads)), 4), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(5 * max(1, len(workloads)), 4),
+                             squeeze=False)
     for ax, workload in zip(axes[0], workloads):
         for peer in results["peers"]:
             points = sorted((c["concurrency"], c["summary"]["output_tokens_per_s"]) for c in closed
@@ -143,7 +149,8 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     fig.savefig(written[-1], dpi=100)
     plt.close(fig)
 
-    spec = [c for c in results["cells"] if c.get("spec_decode") and c["spec_decode"]["acceptance_per_pos"]
+    spec = [c for c in results["cells"]
+            if c.get("spec_decode") and c["spec_decode"]["acceptance_per_pos"]
             and c["spec_decode"]["num_drafts"]]
     if spec:
         fig, ax = plt.subplots(figsize=(10, 4))
@@ -153,8 +160,10 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
             ax.bar([p + i * width for p in range(len(per_pos))], per_pos, width,
                    label=f"{c['peer']} · {c['label']}")
         num_pos = max(len(c["spec_decode"]["acceptance_per_pos"]) for c in spec)
-        ax.set_xticks([p + 0.4 - width / 2 for p in range(num_pos)], [str(p) for p in range(num_pos)])
-        ax.set(xlabel="draft position", ylabel="accepted / drafts", title="acceptance per position", ylim=(0, 1))
+        ax.set_xticks([p + 0.4 - width / 2 for p in range(num_pos)],
+                      [str(p) for p in range(num_pos)])
+        ax.set(xlabel="draft position", ylabel="accepted / drafts", title="acceptance per position",
+               ylim=(0, 1))
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         written.append(out_dir / "acceptance.png")
@@ -179,8 +188,10 @@ def write(results: dict, out_dir: Path) -> dict[str, Path]:
 
 def _peer_table(results: dict, peers: list[str], title: str, cell) -> list[str]:
     """One row per cell, one column per peer: cell(summary), or a dash where the peer has none."""
-    lines = ["", f"### {title}", "", "| cell | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
+    lines = ["", f"### {title}", "", "| cell | " + " | ".join(peers) + " |",
+             "|---|" + "---|" * len(peers)]
     for label, by_peer in _by_cell(results["cells"]).items():
         summaries = [by_peer.get(p, {}).get("summary") for p in peers]
-        lines.append(f"| {label} | " + " | ".join("–" if s is None else cell(s) for s in summaries) + " |")
+        lines.append(f"| {label} | "
+                     + " | ".join("–" if s is None else cell(s) for s in summaries) + " |")
     return lines

@@ -33,7 +33,8 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
-def distribution(values: Sequence[float], percentiles: Iterable[float] = PERCENTILES) -> dict[str, float]:
+def distribution(values: Sequence[float],
+                 percentiles: Iterable[float] = PERCENTILES) -> dict[str, float]:
     """{"mean", "p50", "p90", "p99"} for a list of seconds (NaN when empty)."""
     out = {"mean": sum(values) / len(values) if values else math.nan}
     for q in percentiles:
@@ -51,7 +52,8 @@ class SLO:
 
     def met_by(self, ttft_s: float, tpot_s: float, e2e_s: float) -> bool:
         checks = ((self.ttft_s, ttft_s), (self.tpot_s, tpot_s), (self.e2e_s, e2e_s))
-        return all(bound is None or (not math.isnan(value) and value <= bound) for bound, value in checks)
+        return all(bound is None or (not math.isnan(value) and value <= bound)
+                   for bound, value in checks)
 
 
 def tpot(e2e_s: float, ttft_s: float, num_output_tokens: int) -> float:
@@ -64,16 +66,18 @@ def tpot(e2e_s: float, ttft_s: float, num_output_tokens: int) -> float:
 def summarize(results: Sequence, duration_s: float, slo: SLO | None = None) -> dict:
     """Aggregate `client.RequestResult`s of one cell (one peer, one workload, one load level).
 
-    Failed requests count towards `num_failed` only; goodput counts completed requests that meet the SLO,
-    per second of the cell's wall time.
+    Failed requests count towards `num_failed` only; goodput counts completed requests that meet the
+    SLO, per second of the cell's wall time.
     """
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in ok]
     e2es = [r.e2e_s for r in ok]
-    tpots = [v for v in (tpot(r.e2e_s, r.ttft_s, r.completion_tokens) for r in ok) if not math.isnan(v)]
+    tpots = [v for v in (tpot(r.e2e_s, r.ttft_s, r.completion_tokens) for r in ok)
+             if not math.isnan(v)]
     itls = [gap for r in ok for gap in r.itls_s]
     num_output_tokens = sum(r.completion_tokens for r in ok)
-    num_delivered = num_output_tokens + sum(r.completion_tokens for r in results if r.error == "cancelled")
+    num_delivered = num_output_tokens + sum(r.completion_tokens for r in results
+                                            if r.error == "cancelled")
     num_good = sum(1 for r in ok if slo is None or slo.met_by(
         r.ttft_s, tpot(r.e2e_s, r.ttft_s, r.completion_tokens), r.e2e_s))
     per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: math.nan)
@@ -90,7 +94,8 @@ def summarize(results: Sequence, duration_s: float, slo: SLO | None = None) -> d
         "requests_per_s": per_s(len(ok)),
         "goodput_requests_per_s": per_s(num_good),
         "slo_attainment": num_good / len(results) if results else math.nan,
-        "tokens_per_chunk": num_output_tokens / max(1, sum(r.num_chunks for r in ok)) if ok else math.nan,
+        "tokens_per_chunk": (num_output_tokens / max(1, sum(r.num_chunks for r in ok)) if ok
+                             else math.nan),
         "ttft_s": distribution(ttfts),
         "itl_s": distribution(itls),
         "tpot_s": distribution(tpots),

