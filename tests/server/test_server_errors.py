@@ -156,14 +156,16 @@ def test_error_after_stream_started_is_an_sse_event_then_done(make_server, token
     engine = FakeEngine(tokenizer)
     engine.error_after = 3
     s = make_server(engine)
-    r = post(s, "/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 10})
+    # greedy: the fake starts its script at 0, so no EOS comes before the injected error
+    r = post(s, "/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 10,
+                                    "temperature": 0})
     assert r.status_code == 200
     events = [e for e in r.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     assert events[-2].startswith('data: {"error":') and '"code":500' in events[-2]
     assert '"type":"InternalServerError"' in events[-2]
     assert engine.held() == set()
-    r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 10})
+    r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 10, "temperature": 0})
     assert r.status_code == 500 and error_of(r)["type"] == "InternalServerError"
     assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200   # still up
 

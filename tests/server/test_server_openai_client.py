@@ -231,4 +231,5 @@ def test_auth_overload_and_engine_errors_map_to_sdk_exceptions(make_server, toke
     failing = FakeEngine(tokenizer)
     failing.error_after = 2
     with pytest.raises(openai.InternalServerError):
-        client(make_server(failing)).completions.create(model=MODEL, prompt="x", max_tokens=5)
+        client(make_server(failing)).completions.create(model=MODEL, prompt="x", max_tokens=5,
+                                                        temperature=0)   # no early EOS
