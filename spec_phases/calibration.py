@@ -6,12 +6,17 @@ spec_phases knows no tokenizer: the text is the model's own continuation of its 
 cache, sequence b at positions b * length, b * length + 1, ...: RoPE makes attention depend only on
 position differences, so each sequence is the text it would be at position 0, while its keys carry
 the rotations of one text B times as long. Progress goes to the log.
+
+Calibration runs on one CPU thread (`calibration_threads`): its ops are small, and two threads on
+a loaded 2-core host wait at every op's barrier for the descheduled one.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +27,25 @@ from specserve.kv_cache.compress.base import Compressor
 from specserve.spec_phases.paths import cache_dir
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def calibration_threads(device: torch.device | str) -> Iterator[None]:
+    """One intra-op CPU thread for calibration on a CPU model, restored afterwards. Its ops are
+    small (a few rows, a short sequence of a small model, k-means over 512 keys): a second thread
+    gains little on an idle 2-core host, and on a loaded one every op waits at the threads' barrier
+    for the descheduled one (measured on this project's 2-core host under load: 0.06-0.07 s a
+    16-row decode step with one thread, 0.1-1.5 s with two; Spherical-KV's k-means 0.8 s against
+    6.9 s)."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -80,20 +104,22 @@ def own_text(model, num_seqs: int, length: int, temperature: float = 1.0, seed: 
     cache = _BatchedDenseCache(cfg.num_layers)
     offsets = torch.arange(num_seqs, device=dev) * length
     start = last_log = time.perf_counter()
-    for step in range(length):
-        current = torch.tensor([s[-1] for s in ids], device=dev)
-        hidden = model(current, offsets + step, cache)
-        logits = model.compute_logits(hidden).float().cpu()
-        if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
-        else:
-            nxt = logits.argmax(-1)
-        for s, tok in zip(ids, nxt.tolist()):
-            s.append(tok)
-        if time.perf_counter() - last_log > 5 or step + 1 == length:
-            last_log = time.perf_counter()
-            logger.info("%s: the model's own text, %d/%d tokens x %d sequences (%.1fs)", what,
-                        step + 1, length, num_seqs, last_log - start)
+    with calibration_threads(dev):
+        for step in range(length):
+            current = torch.tensor([s[-1] for s in ids], device=dev)
+            hidden = model(current, offsets + step, cache)
+            logits = model.compute_logits(hidden).float().cpu()
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, -1)
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            for s, tok in zip(ids, nxt.tolist()):
+                s.append(tok)
+            if time.perf_counter() - last_log > 5 or step + 1 == length:
+                last_log = time.perf_counter()
+                logger.info("%s: the model's own text, %d/%d tokens x %d sequences (%.1fs)", what,
+                            step + 1, length, num_seqs, last_log - start)
     keys = torch.stack([torch.stack(ks, dim=2) for ks in cache.k])       # [L, B, kvh, n, D]
     keys = keys.permute(0, 2, 1, 3, 4).reshape(cfg.num_layers, cfg.num_kv_heads,
                                                num_seqs * length, cfg.head_dim)
@@ -115,7 +141,9 @@ def build_compressor(name: str, model, settings: dict) -> Compressor:
         num_seqs = 8 if num_tokens % 8 == 0 else 1
         return own_text(model, num_seqs, num_tokens // num_seqs, what="spherical codebooks").keys
 
-    return registry.build(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, settings,
-                          own_keys=own_keys, fingerprint=fingerprint(model) if name == "spherical"
-                          else "", cache_root=cache_dir(),
-                          device=str(model.embed_tokens.weight.device))
+    device = str(model.embed_tokens.weight.device)
+    with calibration_threads(device):                 # Spherical-KV: own keys, then k-means
+        return registry.build(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, settings,
+                              own_keys=own_keys,
+                              fingerprint=fingerprint(model) if name == "spherical" else "",
+                              cache_root=cache_dir(), device=device)

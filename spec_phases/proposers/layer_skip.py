@@ -3,7 +3,8 @@ drafts greedily on the same paged KV cache (no extra weights). The verify pass r
 drafted slot with full-model K/V, so the skipped layers never leak into the output.
 
 `python -m specserve.spec_phases.proposers.layer_skip [MODEL]` calibrates the default skip set for a
-model by measured agreement with the full model and stores it in the specserve cache.
+model by measured agreement with the full model and stores it in the specserve cache; the engine
+does the same at first start when the cache has none (seconds, logged as it goes).
 """
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from specserve.spec_phases.calibration import DenseCache, own_text
+from specserve.spec_phases.calibration import DenseCache, calibration_threads, own_text
 from specserve.spec_phases.paths import cache_dir, resolve_model_path
 from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
 logger = logging.getLogger(__name__)
+CALIB_VERSION = 2     # 1: single-layer agreement order on a greedy 160-token text (minutes)
+NUM_SEQS, SEQ_LENGTH = 8, 24
+PATIENCE = 4          # prefixes scored past the best before the search stops
 
 # (token id, position, block ids) per row -> raw logits [rows, vocab]
 RowForward = Callable[[list[tuple[int, int, tuple[int, ...]]], list[int]], torch.Tensor]
@@ -50,69 +57,84 @@ class LayerSkipProposer(Proposer):
 
 
 @torch.inference_mode()
+def layer_influence(model, ids: torch.Tensor, pos: torch.Tensor
+                    ) -> tuple[list[float], torch.Tensor]:
+    """One full forward over ids: per layer, how much it turns the residual stream (1 - the mean
+    cosine between the stream before and after it; ShortGPT's block influence), and the full
+    model's greedy predictions [n]. Small influence = cheap to skip."""
+    attn = DenseCache(model.config.num_layers)
+    x, delta = model.embed_tokens(ids), None
+    rope = model.rope.table(pos)
+    influence = []
+    for layer in model.layers:
+        before = x if delta is None else x + delta
+        x, delta = layer(x, delta, rope, attn)
+        after = x + delta
+        influence.append(1 - float(F.cosine_similarity(before.float(), after.float(), -1).mean()))
+    hidden = model.norm.add_forward(x, delta)[1]
+    return influence, model.compute_logits(hidden).argmax(-1)
+
+
+@torch.inference_mode()
 def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...], dict]:
     """Pick the skip set maximising the expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)), where a
     is the measured greedy agreement with the full model and c the fraction of layers kept. Layers
-    are dropped in order of least single-layer damage; the set is never empty (an empty set would
-    draft with the full model), even where no set is expected to pay — that is logged."""
+    are dropped in order of least influence on the residual stream (`layer_influence`, one
+    forward); each prefix of that order is scored by one forward, until agreement falls under 0.2
+    or the speedup has not improved for PATIENCE prefixes. The set is never empty (an empty set
+    would draft with the full model), even where no set is expected to pay — that is logged."""
     ids = torch.tensor(token_ids, device=model.embed_tokens.weight.device)
     pos = torch.arange(len(ids), device=ids.device)
     n = model.config.num_layers
-
-    def argmax(layers: list[int] | None = None) -> torch.Tensor:
-        return model.compute_logits(model(ids, pos, DenseCache(n), layers)).argmax(-1)
-
-    ref = argmax()
+    influence, ref = layer_influence(model, ids, pos)
+    order = sorted(range(1, n - 1), key=lambda i: influence[i])     # first and last always kept
+    best, best_speedup, trace, since_best = (), 0.0, [], 0
     start = time.perf_counter()
-
-    def agreement(skip: set[int]) -> float:
-        return float((argmax([i for i in range(n) if i not in skip]) == ref).float().mean())
-
-    single = {}
-    for layer in range(1, n - 1):                                         # first, last always kept
-        single[layer] = agreement({layer})
-        if layer % 10 == 0:
-            logger.info("layer_skip calibration: layer %d/%d scored (%.1fs)", layer, n - 2,
-                        time.perf_counter() - start)
-    order = sorted(single, key=single.get, reverse=True)                  # least important first
-    best, best_speedup, trace = (), 0.0, []
     for num_skip in range(1, len(order) + 1):
         skip = set(order[:num_skip])
-        a = min(agreement(skip), 0.999)
+        layers = [i for i in range(n) if i not in skip]
+        agree = model.compute_logits(model(ids, pos, DenseCache(n), layers)).argmax(-1) == ref
+        a = min(float(agree.float().mean()), 0.999)
         c = (n - num_skip) / n
         speedup = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
         trace.append({"num_skip": num_skip, "agreement": round(a, 3), "speedup": round(speedup, 3)})
+        logger.info("layer_skip calibration: %d layers skipped, agreement %.3f, expected %.2fx "
+                    "(%.1fs)", num_skip, a, speedup, time.perf_counter() - start)
+        since_best += 1
         if speedup > best_speedup:
-            best, best_speedup = tuple(sorted(skip)), speedup
-        if a < 0.2:
+            best, best_speedup, since_best = tuple(sorted(skip)), speedup, 0
+        if a < 0.2 or since_best >= PATIENCE:
             break
-    logger.info("layer_skip calibration: %d skip sets tried in %.1fs", len(trace),
-                time.perf_counter() - start)
     if best_speedup <= 1.0:
         logger.warning("layer_skip is not expected to pay on this model: best skip set %s gives an "
-                       "estimated "
-                       "%.2fx at k=%d", list(best), best_speedup, k)
-    return best, {"single_layer_agreement": single, "trace": trace,
+                       "estimated %.2fx at k=%d", list(best), best_speedup, k)
+    return best, {"layer_influence": [round(x, 5) for x in influence], "trace": trace,
                   "expected_speedup": best_speedup}
 
 
-def _cache_file(model: str | None) -> "object":
+def _cache_file(model: str | None) -> Path:
     path = resolve_model_path(model)
-    key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()[:16]
-    return cache_dir() / "layer_skip" / f"{path.stem}-{key}.json"
+    key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{CALIB_VERSION}".encode())
+    return cache_dir() / "layer_skip" / f"{path.stem}-{key.hexdigest()[:16]}.json"
 
 
 def default_skip_layers(model: str | None, llama, k: int = 4) -> tuple[int, ...]:
-    """The calibrated skip set for `model` from the cache, calibrating (and caching) it if
-    missing."""
+    """The calibrated skip set for `model` from the cache, calibrating (and caching) it if missing:
+    on NUM_SEQS x SEQ_LENGTH tokens of the model's own text, packed into one sequence."""
     file = _cache_file(model)
     if file.exists():
         return tuple(json.loads(file.read_text())["skip_layers"])
     logger.info("layer_skip: calibrating the skip set (once; cached in %s)", file.parent)
-    token_ids = own_text(llama, 1, 160, temperature=0, what="layer_skip calibration").token_ids[0]
-    skip, report = calibrate(llama, token_ids, k)
+    start = time.perf_counter()
+    text = own_text(llama, NUM_SEQS, SEQ_LENGTH, what="layer_skip calibration")
+    with calibration_threads(llama.embed_tokens.weight.device):
+        skip, report = calibrate(llama, [t for seq in text.token_ids for t in seq], k)
     file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps({"skip_layers": list(skip), **report}, indent=1))
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"skip_layers": list(skip), **report}, indent=1))
+    tmp.replace(file)
+    logger.info("layer_skip: skip set %s calibrated in %.1fs -> %s", list(skip),
+                time.perf_counter() - start, file)
     return skip
 
 
