@@ -21,11 +21,7 @@ class Scheduler:
         requests are admitted and preempted by both."""
         self.kv = kv
         self.config = config
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
-        self.eos_token_ids = config.eos_token_ids
-        self.num_speculative_tokens = k = config.num_speculative_tokens
+        k = config.num_speculative_tokens
         self.controller = DraftLengthController(k) if config.adaptive and k else None
         self.last_swap_h2d = 0                       # full-KV bytes the last step staged (FASER)
         self.requests: dict[str, Request] = {}
@@ -76,7 +72,7 @@ class Scheduler:
     # -- schedule ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._stats = StepStats()
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []          # (request, tokens, draft slots)
         preempted = False
         draft_lens = self._choose_draft_lens()
@@ -106,13 +102,13 @@ class Scheduler:
     def draft_len(self, req: Request) -> int:
         """Draft slots for a decoding request this step: the configured k, capped per request and by
         what is left of max_tokens and of the context (FASER's controller may choose fewer)."""
-        if self.num_speculative_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
+        if self.config.num_speculative_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
             return 0
-        k = self.num_speculative_tokens
+        k = self.config.num_speculative_tokens
         if req.params.num_speculative_tokens is not None:
             k = min(k, req.params.num_speculative_tokens)
         k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1)
+                self.config.max_model_len - req.num_tokens - 1)
         return max(k, 0)
 
     def _choose_draft_lens(self) -> dict[str, int]:
@@ -121,7 +117,7 @@ class Scheduler:
             return caps
         ids = list(caps)
         other = len(self.running) - len(ids) + sum(
-            min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
+            min(r.num_tokens - r.num_computed_tokens, self.config.max_num_batched_tokens)
             for r in self.running if r.request_id not in caps)
         # the last step's swap bytes: contexts move slowly
         ks = self.controller.choose(ids, [caps[i] for i in ids], max(other, 0) + len(ids),
@@ -129,7 +125,7 @@ class Scheduler:
         return dict(zip(ids, ks))
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
                 hit = self.kv.match_prefix(req.request_id, req.all_token_ids)
@@ -216,7 +212,7 @@ class Scheduler:
             for tok in sampled.token_ids:
                 req.append(tok)
                 new_tokens.append(tok)
-                if req.check_stop(self.eos_token_ids, self.max_model_len):
+                if req.check_stop(self.config.eos_token_ids, self.config.max_model_len):
                     break
             stats.num_generation_tokens += len(new_tokens)
             logprobs = sampled.logprobs[:len(new_tokens)] if sampled.logprobs is not None else None
@@ -277,7 +273,8 @@ class Scheduler:
         prompt_logprobs = None
         if first and req.want_prompt_logprobs:
             prompt_logprobs = [None] + list(req.prompt_logprobs)
-        speculating = self.num_speculative_tokens > 0 and req.params.num_speculative_tokens != 0
+        speculating = (self.config.num_speculative_tokens > 0
+                       and req.params.num_speculative_tokens != 0)
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_tokens, finished=req.status.is_finished,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
