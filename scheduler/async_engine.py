@@ -49,10 +49,6 @@ class AsyncEngine:
     def is_dead(self) -> bool:
         return self._dead is not None
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
     def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Validate and enqueue; raises before anything is yielded (ParamError, overload, dead)."""
         if self._dead is not None:

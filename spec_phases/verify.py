@@ -45,7 +45,7 @@ class Verifier:
         uniforms = self.sampler.uniforms([(r, len(d) + 1) for r, d, _, _ in spans])
         tokens = self.sample_rows(raw, [(r, d, 0, n) for r, d, _, n in spans], uniforms)
         at = 0
-        for (r, d, _, n), u in zip(spans, uniforms):
+        for r, d, _, n in spans:
             out = accept(d, tokens[at:at + n])
             result.sampled[r.request_id] = self.sampled_tokens(r, len(d), out, raw[at:at + n])
             at += n
