@@ -109,13 +109,21 @@ def load_or_calibrate(model_path: Path, get_keys: Callable[[], torch.Tensor], se
                       cache_root: Path, iters: int = 20) -> dict[int, torch.Tensor]:
     """Codebooks for this model and settings from the disk cache, or calibrated now and stored."""
     path = cache_path(model_path, f"{settings}:iters={iters}", cache_root)
+    return _load_or_build(path, lambda: calibrate(get_keys(), iters=iters))
+
+
+def _load_or_build(path: Path, build: Callable[[], dict[int, torch.Tensor]],
+                   device: str = "cpu") -> dict[int, torch.Tensor]:
+    """The codebooks stored at `path`, or `build()` stored there atomically (one disk cache for
+    serving and the benchmark)."""
     if path.exists():
-        return torch.load(path)
-    books = calibrate(get_keys(), iters=iters)
-    tmp = path.with_suffix(".tmp")
+        return {t: b.to(device) for t, b in torch.load(path, map_location=device).items()}
+    books = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save(books, tmp)
     tmp.replace(path)
-    return books
+    return {t: b.to(device) for t, b in books.items()}
 
 
 def codebooks(own_keys: Callable[[int], torch.Tensor], num_tokens: int, head_dim: int,
@@ -126,16 +134,14 @@ def codebooks(own_keys: Callable[[int], torch.Tensor], num_tokens: int, head_dim
     from specserve.kv_cache.compress.spherical import TIERS
     key = hashlib.sha256(f"{fingerprint}:{num_tokens}:{iters}:{CALIB_VERSION}".encode())
     path = root / "spherical" / f"lossy_kv-{key.hexdigest()[:16]}.pt"
-    if path.exists():
-        return {t: b.to(device) for t, b in torch.load(path, map_location=device).items()}
-    logger.info("spherical codebooks: calibrating on %d tokens of the model's own text (once; "
-                "cached in %s)", num_tokens, path.parent)
-    start = time.perf_counter()
-    tiers = {t: s for t, s in TIERS.items() if head_dim % s.group == 0}
-    books = calibrate(own_keys(num_tokens), iters=iters, tiers=tiers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(books, tmp)
-    tmp.replace(path)
-    logger.info("spherical codebooks calibrated in %.1fs -> %s", time.perf_counter() - start, path)
-    return {t: b.to(device) for t, b in books.items()}
+
+    def build() -> dict[int, torch.Tensor]:
+        logger.info("spherical codebooks: calibrating on %d tokens of the model's own text (once; "
+                    "cached in %s)", num_tokens, path.parent)
+        start = time.perf_counter()
+        tiers = {t: s for t, s in TIERS.items() if head_dim % s.group == 0}
+        books = calibrate(own_keys(num_tokens), iters=iters, tiers=tiers)
+        logger.info("spherical codebooks calibrated in %.1fs -> %s", time.perf_counter() - start,
+                    path)
+        return books
+    return _load_or_build(path, build, device)
