@@ -37,7 +37,7 @@ def main(repeats: int = 50) -> None:
     for name, shape in (("gate_up", (3072, 576)), ("lm_head", (49152, 576))):
         w32 = torch.randn(*shape)
         kernels = {"fp32 mkl": (w32, F.linear)}
-        if cpu_packing_available():
+        if cpu_packing_available(torch.float32):
             kernels["fp32 packed"] = (pack_cpu_weight(w32), lambda x, w: packed_linear(x, w, None))
         kernels["bf16"] = (w32.bfloat16(), F.linear)
         kernels["fp16"] = (w32.half(), F.linear)
@@ -50,7 +50,7 @@ def main(repeats: int = 50) -> None:
                 gflops = 2 * shape[0] * shape[1] * rows / us / 1e3
                 print(f"{name:>8} {kernel:>13} {rows:>4} {us:>8.0f} {gflops:>8.1f} "
                       f"{us / one_row:>8.2f}")
-    if cpu_packing_available():
+    if cpu_packing_available(torch.float32):
         row_invariance()
         model_forward()
 

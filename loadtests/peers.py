@@ -31,8 +31,8 @@ import httpx
 
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_SPEC = "llama-cpp-python[server]==0.3.36"
-NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                "prompt_lookup_min": 1}
+# the JSON a vLLM user writes; both servers fill prompt_lookup_min in as 4
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 SERVED_MODEL_NAME = "smollm2"
 NICE = ["nice", "-n", "19"]
 

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("ngram", "layer_skip", "token_recycling", "lossy_kv")
+NGRAM_DEFAULT_LOOKUP = 5             # vLLM's prompt_lookup_min/max when neither is given
 
 
 @dataclass(frozen=True)
@@ -12,8 +13,10 @@ class SpeculativeConfig:
     """`--speculative-config` JSON, vLLM's key names where they exist (openai-api.md §11)."""
     method: str
     num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    # n-gram match lengths, filled in as vLLM 0.32 does: neither given -> 5 and 5; one given ->
+    # the other equals it (so {"prompt_lookup_max": 4} matches 4-grams only)
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     skip_layers: tuple[int, ...] | None = None      # layer_skip: None -> the calibrated default
     recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
     adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
@@ -34,6 +37,11 @@ class SpeculativeConfig:
                              f"got {self.method!r}")
         if not 0 <= self.num_speculative_tokens <= 32:
             raise ValueError("num_speculative_tokens must be in [0, 32]")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = NGRAM_DEFAULT_LOOKUP
+        object.__setattr__(self, "prompt_lookup_min", hi if lo is None else lo)
+        object.__setattr__(self, "prompt_lookup_max", lo if hi is None else hi)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.overlap_draft and (self.method != "ngram" or not self.frontier_size):

@@ -120,12 +120,19 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def cpu_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_packing_available(dtype: torch.dtype) -> bool:
+    """oneDNN can run prepacked GEMMs in `dtype` on this CPU (bf16: AVX512-BF16 or AMX)."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 [out, in] weight reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    """An fp32 or bf16 [out, in] weight reordered into oneDNN's blocked layout (an opaque mkldnn
+    tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
 
@@ -134,10 +141,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack()`ed, runs oneDNN's GEMM on a prepacked fp32 weight (CPU only). At
-    the 1-144 row shapes of decode, drafting and verification a model forward on MKL's sgemm is
-    1.6-2.4x slower on the benchmark CPU, and its rows depend on how many rows share the call; the
-    packed GEMM's rows mostly do not (`benchmarks/cpu_gemm.py`). The dense weight stays for
+    """nn.Linear that, once `pack()`ed, runs oneDNN's GEMM on a prepacked fp32 or bf16 weight (CPU
+    only). At the 1-144 row shapes of decode, drafting and verification a model forward on MKL's
+    sgemm is 1.6-2.4x slower on the benchmark CPU, and its rows depend on how many rows share the
+    call; the packed GEMM's rows mostly do not (`benchmarks/cpu_gemm.py`). Unpacked bf16 F.linear
+    is no faster than fp32; packed bf16 reads half the bytes. The dense weight stays for
     state_dict and loading."""
     packed: torch.Tensor | None = None
 
@@ -212,17 +220,16 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._lm_head_packed is not None:
-            return packed_linear(hidden, self._lm_head_packed, None)
+            return packed_linear(hidden, self._lm_head_packed, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()          # [num_rows, vocab]
 
     def pack_for_cpu(self) -> bool:
-        """Prepack every linear layer and the LM head for oneDNN (fp32 on CPU; see `Linear`). Costs
-        a second copy of those weights in memory. Returns False (and changes nothing) where
-        unsupported."""
+        """Prepack every linear layer and the LM head for oneDNN (fp32 or bf16 on CPU; see
+        `Linear`). Costs a second copy of those weights in memory. Returns False (and changes
+        nothing) where unsupported."""
         weight = self.embed_tokens.weight
-        if (weight.device.type != "cpu" or weight.dtype != torch.float32
-                or not cpu_packing_available()):
+        if weight.device.type != "cpu" or not cpu_packing_available(weight.dtype):
             return False
         for module in self.modules():
             if isinstance(module, Linear):

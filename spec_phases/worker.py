@@ -41,6 +41,11 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """"auto": bf16 on CUDA, fp32 on CPU. On CPU fp32 is what keeps greedy output token-identical
+    with speculation on and off: bf16 rounds each row's attention output, and those roundings
+    shift with how the batch is padded, so a verify row can round differently from the decode it
+    replaces. `--dtype bfloat16` (prepacked where the CPU has AVX512-BF16 or AMX) is 1.2-1.3x
+    faster and opt-in (`docs/BENCHMARKS.md`)."""
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if dtype not in _DTYPES:
@@ -69,7 +74,7 @@ class Worker:
         self.model = load_model(config.model, self.dtype, self.device,
                                 tiny_seed=config.tiny_random_seed)
         if config.cpu_weight_packing and self.model.pack_for_cpu():
-            logger.info("linear weights prepacked for oneDNN (fp32 on CPU)")
+            logger.info("linear weights prepacked for oneDNN (%s on CPU)", self.dtype)
         cfg = self.model_config = self.model.config
         budget_gb = config.host_kv_cache_memory_gb or config.kv_cache_memory_gb
         bs = config.block_size

@@ -40,9 +40,24 @@ def test_cpu_packed_weights_match_dense_and_are_optional():
     b = packed.compute_logits(packed(ids, torch.arange(6), causal))
     assert b.dtype == torch.float32 and b.shape == a.shape
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    # an empty step (no rows) and the fp16/bf16 refusal: packing is for fp32 on CPU only
+    # an empty step (no rows); fp16 is never packed
     assert packed.compute_logits(packed(ids[:0], torch.arange(0), causal)).shape == (0, 100)
-    assert not build_random_model(tiny_config(vocab_size=100), dtype=torch.bfloat16).pack_for_cpu()
+    assert not build_random_model(tiny_config(vocab_size=100), dtype=torch.float16).pack_for_cpu()
+
+
+def test_bf16_packing_where_the_cpu_has_native_bf16():
+    """bf16 weights are prepacked exactly where oneDNN runs bf16 natively (AVX512-BF16, AMX), and
+    the packed GEMMs give the dense bf16 model's logits up to bf16 rounding."""
+    dense = build_random_model(tiny_config(vocab_size=100), dtype=torch.bfloat16, seed=1)
+    packed = build_random_model(tiny_config(vocab_size=100), dtype=torch.bfloat16, seed=1)
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packed.pack_for_cpu() == native
+    assert (packed.layers[0].qkv_proj.packed is not None) == native
+    ids = torch.tensor([5, 17, 42, 8, 99, 3])
+    a = dense.compute_logits(dense(ids, torch.arange(6), causal))
+    b = packed.compute_logits(packed(ids, torch.arange(6), causal))
+    assert b.dtype == torch.float32 and b.shape == a.shape
+    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
 
 
 def test_engine_greedy_tokens_do_not_depend_on_weight_packing(make_engine):

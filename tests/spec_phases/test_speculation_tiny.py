@@ -10,7 +10,8 @@ from specserve.spec_phases.proposers.token_recycling import TokenRecyclingPropos
 from specserve.spec_phases.proposers.base import DraftRequest
 
 SPECS = {
-    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3),
+    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
+                               prompt_lookup_max=3),
     "token_recycling": SpeculativeConfig(method="token_recycling", num_speculative_tokens=4),
     "layer_skip": SpeculativeConfig(method="layer_skip", num_speculative_tokens=3, skip_layers=(1,)),
 }
@@ -125,3 +126,14 @@ def test_model_drafters_report_their_passes_to_the_cost_model(make_engine, metho
     cost = core.scheduler.controller.cost
     assert len(cost.passes) > 0 and all(rows >= 1 and secs > 0 for rows, secs in cost.passes)
     assert cost.coef[2] + cost.coef[4] > 0
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, (5, 5)), ({"prompt_lookup_max": 4}, (4, 4)), ({"prompt_lookup_min": 2}, (2, 2)),
+    ({"prompt_lookup_min": 1, "prompt_lookup_max": 3}, (1, 3))])
+def test_ngram_lookup_lengths_are_filled_in_as_vllm_does(given, expected):
+    spec = SpeculativeConfig.from_json({"method": "ngram", **given})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == expected
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig.from_json({"method": "ngram", "prompt_lookup_min": 4,
+                                     "prompt_lookup_max": 2})
