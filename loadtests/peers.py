@@ -208,13 +208,14 @@ class Peer:
 
 
 def specserve_peer(port: int, mode: str = "plain", max_model_len: int = 8192,
-                   extra_args: list[str] | None = None) -> Peer:
-    """specserve from this venv; `mode` "ngram" adds the same n-gram config the vLLM peer gets."""
+                   extra_args: list[str] | None = None, adaptive: bool = False) -> Peer:
+    """specserve from this venv; `mode` "ngram" adds the same n-gram config the vLLM peer gets
+    (`adaptive`: with the FASER controller on)."""
     exe = Path(sys.executable).with_name("specserve")
     cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", SERVED_MODEL_NAME, "--max-model-len", str(max_model_len)]
     if mode == "ngram":
-        cmd += ["--speculative-config", json.dumps(NGRAM_CONFIG)]
+        cmd += ["--speculative-config", json.dumps({**NGRAM_CONFIG, "adaptive": adaptive})]
     cmd += extra_args or []
     return Peer(f"specserve-{mode}", cmd, port, extra_body={"ignore_eos": True},
                 has_spec_metrics=True, startup_timeout_s=180.0)

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-log-stats", action="store_true",
                        help="no engine metrics at /metrics and no periodic stats log line")
     serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument("--engine-in-thread", action="store_true",
+                       help="run the engine core on a thread of the server process (default: in "
+                            "its own process, as vLLM v1 does, so HTTP work never shares its GIL)")
     add_engine_flags(serve)
     export = commands.add_parser("export-tokenizer",
                                  help="write an HF tokenizer folder for load tools")
@@ -142,7 +145,10 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"specserve: the engine is not available in this build ({exc})") from None
     logger.info("loading %s", args.model or "the embedded SmolLM2 model")
     tokenizer = load_tokenizer(args.model)
-    engine = AsyncEngine(config)
+    try:
+        engine = AsyncEngine(config, process=not args.engine_in_thread)
+    except ValueError as exc:
+        raise SystemExit(f"specserve: {exc}") from None
     try:
         settings = server_settings(args, engine.model_info)
         app = build_app(engine, tokenizer, settings, routers=extra_routers(engine, settings))

@@ -21,7 +21,7 @@ def check_idle(engine: EngineCore | AsyncEngine) -> None:
         if engine.is_dead:
             return
         assert engine.wait_idle(timeout=30), "the engine did not go idle within 30 s"
-        engine.core.check_integrity()
+        engine.check_integrity()
     else:
         engine.run_until_idle()
         engine.check_integrity()
@@ -38,8 +38,9 @@ class Engines:
         self.built.append(core)
         return core
 
-    def async_engine(self, config: EngineConfig | None = None, **fields) -> AsyncEngine:
-        engine = AsyncEngine(config or EngineConfig(**fields))
+    def async_engine(self, config: EngineConfig | None = None, process: bool = False,
+                     **fields) -> AsyncEngine:
+        engine = AsyncEngine(config or EngineConfig(**fields), process=process)
         self.built.append(engine)
         return engine
 

@@ -6,7 +6,8 @@ i of request b (absolute position seq_len_b - q_len_b + i) attends to keys 0..th
 
 The reference gathers each request's blocks into a padded tensor (whole blocks, `gather_blocks`) and
 runs SDPA:
-- short queries (decodes and verify rows, q_len <= SHORT_QUERY) are padded together into one batch;
+- short queries (decodes and verify rows, q_len <= SHORT_QUERY) of one shape (query rows, context
+  blocks) are batched together, never padded to a neighbour's shape;
 - each longer prefill chunk runs alone, so padding never multiplies a long chunk's cost.
 Gather indices and masks depend only on the step, so `PagedAttentionMetadata` builds them once and
 every layer reuses them.
@@ -38,14 +39,15 @@ def _blocks(block_table: list[int], seq_len: int, block_size: int) -> list[int]:
 
 def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list[tuple]:
     dev, bs = meta.device, meta.block_size
-    groups, short = [], []
+    groups = []
+    short: dict[tuple[int, int], list[int]] = {}          # (q_len, blocks) -> requests
     for b, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start[b], meta.query_start[b + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
         if q_len <= SHORT_QUERY:
-            short.append(b)
+            short.setdefault((q_len, -(-seq_len // bs)), []).append(b)
             continue
         blocks = torch.tensor(_blocks(meta.block_tables[b], seq_len, bs), dtype=torch.int64,
                               device=dev)
@@ -56,24 +58,27 @@ def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list
             mask = (torch.arange(blocks.numel() * bs, device=dev)[None, :] <= qpos[:, None])[None,
                                                                                              None]
         groups.append((None, slice(q_start, q_end), blocks[None], mask))
-    if short and with_short:
-        q_max = max(meta.query_start[b + 1] - meta.query_start[b] for b in short)
-        n_max = max(-(-meta.seq_lens[b] // bs) for b in short)
-        rows = torch.zeros(len(short), q_max, dtype=torch.int64)
-        blocks = torch.zeros(len(short), n_max, dtype=torch.int64)        # padding: block 0, masked
-        mask = torch.zeros(len(short), 1, q_max, n_max * bs, dtype=torch.bool)
-        for j, b in enumerate(short):
-            q_start, seq_len = meta.query_start[b], meta.seq_lens[b]
-            q_len = meta.query_start[b + 1] - q_start
-            rows[j, :q_len] = torch.arange(q_start, q_start + q_len)
-            rows[j, q_len:] = q_start + q_len - 1               # padding rows repeat the last query
-            table = _blocks(meta.block_tables[b], seq_len, bs)
-            blocks[j, :len(table)] = torch.tensor(table, dtype=torch.int64)
-            qpos = torch.arange(seq_len - q_len, seq_len)
-            qpos = torch.cat([qpos, qpos[-1:].expand(q_max - q_len)])
-            mask[j, 0] = torch.arange(n_max * bs)[None, :] <= qpos[:, None]
-        groups.append((rows.to(dev), short, blocks.to(dev), mask.to(dev)))
+    if with_short:
+        groups += [_short_group(meta, members, q_len, num_blocks)
+                   for (q_len, num_blocks), members in short.items()]
     return groups
+
+
+def _short_group(meta: PagedAttentionMetadata, members: list[int], q_len: int,
+                 num_blocks: int) -> tuple:
+    """Short queries of one shape (q_len rows over num_blocks blocks) as one batch. Batching only
+    equal shapes keeps each row's result independent of the rest of the batch: padding a row's
+    keys or queries to a longer neighbour's changes SDPA's rounding, and with it greedy and
+    seeded output (a verify row must compute what the decode it replaces would)."""
+    bs = meta.block_size
+    rows = torch.tensor([[meta.query_start[b] + i for i in range(q_len)] for b in members],
+                        dtype=torch.int64)
+    blocks = torch.tensor([meta.block_tables[b][:num_blocks] for b in members], dtype=torch.int64)
+    seq_lens = torch.tensor([meta.seq_lens[b] for b in members])
+    qpos = seq_lens[:, None] - q_len + torch.arange(q_len)[None, :]           # [B, Q]
+    mask = torch.arange(num_blocks * bs)[None, None, :] <= qpos[:, :, None]    # [B, Q, L]
+    dev = meta.device
+    return rows.to(dev), members, blocks.to(dev), mask[:, None].to(dev)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -110,22 +115,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     bs = meta.block_size
-    for rows, where, blocks, mask in groups(meta):
+    for i, (rows, where, blocks, mask) in enumerate(groups(meta)):
         if rows is None:                                        # one prefill chunk
             out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, bs)
             continue
-        # padded short queries; query head h reads kv head h // group, so a kv head's group x Q
-        # query
-        # rows go in as one [group * Q] block (no K/V repeat for GQA)
+        # short queries of one shape; query head h reads kv head h // group, so a kv head's
+        # group x Q query rows go in as one [group * Q] block (no K/V repeat for GQA)
         num_reqs, q_max = rows.shape
         k = gather_blocks(k_cache, blocks, bs).to(q.dtype)     # [B, num_kv_heads, L, head_dim]
         v = gather_blocks(v_cache, blocks, bs).to(q.dtype)
         qg = q[rows].view(num_reqs, q_max, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(num_reqs, num_kv_heads, group * q_max, head_dim)
-        grouped = meta.memo(f"reference_grouped_mask_{group}", lambda: mask[:, :, None].expand(
+        grouped = meta.memo(f"reference_grouped_mask_{group}_{i}", lambda: mask[:, :, None].expand(
             -1, -1, group, -1, -1).reshape(num_reqs, 1, group * q_max, mask.shape[-1]))
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=grouped, scale=scale)
         o = o.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
-        # padding rows rewrite their last row
         out[rows.flatten()] = o.reshape(num_reqs * q_max, num_heads, head_dim)
     return out

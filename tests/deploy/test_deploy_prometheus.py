@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+SPEC = '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 4}'
 WINDOW = "3m"                                     # stands in for $__rate_interval: covers the whole run
 VARIABLES = {"$job": ".*", "$model_name": ".*", "$instance": ".*", "$engine": ".*"}
 

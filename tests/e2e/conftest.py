@@ -47,7 +47,7 @@ class RealServer:
             assert time.monotonic() < deadline, "the server did not finish its requests"
             time.sleep(0.02)
         assert self.engine.wait_idle(max(deadline - time.monotonic(), 1.0)), "engine did not go idle"
-        self.engine.core.check_integrity()
+        self.engine.check_integrity()
 
 
 @pytest.fixture(scope="module")

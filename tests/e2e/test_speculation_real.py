@@ -21,7 +21,7 @@ TEXTS = [
 ]
 CAPS = [None, 0, 1, 2, 3, 4, None, 2]
 METHODS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    "ngram": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4, "prompt_lookup_max": 3},
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 4},
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
 }

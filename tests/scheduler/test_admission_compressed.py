@@ -241,7 +241,7 @@ def test_the_host_budget_sizes_the_full_pool_and_the_device_budget_the_compresse
 
 @pytest.mark.parametrize("kwargs", [
     {"host_kv_cache_memory_gb": 1.0},
-    {"host_kv_cache_memory_gb": 1.0, "speculative": SpeculativeConfig(method="ngram")},
+    {"host_kv_cache_memory_gb": 1.0, "speculative": SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4)},
     {"host_kv_cache_memory_gb": 1.0, "speculative": replace(SPEC, full_kv_in_host=False)},
     {"host_kv_cache_memory_gb": 0.0, "speculative": SPEC},
 ])

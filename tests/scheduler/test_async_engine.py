@@ -41,7 +41,7 @@ def test_consumer_leaving_early_aborts_and_frees(engine):
     asyncio.run(main())
     assert engine.wait_idle(timeout=30)
     assert not engine.core.has_unfinished()
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 def test_validation_and_overload_raise_before_streaming(engines):
@@ -51,10 +51,10 @@ def test_validation_and_overload_raise_before_streaming(engines):
     async def main():
         with pytest.raises(ParamError):
             eng.submit(req("long", n=70))
-        eng.core.scheduler.waiting.append(object())         # a full queue, as the engine sees it
+        eng._pending.add("queued")                          # a full queue, as the engine sees it
         with pytest.raises(EngineOverloadedError):
             eng.submit(req("x"))
-        eng.core.scheduler.waiting.clear()
+        eng._pending.clear()
     asyncio.run(main())
 
 
@@ -87,11 +87,61 @@ def test_the_queue_is_bounded_by_default_and_retry_after_follows_the_drain_rate(
         await asyncio.gather(*(collect(eng, req(f"w{i}", max_tokens=3)) for i in range(6)))
         rate_s = eng.drain_estimate_s(1000)
         for _ in range(6):                                # a full queue, as the engine sees it
-            eng.core.scheduler.waiting.append(object())
+            eng._pending.add(f"queued{_}")
         with pytest.raises(EngineOverloadedError) as refused:
             eng.submit(req("over"))
-        eng.core.scheduler.waiting.clear()
+        eng._pending.clear()
         return rate_s, refused.value.retry_after_s
     long_queue, retry_after = asyncio.run(main())
     assert 1 <= retry_after <= long_queue <= 600
     assert long_queue > retry_after or long_queue == 600   # more waiting, a longer wait
+
+
+def test_engine_process_streams_aborts_and_matches_the_thread(engines):
+    """The engine core in its own process (the server's default) gives the same tokens as on a
+    thread, frees an abandoned stream's KV, and answers the integrity check across the pipe."""
+    cfg = dict(model="tiny-random", kv_cache_memory_gb=0.05)
+    proc = engines.async_engine(process=True, **cfg)
+    thread = engines.async_engine(**cfg)
+    assert proc.core is None and proc.model_info == thread.model_info
+    assert proc.engine_info == thread.engine_info
+
+    async def main(eng):
+        results = await asyncio.gather(*(collect(eng, req(f"p{i}", n=5 + i)) for i in range(4)))
+        stream = eng.submit(req("gone", max_tokens=200))
+        async for out in stream:
+            if out.new_token_ids:
+                break
+        await stream.aclose()
+        return [tokens for tokens, _ in results]
+    assert asyncio.run(main(proc)) == asyncio.run(main(thread))
+    assert proc.wait_idle(timeout=30)
+    proc.check_integrity()
+    assert proc.num_waiting == 0
+
+
+def test_engine_process_death_fails_streams_and_calls_on_death(engines):
+    eng = engines.async_engine(process=True, model="tiny-random", kv_cache_memory_gb=0.05)
+    deaths = []
+    eng.on_death = deaths.append
+
+    async def main():
+        stream = eng.submit(req("victim", max_tokens=100000 // 100))
+        async for out in stream:
+            if out.new_token_ids:
+                eng._host._process.kill()             # the engine process is OOM-killed, say
+                break
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            eng.submit(req("after"))
+    asyncio.run(main())
+    assert eng.is_dead and len(deaths) == 1
+
+
+def test_engine_process_start_failure_is_one_clear_error():
+    from specserve.scheduler.async_engine import AsyncEngine
+    from specserve.scheduler.config import EngineConfig
+    with pytest.raises(ValueError, match="too small"):
+        AsyncEngine(EngineConfig(model="tiny-random", kv_cache_memory_gb=1e-9), process=True)

@@ -105,7 +105,7 @@ def test_flags_need_the_lossy_kv_method(spec, flags):
 
 
 def test_other_methods_are_untouched():
-    spec = config_of("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').speculative
+    spec = config_of("--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 3}').speculative
     assert spec.method == "ngram" and spec.num_speculative_tokens == 3
     assert config_of().speculative is None
 

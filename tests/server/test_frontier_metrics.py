@@ -46,7 +46,7 @@ def samples(metrics: ServerMetrics) -> dict[str, float]:
 
 def test_cli_frontier_size_flows_into_the_engine(engines):
     args = build_parser().parse_args(["serve", "tiny-random", "--speculative-config",
-                                      '{"method": "ngram", "num_speculative_tokens": 6, "frontier_size": 2}'])
+                                      '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 6, "frontier_size": 2}'])
     config = engine_config(args)
     assert config.speculative.frontier_size == 2
     core = engines.core(model="tiny-random", num_kv_blocks=32, speculative=config.speculative)
@@ -71,7 +71,7 @@ def test_cli_refuses_bad_frontier_sizes_with_a_clear_message(value):
 
 
 def test_recorder_adds_pruned_tokens_and_frontiers_of_spec_steps(core_with):
-    metrics = metrics_for(core_with(SpeculativeConfig(method="ngram", num_speculative_tokens=4, frontier_size=2)))
+    metrics = metrics_for(core_with(SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=4, frontier_size=2)))
     assert samples(metrics) == {PRUNED: 0, FRONTIERS: 0}  # exported from the first scrape
     # the worked example: 4 drafted, the third rejected, seen after the first frontier
     metrics.steps.record(StepStats(num_drafts=1, num_draft_tokens=4, num_accepted_tokens=2,
@@ -86,7 +86,7 @@ def test_recorder_adds_pruned_tokens_and_frontiers_of_spec_steps(core_with):
 
 
 def test_counters_from_real_steps_match_the_step_stats(core_with):
-    core = core_with(SpeculativeConfig(method="ngram", num_speculative_tokens=5, frontier_size=1))
+    core = core_with(SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=5, frontier_size=1))
     metrics = metrics_for(core)
     for i, prompt in enumerate([[5, 6, 7, 8] * 6, [9, 10, 11] * 7, [3, 4] * 9]):
         core.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0,

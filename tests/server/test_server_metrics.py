@@ -22,7 +22,7 @@ from specserve.server.metrics_recorders import RequestTracker
 from specserve.server.settings import ServerSettings
 from specserve.server.tokenizer import load_tokenizer
 
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+NGRAM = SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=4)
 LABELS = {"model_name": "tiny", "engine": "0"}
 
 

