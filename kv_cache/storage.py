@@ -6,6 +6,7 @@ leave stale values in slots that later writes overwrite.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -16,14 +17,24 @@ def num_blocks_for_budget(budget_bytes: float, num_layers: int, block_size: int,
     return int(budget_bytes // per_block)
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On CPU it comes from calloc (numpy's zeros), whose large blocks are
+    fresh zero pages the OS maps on first write: a KV cache then costs resident memory only for
+    the blocks requests have used, not its whole budget at start-up."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)
+        self.v = zeros(shape, dtype, device)
 
     @property
     def nbytes(self) -> int:

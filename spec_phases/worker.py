@@ -73,6 +73,8 @@ class Worker:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
                                 tiny_seed=config.tiny_random_seed)
+        # bytes one forward reads (an LM head tied to the embedding is read once per step)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if config.cpu_weight_packing and self.model.pack_for_cpu():
             logger.info("linear weights prepacked for oneDNN (%s on CPU)", self.dtype)
         cfg = self.model_config = self.model.config
@@ -203,6 +205,3 @@ class Worker:
         if self.draft_pool is not None:
             self.draft_pool.check_integrity(live_ids, releasing, reserved_bytes)
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
