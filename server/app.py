@@ -6,6 +6,8 @@ app; they can read `app.state.serving` (the `ServingContext`) for the engine and
 """
 from __future__ import annotations
 
+import asyncio
+
 import time
 import uuid
 from collections.abc import Sequence
@@ -96,16 +98,18 @@ def openai_router(ctx: ServingContext) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages.", "prompt")
         if body.messages is not None:
-            text = render_chat(ctx, body.messages, chat_template=body.chat_template,
-                               add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message,
-                               chat_template_kwargs=body.chat_template_kwargs)
+            text = await asyncio.to_thread(
+                render_chat, ctx, body.messages, chat_template=body.chat_template,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs)
             add_special = bool(body.add_special_tokens)
         else:
             text = body.prompt
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = encode_text(ctx, text, "messages" if body.messages is not None else "prompt",
-                             add_special)
+        tokens = await asyncio.to_thread(
+            encode_text, ctx, text, "messages" if body.messages is not None else "prompt",
+            add_special)
         strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": ctx.model_info.max_model_len,
                 "tokens": tokens,

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="or SPECSERVE_API_KEY / VLLM_API_KEY")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja template, inline or a file path")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a chat_template sent in a request (off: such requests get a "
+                            "400; rendering runs the template's loops on the server)")
     serve.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS)
     serve.add_argument("--speculative-config", default=None,
                        help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -124,6 +127,7 @@ def server_settings(args: argparse.Namespace, model_info) -> ServerSettings:
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
             chat_template=read_chat_template(args.chat_template),
+            trust_request_chat_template=args.trust_request_chat_template,
             max_body_bytes=args.max_request_body_bytes, max_choices=args.max_choices,
             sse_keepalive_s=args.sse_keep_alive_interval,
             disable_log_requests=args.disable_log_requests,

@@ -38,18 +38,38 @@ class ServingContext:
     tokenizer: Any
     settings: ServerSettings
     token_text: Any = field(init=False)
+    max_prompt_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_text = make_token_text(self.tokenizer)
+        self.max_prompt_chars = self.model_info.max_model_len * max_token_chars(self.tokenizer)
 
     @property
     def model_info(self) -> ModelInfo:
         return self.client.model_info
 
 
-def encode_text(ctx: ServingContext, text: str, param: str, add_special_tokens: bool) -> list[int]:
-    """Tokenize request text; text that is not valid Unicode (a lone UTF-16 surrogate from a JSON
-    escape such as \\ud800) is a 400 naming `param`, not a tokenizer crash."""
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for: its longest vocabulary entry (byte-level and
+    SentencePiece entries spell each byte or character at least once, so decoding never yields
+    more characters than the entry has)."""
+    vocab = tokenizer.get_vocab()
+    return max(1, max(len(piece) for piece in vocab))
+
+
+def encode_text(ctx: ServingContext, text: str, param: str, add_special_tokens: bool,
+                limit_length: bool = True) -> list[int]:
+    """Tokenize request text (call it off the event loop: a long text takes seconds). Text longer
+    than the context could hold even at the vocabulary's longest token is a 400 before any
+    tokenizing (`limit_length` False where the prompt is truncated afterwards); text that is not
+    valid Unicode (a lone UTF-16 surrogate from a JSON escape such as \\ud800) is a 400 naming
+    `param`, not a tokenizer crash."""
+    if limit_length and len(text) > ctx.max_prompt_chars:
+        limit = ctx.model_info.max_model_len
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, the "
+                          f"{param} has {len(text)} characters, more than {limit} tokens of this "
+                          f"vocabulary can hold ({ctx.max_prompt_chars}). Please reduce the length "
+                          f"of the {param}.", param)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

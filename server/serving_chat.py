@@ -2,6 +2,8 @@
 SSE."""
 from __future__ import annotations
 
+import asyncio
+
 import time
 
 from fastapi import Request
@@ -52,6 +54,11 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_templa
     """The prompt text from the chat template (request > --chat-template > the model's own)."""
     import jinja2
 
+    if (chat_template is not None or "chat_template" in (chat_template_kwargs or {})) and \
+            not ctx.settings.trust_request_chat_template:
+        raise bad_request("Chat template is passed with request, but "
+                          "--trust-request-chat-template is not set. Refused request with "
+                          "untrusted chat template.", "chat_template")
     template = chat_template or ctx.settings.chat_template or getattr(ctx.tokenizer,
                                                                       "chat_template", None)
     if not template:
@@ -102,11 +109,15 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
                               f"got {body.top_logprobs}.", "top_logprobs")
     if body.n > ctx.settings.max_choices:
         raise bad_request(f"n must be at most {ctx.settings.max_choices}, got {body.n}.", "n")
-    text = render_chat(ctx, body.messages, chat_template=body.chat_template,
-                       add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message,
-                       chat_template_kwargs=body.chat_template_kwargs)
-    prompt_ids = encode_text(ctx, text, "messages", body.add_special_tokens)
+    # rendering and tokenizing: off the event loop
+    text = await asyncio.to_thread(render_chat, ctx, body.messages,
+                                   chat_template=body.chat_template,
+                                   add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message,
+                                   chat_template_kwargs=body.chat_template_kwargs)
+    prompt_ids = await asyncio.to_thread(encode_text, ctx, text, "messages",
+                                         body.add_special_tokens,
+                                         limit_length=body.truncate_prompt_tokens is None)
     if body.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
     info = ctx.model_info

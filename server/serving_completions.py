@@ -2,6 +2,8 @@
 JSON."""
 from __future__ import annotations
 
+import asyncio
+
 import time
 
 from fastapi import Request
@@ -41,7 +43,8 @@ def parse_prompts(ctx: ServingContext,
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = encode_text(ctx, item, "prompt", body.add_special_tokens) if item else []
+            ids = encode_text(ctx, item, "prompt", body.add_special_tokens,
+                              limit_length=body.truncate_prompt_tokens is None) if item else []
             text = item
         else:
             ids, text = [int(t) for t in item], None
@@ -122,7 +125,7 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-    prompts = parse_prompts(ctx, body)
+    prompts = await asyncio.to_thread(parse_prompts, ctx, body)     # tokenizing: off the loop
     if len(prompts) * body.n > ctx.settings.max_choices:
         raise bad_request(f"prompts × n must be at most {ctx.settings.max_choices}, "
                           f"got {len(prompts) * body.n}.", "n")

@@ -22,6 +22,9 @@ class ServerSettings:
     enable_prompt_tokens_details: bool = False
     per_request_spec_decode_metrics: str | None = None   # None | "summary"
     chat_template: str | None = None               # overrides the tokenizer's template
+    # a template sent in a request is rendered only with this set (vLLM's flag of that name):
+    # rendering runs arbitrary Jinja loops on the server
+    trust_request_chat_template: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     max_choices: int = 256                         # prompts × n per request (vLLM caps prompts too)
     retry_after_s: int = 1

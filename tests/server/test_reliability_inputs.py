@@ -100,3 +100,47 @@ def test_a_503_carries_the_engines_drain_estimate_as_retry_after():
     from specserve.server.errors import map_engine_exception
     err = map_engine_exception(EngineOverloadedError("full", retry_after_s=42), retry_after_s=1)
     assert err.status == 503 and err.headers["Retry-After"] == "42"
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting encode calls (a prompt refused by length is never tokenized)."""
+
+    def __init__(self, tok):
+        self._tok, self.encodes = tok, 0
+
+    def encode(self, *args, **kwargs):
+        self.encodes += 1
+        return self._tok.encode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.mark.parametrize("path,field,param", [
+    ("/v1/completions", "prompt", "prompt"), ("/tokenize", "prompt", "prompt"),
+    ("/v1/chat/completions", "messages", "messages")])
+def test_a_prompt_too_long_to_fit_is_refused_by_length_before_tokenizing(tok, path, field, param):
+    """Issue 19 D3: 4 MB of text cannot fit 256 tokens of any entry of this vocabulary; it gets
+    the context-length 400 without being tokenized (which took seconds on the event loop)."""
+    counting = CountingTokenizer(tok)
+    engine = FakeEngine(tok)
+    client = TestClient(build_app(engine, counting, ServerSettings(served_model_names=(MODEL,))))
+    text = "word " * 800_000
+    body = {"model": MODEL, "max_tokens": 2}
+    body[field] = text if field == "prompt" else [{"role": "user", "content": text}]
+    reply = client.post(path, json=body)
+    assert reply.status_code == 400, reply.text
+    err = reply.json()["error"]
+    assert err["param"] == param and "maximum context length" in err["message"]
+    assert counting.encodes == 0 and not engine.submitted
+    # a prompt the context can hold is still tokenized and served
+    body[field] = "word " * 10 if field == "prompt" else [{"role": "user", "content": "hi"}]
+    assert client.post(path, json=body).status_code == 200 and counting.encodes == 1
+
+
+def test_truncated_prompts_are_not_refused_by_length(tok):
+    client, engine = client_for(tok)
+    reply = client.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 100_000,
+                                                 "max_tokens": 2, "truncate_prompt_tokens": 8})
+    assert reply.status_code == 200, reply.text
+    assert len(engine.submitted[0].prompt_token_ids) == 8

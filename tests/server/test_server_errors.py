@@ -101,7 +101,11 @@ def test_chat_specific_refusals(server):
 
 
 def test_chat_template_errors_are_400(make_server, tokenizer):
-    no_template = make_server(chat_template=None)
+    untrusted = post(make_server(), "/v1/chat/completions",
+                     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"})
+    assert untrusted.status_code == 400 and error_of(untrusted)["param"] == "chat_template"
+    assert "--trust-request-chat-template" in error_of(untrusted)["message"]
+    no_template = make_server(chat_template=None, trust_request_chat_template=True)
     bad = post(no_template, "/v1/chat/completions",
                {"messages": [{"role": "user", "content": "x"}], "chat_template": "{% if %}"})
     assert bad.status_code == 400 and error_of(bad)["param"] == "messages"
