@@ -4,15 +4,17 @@ Request b owns queries q[query_start[b]:query_start[b+1]]; they sit at the last 
 its context of seq_len_b tokens, whose keys/values are in the slots named by its block table. Query
 i of request b (absolute position seq_len_b - q_len_b + i) attends to keys 0..that position.
 
-The reference gathers each request's blocks into a padded tensor (whole blocks, `gather_blocks`) and
-runs SDPA:
+The reference gathers each request's blocks (whole blocks, one index_select per cache and step
+shape) and runs SDPA:
 - short queries (decodes and verify rows, q_len <= SHORT_QUERY) of one shape (query rows, context
-  blocks) are batched together, never padded to a neighbour's shape;
+  blocks) are batched together, never padded to a neighbour's shape (`short_batch`);
 - each longer prefill chunk runs alone, so padding never multiplies a long chunk's cost.
 Gather indices and masks depend only on the step, so `PagedAttentionMetadata` builds them once and
 every layer reuses them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,32 +24,50 @@ from specserve.kernels.metadata import PagedAttentionMetadata
 SHORT_QUERY = 16
 
 
-def groups(meta: PagedAttentionMetadata) -> list[tuple]:
-    """(row_index [B, Q] or None, query slice, block ids [B, n], mask [B, 1, Q, n * block_size] or
-    None), built once per step."""
-    return meta.memo("reference_groups", lambda: _build_groups(meta))
-
-
 def chunk_groups(meta: PagedAttentionMetadata) -> list[tuple]:
-    """The long prefill chunks' groups only (for kernels that serve short queries themselves)."""
-    return meta.memo("reference_chunks", lambda: _build_groups(meta, with_short=False))
+    """The long prefill chunks, one group each: (query slice, block ids [1, n], mask [1, 1, Q,
+    n * block_size] or None), built once per step."""
+    return meta.memo("reference_chunks", lambda: _chunk_groups(meta))
+
+
+@dataclass(frozen=True)
+class ShortGroup:
+    """Short queries of one shape: num_reqs requests of q_len rows over num_blocks blocks each.
+    `rows` and `blocks` index the step's concatenated short rows and gathered blocks."""
+    num_reqs: int
+    q_len: int
+    num_blocks: int
+    rows: slice
+    blocks: slice
+    mask: torch.Tensor                   # [num_reqs, Q, num_blocks * block_size] bool
+
+
+@dataclass(frozen=True)
+class ShortBatch:
+    rows: torch.Tensor                   # query rows of every short request, group by group
+    blocks: torch.Tensor                 # their blocks, gathered in one call per layer
+    groups: tuple[ShortGroup, ...]
+
+
+def short_batch(meta: PagedAttentionMetadata) -> ShortBatch | None:
+    """Decodes and verify rows (q_len <= SHORT_QUERY), batched by exact shape (query rows,
+    context blocks), never padded to a neighbour's: padding a row's keys or queries changes SDPA's
+    rounding, and with it greedy and seeded output (a verify row must compute what the decode it
+    replaces would). Built once per step."""
+    return meta.memo("reference_short", lambda: _short_batch(meta))
 
 
 def _blocks(block_table: list[int], seq_len: int, block_size: int) -> list[int]:
     return block_table[:-(-seq_len // block_size)]
 
 
-def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list[tuple]:
+def _chunk_groups(meta: PagedAttentionMetadata) -> list[tuple]:
     dev, bs = meta.device, meta.block_size
     groups = []
-    short: dict[tuple[int, int], list[int]] = {}          # (q_len, blocks) -> requests
     for b, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start[b], meta.query_start[b + 1]
         q_len = q_end - q_start
-        if q_len == 0:
-            continue
         if q_len <= SHORT_QUERY:
-            short.setdefault((q_len, -(-seq_len // bs)), []).append(b)
             continue
         blocks = torch.tensor(_blocks(meta.block_tables[b], seq_len, bs), dtype=torch.int64,
                               device=dev)
@@ -57,28 +77,42 @@ def _build_groups(meta: PagedAttentionMetadata, with_short: bool = True) -> list
             qpos = torch.arange(seq_len - q_len, seq_len, device=dev)
             mask = (torch.arange(blocks.numel() * bs, device=dev)[None, :] <= qpos[:, None])[None,
                                                                                              None]
-        groups.append((None, slice(q_start, q_end), blocks[None], mask))
-    if with_short:
-        groups += [_short_group(meta, members, q_len, num_blocks)
-                   for (q_len, num_blocks), members in short.items()]
+        groups.append((slice(q_start, q_end), blocks[None], mask))
     return groups
 
 
-def _short_group(meta: PagedAttentionMetadata, members: list[int], q_len: int,
-                 num_blocks: int) -> tuple:
-    """Short queries of one shape (q_len rows over num_blocks blocks) as one batch. Batching only
-    equal shapes keeps each row's result independent of the rest of the batch: padding a row's
-    keys or queries to a longer neighbour's changes SDPA's rounding, and with it greedy and
-    seeded output (a verify row must compute what the decode it replaces would)."""
+def _short_batch(meta: PagedAttentionMetadata) -> ShortBatch | None:
     bs = meta.block_size
-    rows = torch.tensor([[meta.query_start[b] + i for i in range(q_len)] for b in members],
-                        dtype=torch.int64)
-    blocks = torch.tensor([meta.block_tables[b][:num_blocks] for b in members], dtype=torch.int64)
-    seq_lens = torch.tensor([meta.seq_lens[b] for b in members])
-    qpos = seq_lens[:, None] - q_len + torch.arange(q_len)[None, :]           # [B, Q]
-    mask = torch.arange(num_blocks * bs)[None, None, :] <= qpos[:, :, None]    # [B, Q, L]
-    dev = meta.device
-    return rows.to(dev), members, blocks.to(dev), mask[:, None].to(dev)
+    shapes: dict[tuple[int, int], list[int]] = {}          # (q_len, blocks) -> requests
+    for b, seq_len in enumerate(meta.seq_lens):
+        q_len = meta.query_start[b + 1] - meta.query_start[b]
+        if 0 < q_len <= SHORT_QUERY:
+            shapes.setdefault((q_len, -(-seq_len // bs)), []).append(b)
+    if not shapes:
+        return None
+    rows: list[int] = []
+    blocks: list[int] = []
+    groups = []
+    for (q_len, num_blocks), members in shapes.items():
+        row0, block0 = len(rows), len(blocks)
+        for b in members:
+            rows.extend(range(meta.query_start[b], meta.query_start[b] + q_len))
+            blocks.extend(meta.block_tables[b][:num_blocks])
+        seq_lens = torch.tensor([meta.seq_lens[b] for b in members])
+        qpos = seq_lens[:, None] - q_len + torch.arange(q_len)[None, :]           # [B, Q]
+        mask = torch.arange(num_blocks * bs)[None, None, :] <= qpos[:, :, None]    # [B, Q, L]
+        groups.append(ShortGroup(len(members), q_len, num_blocks, slice(row0, len(rows)),
+                                 slice(block0, len(blocks)), mask.to(meta.device)))
+    as_tensor = lambda ids: torch.tensor(ids, dtype=torch.int64, device=meta.device)  # noqa: E731
+    return ShortBatch(as_tensor(rows), as_tensor(blocks), tuple(groups))
+
+
+def gather_flat(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [num_slots, num_kv_heads, D], blocks [n] -> [n, block_size, num_kv_heads, D]: whole
+    blocks copied in one index_select."""
+    num_slots, num_kv_heads, head_dim = cache.shape
+    flat = cache.view(num_slots // block_size, block_size * num_kv_heads * head_dim)
+    return flat.index_select(0, blocks).view(-1, block_size, num_kv_heads, head_dim)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -111,24 +145,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
     (one layer). Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
+    for where, blocks, mask in chunk_groups(meta):              # prefill chunks, one by one
+        out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
+                                     meta.block_size)
+    batch = short_batch(meta)
+    if batch is not None:
+        out[batch.rows] = short_attention(q[batch.rows], k_cache, v_cache, batch, meta, scale)
+    return out
+
+
+def short_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    batch: ShortBatch, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """q: the short rows [R, num_heads, D], group by group. Every group's blocks come from one
+    gather per cache; query head h reads kv head h // group, so a kv head's group x Q query rows go
+    in as one [group * Q] block (no K/V repeat for GQA)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    bs = meta.block_size
-    for i, (rows, where, blocks, mask) in enumerate(groups(meta)):
-        if rows is None:                                        # one prefill chunk
-            out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale, bs)
-            continue
-        # short queries of one shape; query head h reads kv head h // group, so a kv head's
-        # group x Q query rows go in as one [group * Q] block (no K/V repeat for GQA)
-        num_reqs, q_max = rows.shape
-        k = gather_blocks(k_cache, blocks, bs).to(q.dtype)     # [B, num_kv_heads, L, head_dim]
-        v = gather_blocks(v_cache, blocks, bs).to(q.dtype)
-        qg = q[rows].view(num_reqs, q_max, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        qg = qg.reshape(num_reqs, num_kv_heads, group * q_max, head_dim)
-        grouped = meta.memo(f"reference_grouped_mask_{group}_{i}", lambda: mask[:, :, None].expand(
-            -1, -1, group, -1, -1).reshape(num_reqs, 1, group * q_max, mask.shape[-1]))
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=grouped, scale=scale)
-        o = o.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
-        out[rows.flatten()] = o.reshape(num_reqs * q_max, num_heads, head_dim)
+    group, bs = num_heads // num_kv_heads, meta.block_size
+    k_all = gather_flat(k_cache, batch.blocks, bs).to(q.dtype)      # [n_all, bs, kvh, D]
+    v_all = gather_flat(v_cache, batch.blocks, bs).to(q.dtype)
+    out = torch.empty_like(q)
+    for i, g in enumerate(batch.groups):
+        shape = (g.num_reqs, g.num_blocks * bs, num_kv_heads, head_dim)
+        k = k_all[g.blocks].view(shape).transpose(1, 2)             # [B, kvh, L, D]
+        v = v_all[g.blocks].view(shape).transpose(1, 2)
+        qg = q[g.rows].view(g.num_reqs, g.q_len, num_kv_heads, group, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(g.num_reqs, num_kv_heads, group * g.q_len, head_dim)
+        mask = meta.memo(f"reference_short_mask_{group}_{i}", lambda: g.mask[:, None, None].expand(
+            -1, -1, group, -1, -1).reshape(g.num_reqs, 1, group * g.q_len, g.mask.shape[-1]))
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        o = o.view(g.num_reqs, num_kv_heads, group, g.q_len, head_dim).permute(0, 3, 1, 2, 4)
+        out[g.rows] = o.reshape(g.num_reqs * g.q_len, num_heads, head_dim)
     return out

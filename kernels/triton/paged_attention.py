@@ -121,7 +121,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
-    for _, where, blocks, mask in chunk_groups(meta):               # long prefill chunks
+    for where, blocks, mask in chunk_groups(meta):               # long prefill chunks
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
                                      meta.block_size)
     short = _short_requests(meta, q.device)
