@@ -37,7 +37,7 @@ def build_app(engine, tokenizer, settings: ServerSettings,
     app = FastAPI(title="specserve", version=VERSION,
                   description="OpenAI-compatible server (vLLM semantics) with speculative "
                               "decoding.")
-    ctx = ServingContext(EngineClient(engine), tokenizer, settings)
+    ctx = ServingContext(EngineClient(engine, settings.request_timeout_s), tokenizer, settings)
     app.state.serving = ctx
     install_error_handlers(app)
     app.include_router(openai_router(ctx))

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true")
     serve.add_argument("--per-request-spec-decode-metrics", choices=["summary"], default=None)
     serve.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may run (queue included) before it fails with "
+                            "504 and is aborted (default: no deadline)")
     serve.add_argument("--max-choices", type=int, default=256, help="prompts × n per request")
     serve.add_argument("--sse-keep-alive-interval", type=float, default=15.0)
     serve.add_argument("--disable-log-requests", action="store_true")
@@ -129,6 +132,7 @@ def server_settings(args: argparse.Namespace, model_info) -> ServerSettings:
             chat_template=read_chat_template(args.chat_template),
             trust_request_chat_template=args.trust_request_chat_template,
             max_body_bytes=args.max_request_body_bytes, max_choices=args.max_choices,
+            request_timeout_s=args.request_timeout,
             sse_keepalive_s=args.sse_keep_alive_interval,
             disable_log_requests=args.disable_log_requests,
             disable_log_stats=getattr(args, "disable_log_stats", False))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, EngineRequest,
@@ -25,11 +26,21 @@ REJECTED = {EngineOverloadedError: "overloaded", EngineDeadError: "engine_dead",
             ParamError: "invalid"}
 
 
+class RequestTimeout(Exception):
+    """The request ran past `--request-timeout`; closing its stream aborts it and frees its KV."""
+
+    def __init__(self, timeout_s: float | None):
+        super().__init__(f"The request did not finish within the server's --request-timeout of "
+                         f"{timeout_s:g} s; it was aborted.")
+
+
 class EngineClient:
     """Wraps any object with the `EngineClientProtocol` methods (the real engine or a test fake)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, request_timeout_s: float | None = None):
         self.engine = engine
+        # a request still running this long after it was opened fails with 504 and is aborted
+        self.request_timeout_s = request_timeout_s
         self.in_flight: set[str] = set()        # engine request ids submitted and not yet done
         # (requests, n) -> RequestTracker | None (server/metrics.py)
         self.tracker_factory = None
@@ -65,7 +76,9 @@ class EngineClient:
     def open(self, requests: list[EngineRequest], n: int = 1) -> ChoiceStream:
         """`requests` are prompts × n choices, prompt-major (n matters only to request metrics)."""
         tracker = self.tracker_factory(requests, n) if self.tracker_factory is not None else None
-        return ChoiceStream(self, requests, tracker)
+        deadline = (None if self.request_timeout_s is None
+                    else time.monotonic() + self.request_timeout_s)
+        return ChoiceStream(self, requests, tracker, deadline)
 
     def shutdown(self) -> None:
         shutdown = getattr(self.engine, "shutdown", None)
@@ -80,8 +93,10 @@ class ChoiceStream:
     early (a stop string matched). Exceptions raised by the engine come out of the iterator.
     """
 
-    def __init__(self, client: EngineClient, requests: list[EngineRequest], tracker=None):
+    def __init__(self, client: EngineClient, requests: list[EngineRequest], tracker=None,
+                 deadline: float | None = None):
         self.client = client
+        self.deadline = deadline                  # time.monotonic(); None: no deadline
         self.requests = requests
         # request metrics; sees each output once, on arrival
         self.tracker = tracker
@@ -138,7 +153,7 @@ class ChoiceStream:
         if self.pushed:
             return self.pushed.pop()
         while self.num_open > 0:
-            index, item = await self.queue.get()
+            index, item = await self._next_item()
             if item is _END:
                 self.num_open -= 1
                 self._mark_done(index)
@@ -155,6 +170,18 @@ class ChoiceStream:
                 self._mark_done(index)
             return index, item
         raise StopAsyncIteration
+
+    async def _next_item(self) -> tuple[int, object]:
+        if self.deadline is None:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.deadline - time.monotonic())
+        except TimeoutError:
+            if self.tracker is not None:
+                for index in range(len(self.requests)):
+                    if index not in self.finished:
+                        self.tracker.failed(index)
+            raise RequestTimeout(self.client.request_timeout_s) from None
 
     def _mark_done(self, index: int) -> None:
         if index not in self.finished:

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from specserve.scheduler.messages import EngineDeadError, EngineOverloadedError
+from specserve.server.engine_client import RequestTimeout
 from specserve.server.generation import EngineRequestError
 from specserve.spec_phases.sampling_params import ParamError
 
@@ -30,6 +31,7 @@ ERROR_TYPES = {
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 
 
@@ -81,6 +83,8 @@ def map_engine_exception(exc: BaseException, retry_after_s: int = 1) -> APIError
         return overloaded(max(retry_after_s, exc.retry_after_s))
     if isinstance(exc, EngineDeadError):
         return engine_dead()
+    if isinstance(exc, RequestTimeout):
+        return APIError(504, str(exc))
     logger.exception("engine failure", exc_info=exc)
     return APIError(500, f"The engine failed on this request: {type(exc).__name__}: {exc}")
 
@@ -141,6 +145,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDeadError):
         err = engine_dead()
         return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(RequestTimeout)
+    async def _timeout(_: Request, exc: RequestTimeout):
+        return error_response(504, str(exc))
 
     @app.exception_handler(EngineRequestError)
     async def _engine_request(_: Request, exc: EngineRequestError):

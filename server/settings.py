@@ -26,6 +26,8 @@ class ServerSettings:
     # rendering runs arbitrary Jinja loops on the server
     trust_request_chat_template: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    # a request still running this many seconds after admission fails with 504 and is aborted
+    request_timeout_s: float | None = None
     max_choices: int = 256                         # prompts × n per request (vLLM caps prompts too)
     retry_after_s: int = 1
     # `: ping` comments on idle streams; 0 turns them off
@@ -38,6 +40,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"--request-timeout must be positive, got {self.request_timeout_s}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.per_request_spec_decode_metrics not in (None, "summary"):

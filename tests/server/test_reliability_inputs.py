@@ -144,3 +144,25 @@ def test_truncated_prompts_are_not_refused_by_length(tok):
                                                  "max_tokens": 2, "truncate_prompt_tokens": 8})
     assert reply.status_code == 200, reply.text
     assert len(engine.submitted[0].prompt_token_ids) == 8
+
+
+def test_a_request_past_the_deadline_fails_with_504_and_is_aborted(tok):
+    """Issue 19 (3): --request-timeout fails a request still running at its deadline, streaming
+    (in-band) or not, and aborts it in the engine (its KV blocks freed)."""
+    engine = FakeEngine(tok, step_delay=0.05)
+    settings = ServerSettings(served_model_names=(MODEL,), request_timeout_s=0.3)
+    client = TestClient(build_app(engine, tok, settings))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 504, reply.text
+    assert "--request-timeout" in reply.json()["error"]["message"]
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert any("--request-timeout" in e.get("error", {}).get("message", "") for e in events)
+    assert any(e.get("choices") for e in events)             # tokens streamed before the deadline
+    assert not engine.held()                                  # both were aborted
+    quick = client.post("/v1/completions", json={**body, "max_tokens": 2})
+    assert quick.status_code == 200
+    with pytest.raises(ValueError, match="request-timeout"):
+        ServerSettings(served_model_names=(MODEL,), request_timeout_s=0)
