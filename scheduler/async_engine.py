@@ -66,6 +66,8 @@ def run_loop(core: EngineCore, recv: Callable[[bool], Any], emit: Callable[[tupl
                     emit(("outputs", [out]))
             elif kind == "check":
                 emit(("checked", _integrity_error(core)))
+            elif kind == "fault":
+                core.inject_fault(msg[1])
         if core.has_work():
             step = core.step()
             if step.outputs or step.stats is not None:
@@ -297,6 +299,10 @@ class AsyncEngine:
         error = self._checked.get(timeout=timeout)
         if error is not None:
             raise AssertionError(error)
+
+    def inject_fault(self, where: str) -> None:
+        """Test-only: `EngineCore.inject_fault` in whichever process the loop runs."""
+        self._send(("fault", where))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._send(("stop",))

@@ -33,6 +33,7 @@ class EngineStep:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self._fault: str | None = None             # inject_fault (tests)
         self.worker = Worker(config.worker_config())
         cfg = self.worker.model_config
         max_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
@@ -103,12 +104,27 @@ class EngineCore:
         return self.scheduler.has_work()
 
     # -- the loop ----------------------------------------------------------------------------
+    def inject_fault(self, where: str) -> None:
+        """Test-only fault hook (also reachable across the process boundary through
+        `AsyncEngine.inject_fault`): "step" makes the next model step raise, as a kernel error
+        would (its requests fail, the engine goes on); "loop" makes the next `step()` raise outside
+        the model step (the loop dies)."""
+        if where not in ("step", "loop"):
+            raise ValueError(f"fault must be 'step' or 'loop', got {where!r}")
+        self._fault = where
+
     def step(self) -> EngineStep:
         """schedule -> execute -> commit: the only two crossings between scheduler and worker."""
+        if self._fault == "loop":
+            self._fault = None
+            raise RuntimeError("injected fault in the engine loop (test hook)")
         plan = self.scheduler.schedule()
         if plan.is_empty():
             return EngineStep([])
         try:
+            if self._fault == "step":
+                self._fault = None
+                raise RuntimeError("injected fault in a model step (test hook)")
             result = self.worker.execute(plan)
         except Exception as exc:                   # one bad step fails its requests, not the engine
             logger.exception("step failed; failing its %d requests", len(plan.requests))

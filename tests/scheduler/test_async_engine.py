@@ -145,3 +145,26 @@ def test_engine_process_start_failure_is_one_clear_error():
     from specserve.scheduler.config import EngineConfig
     with pytest.raises(ValueError, match="too small"):
         AsyncEngine(EngineConfig(model="tiny-random", kv_cache_memory_gb=1e-9), process=True)
+
+
+def test_fault_hook_in_the_engine_process_step_then_loop(engines):
+    """The documented fault hook reaches the engine process: a model-step fault fails that step's
+    request and the engine serves the next one; a loop fault kills the engine, fails the stream
+    and calls on_death."""
+    eng = engines.async_engine(process=True, model="tiny-random", kv_cache_memory_gb=0.05)
+    deaths = []
+    eng.on_death = deaths.append
+
+    async def main():
+        eng.inject_fault("step")
+        tokens, last = await collect(eng, req("faulted"))
+        assert last.finish_reason == "error" and "injected fault" in last.error
+        tokens, last = await collect(eng, req("fine"))
+        assert len(tokens) == 10 and last.finish_reason == "length"
+        eng.inject_fault("loop")
+        with pytest.raises(EngineDeadError, match="injected fault in the engine loop"):
+            await collect(eng, req("after-loop-fault"))
+    asyncio.run(main())
+    assert eng.is_dead and len(deaths) == 1
+    with pytest.raises(ValueError):
+        engines.core(model="tiny-random", kv_cache_memory_gb=0.05).inject_fault("nowhere")
