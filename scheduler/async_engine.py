@@ -32,7 +32,8 @@ from specserve.scheduler.messages import (EngineDeadError, EngineInfo, EngineOve
 from specserve.scheduler.validation import validate
 
 logger = logging.getLogger(__name__)
-DRAIN_WINDOW = 64
+RATE_WINDOW = 64                   # steps whose rate the drain estimate reads
+MIN_RATE_SECONDS = 0.5             # of step time, before the measured rate replaces the prior
 STARTUP_TIMEOUT_S = 900.0          # first-start calibration of lossy_kv can take minutes
 
 
@@ -86,9 +87,10 @@ def _integrity_error(core: EngineCore) -> str | None:
 class ThreadHost:
     """The loop on a daemon thread of this process."""
 
-    def __init__(self, core: EngineCore, on_event: Callable[[tuple], None]):
+    def __init__(self, core: EngineCore, on_event: Callable[[tuple], None], warm_up: bool):
         self.core = core
         self.model_info, self.engine_info = core.model_info, core.engine_info
+        self.decode_rate = core.warm_up() if warm_up else 0.0
         self._on_event = on_event
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
@@ -117,12 +119,12 @@ class ThreadHost:
 class ProcessHost:
     """The loop in a spawned child process; a reader thread here receives its events."""
 
-    def __init__(self, config: EngineConfig, on_event: Callable[[tuple], None]):
+    def __init__(self, config: EngineConfig, on_event: Callable[[tuple], None], warm_up: bool):
         self.core = None
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._send_lock = threading.Lock()
-        self._process = ctx.Process(target=_process_main, args=(config, child),
+        self._process = ctx.Process(target=_process_main, args=(config, child, warm_up),
                                     name="specserve-engine-core", daemon=True)
         self._process.start()
         child.close()
@@ -137,7 +139,7 @@ class ProcessHost:
         if event[0] == "failed":
             self._process.join(5)
             raise (ValueError if event[1] == "ValueError" else RuntimeError)(event[2])
-        _, self.model_info, self.engine_info = event
+        _, self.model_info, self.engine_info, self.decode_rate = event
         self._on_event = on_event
         self._reader = threading.Thread(target=self._read, name="specserve-engine-events",
                                         daemon=True)
@@ -155,8 +157,9 @@ class ProcessHost:
             try:
                 event = self._conn.recv()
             except (EOFError, OSError):
+                self._process.join(5)             # reaped, or exitcode would still read None
                 code = self._process.exitcode
-                if code not in (0, None):
+                if code != 0:
                     logger.error("the engine process exited with code %s", code)
                     self._on_event(("dead", RuntimeError(f"engine process exited ({code})")))
                 return
@@ -172,17 +175,19 @@ class ProcessHost:
             self._process.join(1)
 
 
-def _process_main(config: EngineConfig, conn) -> None:
-    """The engine process: build the core, report ready (or why not), run the loop."""
+def _process_main(config: EngineConfig, conn, warm_up: bool) -> None:
+    """The engine process: build the core (and warm it up), report ready (or why not), run the
+    loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # the server process decides when to stop
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         core = EngineCore(config)
+        rate = core.warm_up() if warm_up else 0.0
     except BaseException as exc:                          # noqa: BLE001 — reported, then exit
         conn.send(("failed", type(exc).__name__, str(exc)))
         return
-    conn.send(("ready", core.model_info, core.engine_info))
+    conn.send(("ready", core.model_info, core.engine_info, rate))
 
     def recv(block: bool) -> Any:
         if not block and not conn.poll():
@@ -204,8 +209,10 @@ def _process_main(config: EngineConfig, conn) -> None:
 # -- the asyncio side ----------------------------------------------------------------------------
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None,
-                 process: bool = False):
-        """process: run the engine core in its own process (`ProcessHost`); else on a thread."""
+                 process: bool = False, warm_up: bool = False):
+        """process: run the engine core in its own process (`ProcessHost`); else on a thread.
+        warm_up: run `EngineCore.warm_up` before serving (the server does; its rate is the drain
+        estimate's prior)."""
         self.config = config
         self.on_step: Callable[[StepStats], None] | None = None     # metrics hook, reader thread
         # called once after the engine died and every stream was failed
@@ -217,11 +224,15 @@ class AsyncEngine:
         self._sent = 0                            # messages sent to the loop
         self._handled = -1                        # messages the loop had handled when last idle
         self._checked: queue.SimpleQueue = queue.SimpleQueue()
-        self._completions: deque[float] = deque(maxlen=DRAIN_WINDOW)   # finish times
+        # the drain estimate: output tokens each unfinished request may still produce, and the
+        # (tokens, seconds) of recent steps
+        self._outstanding: dict[str, int] = {}
+        self._steps: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)
         if process:
-            self._host: ThreadHost | ProcessHost = ProcessHost(config, self._on_event)
+            self._host: ThreadHost | ProcessHost = ProcessHost(config, self._on_event, warm_up)
         else:
-            self._host = ThreadHost(core or EngineCore(config), self._on_event)
+            self._host = ThreadHost(core or EngineCore(config), self._on_event, warm_up)
+        self.decode_rate_prior: float = self._host.decode_rate     # tokens/s; 0: not measured
         self.core = self._host.core
         self.model_info: ModelInfo = self._host.model_info
         self.engine_info: EngineInfo = self._host.engine_info
@@ -243,13 +254,14 @@ class AsyncEngine:
         waiting = self.num_waiting
         if waiting >= self.config.waiting_bound:
             raise EngineOverloadedError(f"{waiting} requests are already waiting",
-                                        retry_after_s=self.drain_estimate_s(waiting))
+                                        retry_after_s=self.drain_estimate_s())
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request.request_id in self._streams:
                 raise ValueError(f"duplicate request id {request.request_id}")
             self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
             self._pending.add(request.request_id)
+            self._outstanding[request.request_id] = request.sampling_params.max_tokens
         self._send(("add", request))
         return self._iterate(request.request_id, stream)
 
@@ -272,6 +284,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
                 self._pending.discard(request_id)
+                self._outstanding.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -308,14 +321,27 @@ class AsyncEngine:
         self._send(("stop",))
         self._host.join(timeout)
 
-    def drain_estimate_s(self, waiting: int) -> int:
-        """Seconds until `waiting` requests would be served at the measured completion rate (the
-        last DRAIN_WINDOW completions), clamped to [1, 600]; 5 before anything finished."""
-        done = list(self._completions)
-        if len(done) < 2 or done[-1] <= done[0]:
-            return 5
-        rate = (len(done) - 1) / (done[-1] - done[0])            # requests per second
-        return max(1, min(600, math.ceil(waiting / rate)))
+    def drain_rate(self) -> float:
+        """Output tokens per second of busy engine time over the last RATE_WINDOW steps (prefills
+        included), or the warm-up's decode rate until those steps hold MIN_RATE_SECONDS."""
+        with self._lock:
+            tokens = sum(t for t, _ in self._steps)
+            seconds = sum(s for _, s in self._steps)
+        if seconds >= MIN_RATE_SECONDS and tokens:
+            return tokens / seconds
+        return self.decode_rate_prior
+
+    def drain_estimate_s(self) -> int:
+        """Seconds until every accepted request (running and waiting) would be done: the output
+        tokens they may still produce (their max_tokens left) at `drain_rate`, clamped to
+        [1, 600]; 5 when no rate was measured."""
+        with self._lock:
+            tokens = sum(self._outstanding.values())
+        return self.estimate_s(tokens, self.drain_rate())
+
+    @staticmethod
+    def estimate_s(tokens: int, rate: float) -> int:
+        return 5 if rate <= 0 else max(1, min(600, math.ceil(tokens / rate)))
 
     # -- events, on the engine thread or the reader thread ---------------------------------------
     def _on_event(self, event: tuple) -> None:
@@ -325,6 +351,7 @@ class AsyncEngine:
             if stats is not None:
                 with self._lock:
                     self._pending.difference_update(stats.first_scheduled)
+                    self._steps.append((stats.num_generation_tokens, stats.step_time_s))
             self._deliver(event[1])
             if stats is not None and self.on_step is not None:
                 self.on_step(stats)
@@ -344,8 +371,10 @@ class AsyncEngine:
         for out in outputs:
             with self._lock:
                 if out.finished:
-                    self._completions.append(time.monotonic())
                     self._pending.discard(out.request_id)
+                    self._outstanding.pop(out.request_id, None)
+                elif out.request_id in self._outstanding:
+                    self._outstanding[out.request_id] -= len(out.new_token_ids)
                 target = self._streams.get(out.request_id)
             if target is not None:
                 _post(target, out)
@@ -353,6 +382,7 @@ class AsyncEngine:
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
             self._pending.discard(request_id)
+            self._outstanding.pop(request_id, None)
             target = self._streams.get(request_id)
         if target is not None:
             _post(target, exc)

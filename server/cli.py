@@ -154,7 +154,7 @@ def serve(args: argparse.Namespace) -> None:
     logger.info("loading %s", args.model or "the embedded SmolLM2 model")
     tokenizer = load_tokenizer(args.model)
     try:
-        engine = AsyncEngine(config, process=not args.engine_in_thread)
+        engine = AsyncEngine(config, process=not args.engine_in_thread, warm_up=True)
     except ValueError as exc:
         raise SystemExit(f"specserve: {exc}") from None
     try:

@@ -39,8 +39,8 @@ class Engines:
         return core
 
     def async_engine(self, config: EngineConfig | None = None, process: bool = False,
-                     **fields) -> AsyncEngine:
-        engine = AsyncEngine(config or EngineConfig(**fields), process=process)
+                     warm_up: bool = False, **fields) -> AsyncEngine:
+        engine = AsyncEngine(config or EngineConfig(**fields), process=process, warm_up=warm_up)
         self.built.append(engine)
         return engine
 

@@ -1,7 +1,9 @@
 import asyncio
+import math
 
 import pytest
 
+from specserve.scheduler.async_engine import AsyncEngine
 from specserve.scheduler.messages import EngineDeadError, EngineOverloadedError, EngineRequest
 from specserve.spec_phases.sampling_params import ParamError, SamplingParams
 
@@ -78,23 +80,36 @@ def test_dead_engine_fails_streams_and_new_submits(engine, monkeypatch):
 
 def test_the_queue_is_bounded_by_default_and_retry_after_follows_the_drain_rate(engines):
     """Issue 19 D4: with no flag the waiting queue holds 2 x max_num_seqs; a refusal carries the
-    engine's estimate of how long the queue takes to drain at its measured completion rate."""
+    engine's estimate of how long every accepted request takes to finish: the output tokens they
+    may still produce at the measured rate (the warm-up's rate before real steps are measured)."""
     eng = engines.async_engine(model="tiny-random", kv_cache_memory_gb=0.05, max_num_seqs=3)
     assert eng.config.max_waiting_requests is None and eng.config.waiting_bound == 6
-    assert eng.drain_estimate_s(10) == 5                  # nothing finished yet: a default
+    assert eng.decode_rate_prior == 0.0 and eng.drain_estimate_s() == 5   # nothing measured
+    warm = engines.async_engine(model="tiny-random", kv_cache_memory_gb=0.05, max_num_seqs=3,
+                                warm_up=True)
+    assert warm.decode_rate_prior > 0 and warm.drain_rate() == warm.decode_rate_prior
+    assert warm.drain_estimate_s() == 1                   # nothing outstanding: the floor
 
     async def main():
-        await asyncio.gather(*(collect(eng, req(f"w{i}", max_tokens=3)) for i in range(6)))
-        rate_s = eng.drain_estimate_s(1000)
-        for _ in range(6):                                # a full queue, as the engine sees it
-            eng._pending.add(f"queued{_}")
+        await asyncio.gather(*(collect(warm, req(f"w{i}", max_tokens=3)) for i in range(6)))
+        measured = warm.drain_rate()
+        runs = [asyncio.ensure_future(collect(warm, req(f"q{i}", max_tokens=60)))
+                for i in range(3)]
+        await asyncio.sleep(0)
+        for i in range(6):                                # a full queue, as the engine sees it
+            warm._pending.add(f"queued{i}")
         with pytest.raises(EngineOverloadedError) as refused:
-            eng.submit(req("over"))
-        eng._pending.clear()
-        return rate_s, refused.value.retry_after_s
-    long_queue, retry_after = asyncio.run(main())
-    assert 1 <= retry_after <= long_queue <= 600
-    assert long_queue > retry_after or long_queue == 600   # more waiting, a longer wait
+            warm.submit(req("over"))
+        warm._pending.clear()
+        await asyncio.gather(*runs)
+        return measured, refused.value.retry_after_s
+    measured, retry_after = asyncio.run(main())
+    assert measured > 0
+    # at most 3 x 60 tokens outstanding, at a rate no lower than the slower of prior and measured
+    assert 1 <= retry_after <= math.ceil(180 / min(measured, warm.decode_rate_prior)) + 1
+    assert warm.wait_idle() and warm.drain_estimate_s() == 1   # nothing left outstanding
+    assert AsyncEngine.estimate_s(2400, 100.0) == 24 and AsyncEngine.estimate_s(10**9, 1.0) == 600
+    assert AsyncEngine.estimate_s(0, 100.0) == 1 and AsyncEngine.estimate_s(50, 0.0) == 5
 
 
 def test_engine_process_streams_aborts_and_matches_the_thread(engines):
