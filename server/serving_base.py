@@ -23,6 +23,7 @@ from specserve.server.generation import ChoiceState, speculative_usage
 from specserve.server.middleware import REQUEST_ID_KEY
 from specserve.server.protocol import SamplingFields
 from specserve.server.settings import ServerSettings
+from specserve.server.template_budget import TemplateSandbox
 
 logger = logging.getLogger("specserve.server")
 
@@ -39,10 +40,12 @@ class ServingContext:
     settings: ServerSettings
     token_text: Any = field(init=False)
     max_prompt_chars: int = field(init=False)
+    template_sandbox: TemplateSandbox = field(init=False)   # request templates, under a budget
 
     def __post_init__(self) -> None:
         self.token_text = make_token_text(self.tokenizer)
         self.max_prompt_chars = self.model_info.max_model_len * max_token_chars(self.tokenizer)
+        self.template_sandbox = TemplateSandbox(self.tokenizer, max_chars=self.max_prompt_chars)
 
     @property
     def model_info(self) -> ModelInfo:

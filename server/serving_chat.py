@@ -13,6 +13,7 @@ from specserve.scheduler.messages import EngineRequest, TokenLogprob
 from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import ChatCompletionRequest, ChatMessage
+from specserve.server.template_budget import TemplateBudgetError, TemplateRenderError
 from specserve.scheduler.validation import check_context
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            encode_text,
@@ -66,12 +67,20 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_templa
     if add_generation_prompt and continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true.",
                           "continue_final_message")
+    options = dict(add_generation_prompt=add_generation_prompt,
+                   continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+    if chat_template is not None or "chat_template" in options:     # the request's own code
+        try:
+            return ctx.template_sandbox.render(conversation(messages),
+                                               options.pop("chat_template", template), **options)
+        except TemplateBudgetError as exc:
+            raise bad_request(f"Refused: {exc}.", "chat_template") from None
+        except TemplateRenderError as exc:
+            raise bad_request(f"The chat template failed on these messages: {exc}",
+                              "messages") from None
     try:
         return ctx.tokenizer.apply_chat_template(
-            conversation(messages), chat_template=template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}))
+            conversation(messages), chat_template=template, tokenize=False, **options)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
         raise bad_request(f"The chat template failed on these messages: {exc}",
                           "messages") from None

@@ -113,6 +113,16 @@ def test_chat_template_errors_are_400(make_server, tokenizer):
                    {"messages": [{"role": "user", "content": "x"}],
                     "chat_template": "{{ raise_exception('no') }}"})
     assert raising.status_code == 400
+    looping = post(no_template, "/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": "x"}], "chat_template":
+                    "{% for i in range(1000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}"})
+    assert looping.status_code == 400 and error_of(looping)["param"] == "chat_template"
+    assert "budget" in error_of(looping)["message"]
+    ok = post(no_template, "/v1/chat/completions",
+              {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+               "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+    assert ok.status_code == 200
 
 
 def test_api_key_guards_v1_and_tokenize_only(make_server):
