@@ -3,11 +3,13 @@ refused.
 
     python -m specserve.loadtests.soak [--burst 400] [--server-args "--max-num-seqs 16"]
 
-Starts `specserve serve` (default flags plus --server-args) on 127.0.0.1 and runs, in order:
+Starts `specserve serve` (default flags, `--trust-request-chat-template` so that a request's
+template is rendered under its budget rather than refused unread, plus --server-args) on
+127.0.0.1 and runs, in order:
 1. burst: `--burst` streamed requests (32 output tokens) sent at once. Counts 200s, 503s and any
    other status, the Retry-After the 503s carry, and how long the admitted ones took to drain.
 2. bad inputs: a list of malformed or hostile requests; each must get a 4xx, none a 5xx.
-3. liveness: three 10 MB prompts and an untrusted request template sent while /health is polled
+3. liveness: three 10 MB prompts and a looping request template sent while /health is polled
    every 20 ms and an unrelated stream runs: /health p99 and the stream's longest pause.
 4. what was lost: after the server goes idle, /metrics must show no running or waiting request
    and an empty KV cache; the server process must still be alive.
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     peer = peer_mod.specserve_peer(peer_mod.free_port(), "plain", 2048,
-                                   extra_args=shlex.split(args.server_args))
+                                   extra_args=["--trust-request-chat-template",
+                                               *shlex.split(args.server_args)])
     summary: dict = {"cmd": shlex.join(peer.cmd)}
     peer.start(Path("loadtests/results/logs"))
     try:
