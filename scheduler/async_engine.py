@@ -34,6 +34,9 @@ from specserve.scheduler.validation import validate
 logger = logging.getLogger(__name__)
 DRAIN_WINDOW = 64
 STARTUP_TIMEOUT_S = 900.0          # first-start calibration of lossy_kv can take minutes
+# a refusal while the engine process starts is raised again here as its base class (the CLI
+# prints these as one line): an unsupported model (ValueError), a missing file
+STARTUP_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
 
 
 # -- the loop, wherever it runs ------------------------------------------------------------------
@@ -136,7 +139,7 @@ class ProcessHost:
                                f"(exit code {self._process.exitcode})") from None
         if event[0] == "failed":
             self._process.join(5)
-            raise (ValueError if event[1] == "ValueError" else RuntimeError)(event[2])
+            raise STARTUP_ERRORS.get(event[1], RuntimeError)(event[2])
         _, self.model_info, self.engine_info = event
         self._on_event = on_event
         self._reader = threading.Thread(target=self._read, name="specserve-engine-events",
@@ -180,7 +183,9 @@ def _process_main(config: EngineConfig, conn) -> None:
     try:
         core = EngineCore(config)
     except BaseException as exc:                          # noqa: BLE001 — reported, then exit
-        conn.send(("failed", type(exc).__name__, str(exc)))
+        kind = next((c.__name__ for c in STARTUP_ERRORS.values() if isinstance(exc, c)),
+                    type(exc).__name__)
+        conn.send(("failed", kind, str(exc)))
         return
     conn.send(("ready", core.model_info, core.engine_info))
 
