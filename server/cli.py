@@ -22,7 +22,8 @@ from typing import NoReturn
 
 from specserve.kv_cache.compress.registry import COMPRESSORS as KV_COMPRESSORS
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
-from specserve.spec_phases.paths import ModelPathError, describe_model, resolve_model_path
+from specserve.spec_phases.paths import (ModelPathError, describe_model, resolve_model_path,
+                                         resolve_tokenizer_path)
 from specserve.spec_phases.sampling_params import MAX_LOGPROBS
 from specserve.server.generation_config import GenerationConfigError, default_sampling
 from specserve.server.settings import (VERSION, ServerSettings, api_key_from_env,
@@ -432,8 +433,8 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None]:
         path = resolve_model_path(args.model, args.revision, args.download_dir)
         tokenizer = None
         if args.tokenizer is not None:
-            tokenizer = resolve_model_path(args.tokenizer, args.tokenizer_revision,
-                                           args.download_dir)
+            tokenizer = resolve_tokenizer_path(args.tokenizer, args.tokenizer_revision,
+                                               args.download_dir)
     except ModelPathError as exc:
         refuse(str(exc))
     return path, tokenizer

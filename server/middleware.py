@@ -176,5 +176,6 @@ class RequestLogMiddleware:
         text = body.decode("utf-8", "replace")
         if self.max_log_len is not None and len(text) > self.max_log_len:
             text = text[:self.max_log_len] + f"... ({len(text)} chars)"
+        text = text.replace("\r", "\\r").replace("\n", "\\n")      # one line, always
         logger.info("request %s: %s %s %s", scope.get(REQUEST_ID_KEY, "-"), scope["method"],
-                    scope["path"], json.dumps(text, ensure_ascii=False) if text else "")
+                    scope["path"], text)

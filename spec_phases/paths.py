@@ -51,6 +51,19 @@ def resolve_model_path(model: str | None, revision: str | None = None,
                          "Hugging Face cache)")
 
 
+def resolve_tokenizer_path(name: str, revision: str | None = None,
+                           download_dir: str | None = None) -> Path:
+    """`--tokenizer`: a local folder (tokenizer files; no config.json needed) or a cached Hub
+    id's snapshot."""
+    path = Path(os.path.expanduser(name))
+    if path.exists():
+        return path
+    if looks_like_repo_id(name):
+        return hub_snapshot(name, revision, download_dir)
+    raise ModelPathError(f"tokenizer {name!r}: no such file or folder, and not a Hub id in the "
+                         "local Hugging Face cache")
+
+
 def _local_model(model: str, path: Path) -> Path:
     if path.is_file():
         if path.suffix == ".gguf":

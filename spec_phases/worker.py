@@ -54,6 +54,18 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def utilization_kv_budget(util: float, free: int, total: int) -> int:
+    """Bytes of KV cache that vLLM's gpu_memory_utilization allows: util x total, less what is in
+    use now (total - free: weights, other processes), less ACTIVATION_RESERVE_GB."""
+    budget = int(util * total - (total - free) - ACTIVATION_RESERVE_GB * 2**30)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {util} leaves no room for the KV cache: "
+                         f"{util:.2f} x {total / 2**30:.1f} GiB, {(total - free) / 2**30:.1f} GiB "
+                         f"already in use, {ACTIVATION_RESERVE_GB:g} GiB kept for activations; "
+                         "raise it")
+    return budget
+
+
 class Worker:
     def __init__(self, config: WorkerConfig):
         """kv_cache_memory_gb budgets the device KV: the full cache, or with lossy_kv keeping the
@@ -119,12 +131,7 @@ class Worker:
             return self.config.kv_cache_memory_gb
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(torch.device(self.device))
-        budget = util * total - (total - free) - ACTIVATION_RESERVE_GB * 2**30
-        if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization {util} leaves no room for the KV cache: "
-                             f"{util:.2f} x {total / 2**30:.1f} GiB, {(total - free) / 2**30:.1f} "
-                             f"GiB in use after loading the weights, {ACTIVATION_RESERVE_GB} GiB "
-                             "kept for activations; raise it")
+        budget = utilization_kv_budget(util, free, total)
         logger.info("KV budget %.2f GiB = %.2f x %.1f GiB device memory - %.1f GiB in use - %g "
                     "GiB for activations", budget / 2**30, util, total / 2**30,
                     (total - free) / 2**30, ACTIVATION_RESERVE_GB)
