@@ -22,8 +22,8 @@ from typing import NoReturn
 
 from specserve.kv_cache.compress.registry import COMPRESSORS as KV_COMPRESSORS
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
-from specserve.spec_phases.paths import (ModelPathError, describe_model, resolve_model_path,
-                                         resolve_tokenizer_path)
+from specserve.spec_phases.paths import (TINY_RANDOM, ModelPathError, describe_model,
+                                         resolve_model_path, resolve_tokenizer_path)
 from specserve.spec_phases.sampling_params import MAX_LOGPROBS
 from specserve.server.generation_config import GenerationConfigError, default_sampling
 from specserve.server.settings import (VERSION, ServerSettings, api_key_from_env,
@@ -456,7 +456,7 @@ def serve_launch(args: argparse.Namespace):
                     "folder (its architectures are built in)")
     if args.disable_frontend_multiprocessing:
         args.engine_in_thread = True
-    local = None if args.model in (None, "tiny-random") else str(path)
+    local = None if args.model in (None, TINY_RANDOM) else str(path)
     return engine_config(args, model=local), path, tokenizer_path, defaults
 
 
@@ -505,9 +505,11 @@ def log_banner(args, config: EngineConfig, path: Path, engine, defaults: dict) -
         {k: v for k, v in dataclasses.asdict(spec).items() if v not in (None, {}, False)},
         separators=(",", ":"))
     tokens = engine_info.num_blocks * engine_info.block_size
+    architecture = ("llama (tiny, random weights)" if args.model == TINY_RANDOM
+                    else describe_model(path))
     logger.info("specserve %s: model %s (%s), architecture %s, dtype %s, device %s, max_model_len "
                 "%d, KV cache %d tokens (%d blocks of %d), speculative %s, sampling defaults %s",
-                VERSION, args.model or info.name, path, describe_model(path), engine_info.dtype,
+                VERSION, args.model or info.name, path, architecture, engine_info.dtype,
                 engine_info.device, info.max_model_len, tokens, engine_info.num_blocks,
                 engine_info.block_size, speculative, defaults or "none")
 

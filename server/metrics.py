@@ -50,7 +50,8 @@ class ServerMetrics:
                               num_speculative_tokens=info.num_speculative_tokens,
                               kv_compressor=info.kv_compressor or "none")
         self.engine_metrics = EngineMetrics(self.registry, labels, engine.model_info.max_model_len)
-        self.steps = StepRecorder(self.engine_metrics, settings.log_stats_interval_s)
+        self.steps = StepRecorder(self.engine_metrics, settings.log_stats_interval_s,
+                                  device=info.device)
         self._describe_cache(info, labels)
         engine.on_step = self.steps.record
 

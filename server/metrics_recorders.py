@@ -56,8 +56,10 @@ class StepRecorder:
     """StepStats → Prometheus, on the engine thread."""
 
     def __init__(self, metrics: EngineMetrics, log_interval_s: float | None = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, device: str = "cpu"):
         self.metrics = metrics
+        # vLLM's log says "GPU KV cache usage"; on a CPU the cache is host memory: "KV cache usage"
+        self.kv_usage_name = "GPU KV cache usage" if device.startswith("cuda") else "KV cache usage"
         self.clock = clock
         self.totals = Totals()
         self.first_scheduled: dict[str, float] = {}      # engine request id -> monotonic time
@@ -165,7 +167,7 @@ class StepRecorder:
         lines = [f"Engine {self.metrics.labels.engine:0>3}: Avg prompt throughput: "
                  f"{d.prompt_tokens / elapsed:.1f} tokens/s, Avg generation throughput: "
                  f"{d.generation_tokens / elapsed:.1f} tokens/s, Running: {s.num_running} reqs, "
-                 f"Waiting: {s.num_waiting} reqs, GPU KV cache usage: {100.0 * s.kv_usage:.1f}%, "
+                 f"Waiting: {s.num_waiting} reqs, {self.kv_usage_name}: {100.0 * s.kv_usage:.1f}%, "
                  f"Prefix cache hit rate: {hit_rate:.1f}%"]
         if self.metrics.spec_enabled and d.num_drafts:
             per_pos = ", ".join(f"{a / d.num_drafts:.3f}" for a in d.accepted_per_pos)
