@@ -55,7 +55,8 @@ def build_app(engine, tokenizer, settings: ServerSettings,
     app.include_router(ops_router(ctx))
     for router in routers:
         app.include_router(router)
-    # Starlette runs the last added middleware first: request id → API key → body guard → routes.
+    # Starlette runs the last added middleware first: CORS → request id → request log → API key
+    # → body guard → routes.
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

@@ -1,5 +1,5 @@
-"""Logs a person can read: timestamps on every line, a start-up banner saying what is served and how,
-and the stats line naming the KV cache by where it lives."""
+"""Logs a person can read: timestamps on every line, a start-up banner saying what is served and
+how, and the stats line naming the KV cache by where it lives."""
 import logging
 import os
 import re

@@ -218,3 +218,60 @@ def test_enable_log_requests_and_max_log_len(make_server, caplog):
         srv = make_server()                        # the default: not logged
         httpx.post(srv.url + "/v1/completions", content=body)
     assert not [r for r in caplog.records if r.getMessage().startswith("request ")]
+
+
+def test_root_path_prefixes_the_docs_assets_and_schema(tokenizer, fake_engine):
+    from fastapi.testclient import TestClient
+
+    from specserve.server.app import build_app
+    from specserve.server.settings import ServerSettings
+    app = build_app(fake_engine, tokenizer, ServerSettings(served_model_names=("fake-model",)))
+    with TestClient(app, root_path="/llm") as client:
+        page = client.get("/docs").text
+        assert "/llm/docs-assets/swagger-ui-bundle.js" in page and "'/llm/openapi.json'" in page
+        assert "/llm/docs-assets/redoc.standalone.js" in client.get("/redoc").text
+
+
+def test_tls_flags_serve_https(tmp_path, tokenizer, fake_engine):
+    """--ssl-keyfile/--ssl-certfile: the server answers over HTTPS with that certificate."""
+    import shutil
+    import socket
+    import ssl
+    import subprocess
+    import threading
+    import time
+
+    import uvicorn
+
+    from specserve.server.app import build_app
+    from specserve.server.settings import ServerSettings
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make the test certificate"
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    args = build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", str(port),
+                                      "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                                      "--uvicorn-log-level", "warning"])
+    app = build_app(fake_engine, tokenizer, ServerSettings(served_model_names=("fake-model",)))
+    server = uvicorn.Server(uvicorn_config(args, app))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30              # a hang guard, not a timing assertion
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        trust = ssl.create_default_context(cafile=str(cert))
+        reply = httpx.get(f"https://127.0.0.1:{port}/v1/models", verify=trust)
+        assert reply.status_code == 200 and reply.json()["data"][0]["id"] == "fake-model"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/v1/models")      # plain HTTP is not served
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
