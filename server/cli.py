@@ -454,6 +454,9 @@ def serve_launch(args: argparse.Namespace):
     if args.trust_remote_code:
         logger.info("--trust-remote-code: accepted; specserve never runs code from a model "
                     "folder (its architectures are built in)")
+    if args.max_log_len is not None and not args.enable_log_requests:
+        logger.info("--max-log-len %d: requests are logged only with --enable-log-requests (off "
+                    "by default, as in current vLLM)", args.max_log_len)
     if args.disable_frontend_multiprocessing:
         args.engine_in_thread = True
     local = None if args.model in (None, TINY_RANDOM) else str(path)
