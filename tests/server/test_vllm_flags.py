@@ -76,9 +76,26 @@ def test_every_row_of_the_table_holds(fragment, verdict, launch_dir, capsys):
         assert isinstance(code, str) and code.startswith("specserve:") and "\n" not in code
 
 
+def listed_flags() -> set[str]:
+    return {word for fragment, _ in table_rows() for word in fragment.split()
+            if word.startswith("-")}
+
+
 def test_the_issue_flags_all_have_rows():
-    listed = " ".join(fragment for fragment, _ in table_rows())
-    missing = [flag for flag in ISSUE_FLAGS if flag not in listed.replace("-tp ", "")]
+    missing = [flag for flag in ISSUE_FLAGS if flag not in listed_flags()]
+    assert not missing, missing
+
+
+def test_every_vllm_flag_the_parser_declares_has_a_row():
+    """The other direction: a flag added to add_vllm_flags must be put in the table too."""
+    import argparse
+
+    from specserve.server.cli import add_vllm_flags
+    parser = argparse.ArgumentParser()
+    add_vllm_flags(parser)
+    declared = {opt for action in parser._actions for opt in action.option_strings
+                if opt.startswith("--") and opt != "--help"}
+    missing = sorted(declared - listed_flags())
     assert not missing, missing
 
 
