@@ -149,3 +149,62 @@ def test_a_refusal_in_the_engine_process_keeps_its_kind(tmp_path):
     missing = tmp_path / "gone.gguf"
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         ProcessHost(EngineConfig(model=str(missing)), on_event=lambda event: None)
+
+
+def test_serve_a_hub_id_from_the_cache_end_to_end(tmp_path, tokenizer):
+    """`specserve serve org/name` with HF_HOME pointing at a cache that holds a tiny Llama written
+    by transformers: it starts offline, serves under the Hub id, and applies the snapshot's
+    generation_config.json."""
+    import socket
+    import time
+
+    import httpx
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path / "hub" / repo_folder_name(repo_id="tiny-org/served", repo_type="model")
+    snap = root / "snapshots" / COMMIT_MAIN
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(str(snap))
+    tokenizer.save_pretrained(str(snap))
+    (snap / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT_MAIN)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specserve.server", "serve", "tiny-org/served", "--port",
+             str(port), "--host", "127.0.0.1", "--engine-in-thread", "--num-threads", "1",
+             "--kv-cache-memory-gb", "0.01"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240              # a hang guard, not a timing assertion
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny-org/served"
+        reply = httpx.post(url + "/v1/completions", json={
+            "model": "tiny-org/served", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+            timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    text = log.read_text()
+    assert "model tiny-org/served (" in text and "architecture LlamaForCausalLM" in text
+    assert "sampling defaults {'temperature': 0.6}" in text
