@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 RATE_WINDOW = 64                   # steps whose rate the drain estimate reads
 MIN_RATE_SECONDS = 0.5             # of step time, before the measured rate replaces the prior
 STARTUP_TIMEOUT_S = 900.0          # first-start calibration of lossy_kv can take minutes
+# a refusal while the engine process starts is raised again here as its base class (the CLI
+# prints these as one line): an unsupported model (ValueError), a missing file
+STARTUP_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
 
 
 # -- the loop, wherever it runs ------------------------------------------------------------------
@@ -138,7 +141,7 @@ class ProcessHost:
                                f"(exit code {self._process.exitcode})") from None
         if event[0] == "failed":
             self._process.join(5)
-            raise (ValueError if event[1] == "ValueError" else RuntimeError)(event[2])
+            raise STARTUP_ERRORS.get(event[1], RuntimeError)(event[2])
         _, self.model_info, self.engine_info, self.decode_rate = event
         self._on_event = on_event
         self._reader = threading.Thread(target=self._read, name="specserve-engine-events",
@@ -185,7 +188,9 @@ def _process_main(config: EngineConfig, conn, warm_up: bool) -> None:
         core = EngineCore(config)
         rate = core.warm_up() if warm_up else 0.0
     except BaseException as exc:                          # noqa: BLE001 — reported, then exit
-        conn.send(("failed", type(exc).__name__, str(exc)))
+        kind = next((c.__name__ for c in STARTUP_ERRORS.values() if isinstance(exc, c)),
+                    type(exc).__name__)
+        conn.send(("failed", kind, str(exc)))
         return
     conn.send(("ready", core.model_info, core.engine_info, rate))
 

@@ -23,6 +23,9 @@ class EngineConfig:
     host_kv_cache_memory_gb: float | None = None
                                         # pool (None: kv_cache_memory_gb, as before)
     num_kv_blocks: int | None = None    # overrides the budget (tests force preemption with it)
+    # CUDA: size the device KV budget as vLLM does, from this fraction of the device's memory
+    # (replaces kv_cache_memory_gb there); on a CPU it does not apply (docs/vllm-flags.md)
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -44,6 +47,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
         if self.host_kv_cache_memory_gb is not None:
@@ -69,6 +75,7 @@ class EngineConfig:
             kv_cache_memory_gb=self.kv_cache_memory_gb,
             host_kv_cache_memory_gb=self.host_kv_cache_memory_gb,
             num_kv_blocks=self.num_kv_blocks, seed=self.seed, num_threads=self.num_threads,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             tiny_random_seed=self.tiny_random_seed, cpu_weight_packing=self.cpu_weight_packing,
             speculative=self.speculative)
 

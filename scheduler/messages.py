@@ -54,6 +54,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+    num_preemptions: int = 0             # times this request was preempted so far
     spec: SpecStats | None = None
     error: str | None = None             # set with finish_reason "error": this request failed alone
 

@@ -281,6 +281,7 @@ class Scheduler:
             new_logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_preemptions=req.num_preemptions,
             spec=SpecStats(req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens,
                            tuple(req.accepted_per_pos)) if speculating else None,
             error=error)

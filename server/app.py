@@ -11,13 +11,18 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
+from importlib.resources import files
 
 from fastapi import APIRouter, FastAPI, Request
-from starlette.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.staticfiles import StaticFiles
 
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import bad_request, engine_dead, install_error_handlers
-from specserve.server.middleware import APIKeyMiddleware, BodyGuardMiddleware, RequestIdMiddleware
+from specserve.server.middleware import (APIKeyMiddleware, BodyGuardMiddleware,
+                                         RequestIdMiddleware, RequestLogMiddleware)
 from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                        CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, ErrorResponse,
@@ -30,13 +35,19 @@ from specserve.server.settings import VERSION, ServerSettings
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
 STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+DOCS_ASSETS = "/docs-assets"          # Swagger UI and ReDoc, served from the fastapi-offline wheel
+# request fields that --generation-config may default (max_tokens: serving_chat/completions)
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def build_app(engine, tokenizer, settings: ServerSettings,
               routers: Sequence[APIRouter] = ()) -> FastAPI:
     app = FastAPI(title="specserve", version=VERSION,
                   description="OpenAI-compatible server (vLLM semantics) with speculative "
-                              "decoding.")
+                              "decoding.", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if settings.enable_docs else None)
+    if settings.enable_docs:
+        install_docs(app)
     ctx = ServingContext(EngineClient(engine, settings.request_timeout_s), tokenizer, settings)
     app.state.serving = ctx
     install_error_handlers(app)
@@ -44,17 +55,55 @@ def build_app(engine, tokenizer, settings: ServerSettings,
     app.include_router(ops_router(ctx))
     for router in routers:
         app.include_router(router)
-    # Starlette runs the last added middleware first: request id → API key → body guard → routes.
+    # Starlette runs the last added middleware first: CORS → request id → request log → API key
+    # → body guard → routes.
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.log_requests:
+        app.add_middleware(RequestLogMiddleware, max_log_len=settings.max_log_len)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                       allow_methods=list(settings.cors_methods),
+                       allow_headers=list(settings.cors_headers),
+                       allow_credentials=settings.cors_credentials)
     # e.g. /metrics: HTTP middleware (outermost), request trackers
     for router in routers:
         attach = getattr(router, "attach", None)
         if attach is not None:
             attach(app)
     return app
+
+
+def install_docs(app: FastAPI) -> None:
+    """/docs (Swagger UI) and /redoc (ReDoc) with their scripts and styles served from this
+    server, not a CDN: they render on a node without internet access."""
+    static = files("fastapi_offline") / "static"
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(static)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(openapi_url=root + app.openapi_url,
+                                   title=f"{app.title} - Swagger UI",
+                                   swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_redoc_html(openapi_url=root + app.openapi_url, title=f"{app.title} - ReDoc",
+                              redoc_js_url=f"{root}{DOCS_ASSETS}/redoc.standalone.js",
+                              redoc_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png",
+                              with_google_fonts=False)
+
+
+def with_sampling_defaults(body, defaults: dict):
+    """Request fields left null take the generation config's defaults (vLLM's rule)."""
+    update = {name: defaults[name] for name in DEFAULTED_FIELDS
+              if name in defaults and getattr(body, name) is None}
+    return body.model_copy(update=update) if update else body
 
 
 def _live(ctx: ServingContext) -> None:
@@ -69,12 +118,14 @@ def openai_router(ctx: ServingContext) -> APIRouter:
                  responses={**ERRORS, 200: {"content": STREAM}})
     async def completions(raw: Request, body: CompletionRequest):
         _live(ctx)
+        body = with_sampling_defaults(body, ctx.settings.sampling_defaults)
         return await create_completion(raw, body, ctx)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  responses={**ERRORS, 200: {"content": STREAM}})
     async def chat_completions(raw: Request, body: ChatCompletionRequest):
         _live(ctx)
+        body = with_sampling_defaults(body, ctx.settings.sampling_defaults)
         return await create_chat_completion(raw, body, ctx)
 
     @router.get("/v1/models", responses=ERRORS)

@@ -14,8 +14,7 @@ import time
 
 from fastapi import APIRouter
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
-                               PlatformCollector,
-                               ProcessCollector, generate_latest)
+                               PlatformCollector, ProcessCollector, Summary, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.responses import Response
 
@@ -50,7 +49,8 @@ class ServerMetrics:
                               num_speculative_tokens=info.num_speculative_tokens,
                               kv_compressor=info.kv_compressor or "none")
         self.engine_metrics = EngineMetrics(self.registry, labels, engine.model_info.max_model_len)
-        self.steps = StepRecorder(self.engine_metrics, settings.log_stats_interval_s)
+        self.steps = StepRecorder(self.engine_metrics, settings.log_stats_interval_s,
+                                  device=info.device)
         self._describe_cache(info, labels)
         engine.on_step = self.steps.record
 
@@ -94,6 +94,14 @@ class HttpMetrics:
                                         "HTTP request latency, "
                                         "fine buckets, all handlers.", buckets=HTTP_HIGHR_BUCKETS,
                                         registry=registry)
+        # the instrumentator reads Content-Length headers; these count the body bytes that
+        # actually went through (chunked uploads and streamed responses included)
+        self.request_size = Summary("http_request_size_bytes",
+                                    "Bytes of request bodies received, by handler.", ["handler"],
+                                    registry=registry)
+        self.response_size = Summary("http_response_size_bytes",
+                                     "Bytes of response bodies sent (streams included), by "
+                                     "handler.", ["handler"], registry=registry)
 
 
 class HttpMetricsMiddleware:
@@ -106,14 +114,23 @@ class HttpMetricsMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status = time.perf_counter(), [500]
+        size_in, size_out = [0], [0]
+
+        async def receive_wrapper():
+            message = await receive()
+            if message["type"] == "http.request":
+                size_in[0] += len(message.get("body", b""))
+            return message
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body":
+                size_out[0] += len(message.get("body", b""))
             await send(message)
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
         finally:
             route = scope.get("route")
             handler = getattr(route, "path", None) or "none"
@@ -122,6 +139,8 @@ class HttpMetricsMiddleware:
                 self.metrics.requests.labels(handler, method, f"{status[0] // 100}xx").inc()
                 self.metrics.duration.labels(handler, method).observe(elapsed)
                 self.metrics.duration_highr.observe(elapsed)
+                self.metrics.request_size.labels(handler).observe(size_in[0])
+                self.metrics.response_size.labels(handler).observe(size_out[0])
 
 
 def make_router(engine, settings: ServerSettings) -> APIRouter:

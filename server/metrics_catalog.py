@@ -30,6 +30,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
 # ours: the k a request was given in one step, and VeriCache swap latency
 DRAFT_LEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 SWAP_SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
@@ -151,6 +152,13 @@ class EngineMetrics:
         self.request_max_tokens = histogram("vllm:request_params_max_tokens",
                                             "max_tokens per request.", sizes)
         self.request_n = histogram("vllm:request_params_n", "n per request.", N_BUCKETS)
+        self.request_num_preemptions = histogram(
+            "vllm:request_num_preemptions", "Preemptions each finished request went through.",
+            PREEMPTION_BUCKETS)
+        self.request_prefill_kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens whose KV each finished request computed (prefix-cache hits excluded).",
+            sizes)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)

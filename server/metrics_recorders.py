@@ -56,8 +56,10 @@ class StepRecorder:
     """StepStats → Prometheus, on the engine thread."""
 
     def __init__(self, metrics: EngineMetrics, log_interval_s: float | None = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, device: str = "cpu"):
         self.metrics = metrics
+        # vLLM's log says "GPU KV cache usage"; on a CPU the cache is host memory: "KV cache usage"
+        self.kv_usage_name = "GPU KV cache usage" if device.startswith("cuda") else "KV cache usage"
         self.clock = clock
         self.totals = Totals()
         self.first_scheduled: dict[str, float] = {}      # engine request id -> monotonic time
@@ -165,7 +167,7 @@ class StepRecorder:
         lines = [f"Engine {self.metrics.labels.engine:0>3}: Avg prompt throughput: "
                  f"{d.prompt_tokens / elapsed:.1f} tokens/s, Avg generation throughput: "
                  f"{d.generation_tokens / elapsed:.1f} tokens/s, Running: {s.num_running} reqs, "
-                 f"Waiting: {s.num_waiting} reqs, GPU KV cache usage: {100.0 * s.kv_usage:.1f}%, "
+                 f"Waiting: {s.num_waiting} reqs, {self.kv_usage_name}: {100.0 * s.kv_usage:.1f}%, "
                  f"Prefix cache hit rate: {hit_rate:.1f}%"]
         if self.metrics.spec_enabled and d.num_drafts:
             per_pos = ", ".join(f"{a / d.num_drafts:.3f}" for a in d.accepted_per_pos)
@@ -190,6 +192,9 @@ class _Timing:
     first_token: float | None = None
     last_token: float | None = None
     num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+    num_preemptions: int = 0             # as of the request's latest output
     done: bool = False
 
 
@@ -206,7 +211,8 @@ class RequestTracker:
         self.metrics, self.steps, self.clock = metrics, steps, clock
         self.requests = requests
         self.n = max(n, 1)
-        self.timings = [_Timing(r.arrival_time, r.sampling_params.max_tokens) for r in requests]
+        self.timings = [_Timing(r.arrival_time, r.sampling_params.max_tokens,
+                                num_prompt_tokens=len(r.prompt_token_ids)) for r in requests]
         self.was_rejected = False
 
     def output(self, index: int, out: RequestOutput) -> None:
@@ -215,6 +221,10 @@ class RequestTracker:
             return
         now = self.clock()
         num_new = len(out.new_token_ids)
+        timing.num_preemptions = max(timing.num_preemptions, out.num_preemptions)
+        if out.num_prompt_tokens:
+            timing.num_prompt_tokens = out.num_prompt_tokens
+            timing.num_cached_tokens = min(out.num_cached_tokens, out.num_prompt_tokens)
         if num_new:
             if timing.first_token is None:
                 timing.first_token = now
@@ -270,6 +280,8 @@ class RequestTracker:
         m.e2e.observe(now - timing.arrival)
         m.request_generation_tokens.observe(timing.num_generation_tokens)
         m.request_max_tokens.observe(timing.max_tokens)
+        m.request_num_preemptions.observe(timing.num_preemptions)
+        m.request_prefill_kv_computed.observe(timing.num_prompt_tokens - timing.num_cached_tokens)
         scheduled = self.steps.first_scheduled.pop(self.requests[index].request_id, None)
         if timing.first_token is None:
             return

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve.server.errors import error_envelope
 
+logger = logging.getLogger("specserve.server")
 REQUEST_ID_KEY = "specserve.request_id"
 GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")      # openai-api.md §9 (ours: + tokenize)
 UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
@@ -136,3 +138,44 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class RequestLogMiddleware:
+    """`--enable-log-requests`: one log line per request on the OpenAI routes, written when its
+    body has been read: the request id, method, route and the body (its first `max_log_len`
+    characters; None: all of it), on one line."""
+
+    def __init__(self, app: ASGIApp, max_log_len: int | None = None):
+        self.app = app
+        self.max_log_len = max_log_len
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            self._log(scope, b"")
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        logged = False
+
+        async def logging_receive() -> Message:
+            nonlocal logged
+            message = await receive()
+            if message["type"] == "http.request" and not logged:
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    logged = True
+                    self._log(scope, b"".join(chunks))
+            return message
+
+        await self.app(scope, logging_receive, send)
+
+    def _log(self, scope: Scope, body: bytes) -> None:
+        text = body.decode("utf-8", "replace")
+        if self.max_log_len is not None and len(text) > self.max_log_len:
+            text = text[:self.max_log_len] + f"... ({len(text)} chars)"
+        text = text.replace("\r", "\\r").replace("\n", "\\n")      # one line, always
+        logger.info("request %s: %s %s %s", scope.get(REQUEST_ID_KEY, "-"), scope["method"],
+                    scope["path"], text)

@@ -136,7 +136,9 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
     if explicit is not None and explicit < 1:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise bad_request(f"{param} must be at least 1, got {explicit}.", param)
-    max_tokens = explicit if explicit is not None else info.max_model_len - len(prompt_ids)
+    room = info.max_model_len - len(prompt_ids)      # left out: the room, capped by the
+    max_tokens = explicit if explicit is not None else min(    # generation config's max_tokens
+        room, ctx.settings.sampling_defaults.get("max_tokens", room))
     check_context(len(prompt_ids), max_tokens, info.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.prompt_logprobs is not None and body.prompt_logprobs > ctx.settings.max_logprobs:

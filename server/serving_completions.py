@@ -122,7 +122,9 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
                           "best_of")
     check_logprobs_field("logprobs", body.logprobs, ctx.settings.max_logprobs)
     check_logprobs_field("prompt_logprobs", body.prompt_logprobs, ctx.settings.max_logprobs)
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    max_tokens = body.max_tokens     # null: the generation config's max_tokens, else 16
+    if max_tokens is None:
+        max_tokens = ctx.settings.sampling_defaults.get("max_tokens", 16)
     if max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
     prompts = await asyncio.to_thread(parse_prompts, ctx, body)     # tokenizing: off the loop

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from specserve.kv_cache.compress import registry as kv_compressors
 from specserve.scheduler.config import SpeculativeConfig
@@ -32,10 +32,20 @@ class ServerSettings:
     retry_after_s: int = 1
     # `: ping` comments on idle streams; 0 turns them off
     sse_keepalive_s: float = 15.0
-    disable_log_requests: bool = False
+    # --enable-log-requests: one log line per request (id, route, body up to max_log_len chars)
+    log_requests: bool = False
+    max_log_len: int | None = None
     # no engine metrics at /metrics, no periodic stats log
     disable_log_stats: bool = False
     log_stats_interval_s: float = 10.0             # the periodic stats log line (vLLM: 10 s)
+    # --generation-config: SamplingParams field -> default for request fields left null
+    sampling_defaults: dict = field(default_factory=dict)
+    # CORS (vLLM's --allowed-origins/-methods/-headers, --allow-credentials)
+    cors_origins: tuple[str, ...] = ("*",)
+    cors_methods: tuple[str, ...] = ("*",)
+    cors_headers: tuple[str, ...] = ("*",)
+    cors_credentials: bool = False
+    enable_docs: bool = True                       # /docs, /redoc, /openapi.json
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -46,6 +56,8 @@ class ServerSettings:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.per_request_spec_decode_metrics not in (None, "summary"):
             raise ValueError("per_request_spec_decode_metrics must be 'summary' or unset")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be at least 0, got {self.max_log_len}")
         if self.max_body_bytes < 1 or self.max_choices < 1:
             raise ValueError("max_body_bytes and max_choices must be positive")
 

@@ -76,6 +76,7 @@ class WorkerConfig:
                                         # memory: the compressed drafting caches)
     host_kv_cache_memory_gb: float | None = None   # lossy_kv + full_kv_in_host: the host pool
     num_kv_blocks: int | None = None    # overrides the budget
+    gpu_memory_utilization: float | None = None    # CUDA: the device KV budget from this fraction
     seed: int = 0
     num_threads: int | None = None
     tiny_random_seed: int = 0

@@ -26,6 +26,7 @@ from specserve.spec_phases.sampler import Sampler
 from specserve.spec_phases.verify import Verifier
 
 logger = logging.getLogger(__name__)
+ACTIVATION_RESERVE_GB = 1.0      # gpu_memory_utilization: device memory kept for forward passes
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -53,6 +54,18 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def utilization_kv_budget(util: float, free: int, total: int) -> int:
+    """Bytes of KV cache that vLLM's gpu_memory_utilization allows: util x total, less what is in
+    use now (total - free: weights, other processes), less ACTIVATION_RESERVE_GB."""
+    budget = int(util * total - (total - free) - ACTIVATION_RESERVE_GB * 2**30)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {util} leaves no room for the KV cache: "
+                         f"{util:.2f} x {total / 2**30:.1f} GiB, {(total - free) / 2**30:.1f} GiB "
+                         f"already in use, {ACTIVATION_RESERVE_GB:g} GiB kept for activations; "
+                         "raise it")
+    return budget
+
+
 class Worker:
     def __init__(self, config: WorkerConfig):
         """kv_cache_memory_gb budgets the device KV: the full cache, or with lossy_kv keeping the
@@ -78,7 +91,9 @@ class Worker:
         if config.cpu_weight_packing and self.model.pack_for_cpu():
             logger.info("linear weights prepacked for oneDNN (%s on CPU)", self.dtype)
         cfg = self.model_config = self.model.config
-        budget_gb = config.host_kv_cache_memory_gb or config.kv_cache_memory_gb
+        self.device_kv_gb = self._device_kv_budget_gb()
+        budget_gb = ((config.host_kv_cache_memory_gb or config.kv_cache_memory_gb) if in_host
+                     else self.device_kv_gb)
         bs = config.block_size
         self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             budget_gb * 2**30, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
@@ -100,6 +115,27 @@ class Worker:
         self._swap_seen = (0, 0, 0)                # pool h2d, pool d2h, drafting tokens encoded
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, bs,
                     self.storage.nbytes / 2**20, self.dtype, self.device)
+
+    def _device_kv_budget_gb(self) -> float:
+        """GiB of device memory for KV: kv_cache_memory_gb, or on CUDA with
+        gpu_memory_utilization u (vLLM's flag) u x the device's memory, less what is in use once
+        the weights are loaded (by this process and any other), less ACTIVATION_RESERVE_GB for
+        the forward passes. On a CPU u does not apply (as in vLLM-CPU) and a log line says so."""
+        util = self.config.gpu_memory_utilization
+        if util is None:
+            return self.config.kv_cache_memory_gb
+        if not self.device.startswith("cuda"):
+            logger.info("gpu_memory_utilization %.2f does not apply on %s (as in vLLM-CPU): the KV "
+                        "budget is kv_cache_memory_gb, %.2f GiB (VLLM_CPU_KVCACHE_SPACE sets it)",
+                        util, self.device, self.config.kv_cache_memory_gb)
+            return self.config.kv_cache_memory_gb
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(torch.device(self.device))
+        budget = utilization_kv_budget(util, free, total)
+        logger.info("KV budget %.2f GiB = %.2f x %.1f GiB device memory - %.1f GiB in use - %g "
+                    "GiB for activations", budget / 2**30, util, total / 2**30,
+                    (total - free) / 2**30, ACTIVATION_RESERVE_GB)
+        return budget / 2**30
 
     def _full_kv_in_host(self, spec: SpeculativeConfig) -> bool:
         """lossy_kv keeps the full cache in host memory on GPU hosts by default; on a CPU host both
@@ -127,7 +163,7 @@ class Worker:
             comp = build_compressor(spec.kv_compressor, self.model,
                                     dict(spec.kv_compressor_config))
             # with the full cache in the host pool the device budget holds only compressed caches
-            capacity = int(self.config.kv_cache_memory_gb * 2**30) if in_host else None
+            capacity = int(self.device_kv_gb * 2**30) if in_host else None
             self.draft_pool = DraftPool(comp, self.storage, self.device, capacity)
             return LossyKVProposer(self.model, self.draft_pool)
         raise ValueError(f"speculative method {spec.method!r} is not available")

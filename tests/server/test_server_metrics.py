@@ -224,7 +224,7 @@ def test_periodic_log_line_has_vllm_fields(caplog, tiny_core):
         steps.record(StepStats(num_running=2, num_waiting=1, kv_usage=0.25))
     engine_line, spec_line = [r.getMessage() for r in caplog.records]
     assert engine_line == ("Engine 000: Avg prompt throughput: 5.0 tokens/s, Avg generation throughput: "
-                           "3.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, GPU KV cache usage: 25.0%, "
+                           "3.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
                            "Prefix cache hit rate: 25.0%")
     assert spec_line == ("SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 2.00 "
                          "tokens/s, Drafted throughput: 4.00 tokens/s, Accepted: 20 tokens, Drafted: 40 "
