@@ -133,7 +133,7 @@ def test_the_engine_refusing_a_model_is_one_line_exit_2(capsys, monkeypatch, err
     operator as its one-line reason and exit status 2."""
     import specserve.scheduler.async_engine as async_engine
 
-    def refuse_model(config, process=True):
+    def refuse_model(config, process=True, warm_up=False):
         raise error
     monkeypatch.setattr(async_engine, "AsyncEngine", refuse_model)
     line = refusal(["serve", "--engine-in-thread"], capsys)
@@ -148,7 +148,8 @@ def test_a_refusal_in_the_engine_process_keeps_its_kind(tmp_path):
 
     missing = tmp_path / "gone.gguf"
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
-        ProcessHost(EngineConfig(model=str(missing)), on_event=lambda event: None)
+        ProcessHost(EngineConfig(model=str(missing)), on_event=lambda event: None,
+                    warm_up=False)
 
 
 def test_serve_a_hub_id_from_the_cache_end_to_end(tmp_path, tokenizer):
