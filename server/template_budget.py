@@ -2,13 +2,15 @@
 
 A request's template is code: its Jinja loops run wherever it is rendered, and a thread cannot
 be stopped. So it is rendered in a child process that holds a copy of the tokenizer, one render
-at a time, within a wall-clock budget and an address-space cap; past either, the child is killed
-(a fresh one starts with the next render) and the request gets a 400 naming `chat_template`.
+at a time, at the lowest CPU priority, within a wall-clock budget and an address-space cap; past
+either, the child is killed (a fresh one starts with the next render) and the request gets a 400
+naming `chat_template`.
 The server's own template (the model's, or `--chat-template`) never comes here.
 """
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
 import threading
 from typing import Any
@@ -93,6 +95,8 @@ class TemplateSandbox:
 
 def _child_main(tokenizer: Any, conn: Any, memory_cap: int) -> None:
     import jinja2  # noqa: F401  (imported before the cap: the render itself must fit under it)
+
+    os.nice(19)          # a looping template must not take CPU from the engine's step meanwhile
 
     with open("/proc/self/statm") as statm:              # Linux: pages mapped now
         mapped = int(statm.read().split()[0]) * resource.getpagesize()
