@@ -86,6 +86,8 @@ class SampledTokens:
     num_drafted: int = 0                        # drafts proposed for verification
     num_pruned: int = 0                         # of those, drafts the target never computed: an
                                                 # earlier frontier already rejected (0 without)
+    num_masked: int = 0                         # of those, drafts cut before verification: the
+                                                # request's grammar forbids them (counted rejected)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
@@ -100,3 +102,6 @@ class StepResult:
     swap_bytes: tuple[int, int] = (0, 0)        # full-cache bytes (host->device, device->host)
                                                 # moved this step (VeriCache with a host pool)
     num_drafted_ahead: int = 0                  # requests whose drafts came from the overlap thread
+    grammar_compile_s: list[float] = field(default_factory=list)   # structured output: each
+                                                # grammar compiled since the last step, in seconds
+    grammar_cache_hits: int = 0                 # requests that found their grammar compiled
