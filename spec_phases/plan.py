@@ -86,9 +86,9 @@ class SampledTokens:
     num_drafted: int = 0                        # drafts proposed for verification
     num_pruned: int = 0                         # of those, drafts the target never computed: an
                                                 # earlier frontier already rejected (0 without)
-    num_masked: int = 0                         # of those, drafts cut before verification: the
-                                                # request's grammar forbids them (counted rejected)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    num_masked: int = 0                         # of num_drafted, drafts cut before verification: the
+                                                # request's grammar forbids them (counted rejected)
 
 
 @dataclass(slots=True)
