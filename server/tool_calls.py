@@ -213,12 +213,18 @@ class ToolCallParser:
         self.calls: list[tuple[str, str]] = []
 
     def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
-        """-> (content to emit now, calls completed now). Whitespace-only content (between calls,
-        at the end) is held back, and dropped unless more content follows."""
-        content, calls = self._split(text)
-        content, self.blank = self.blank + content, ""
-        if not content.strip():
-            self.blank, content = content, ""
+        """-> (content to emit now, calls completed now). Trailing whitespace is held back until
+        more content follows; next to a call or at the end it is dropped, so streamed and whole
+        text give the same content."""
+        content, calls = "", []
+        for piece in self._split(text):
+            if isinstance(piece, tuple):
+                calls.append(piece)
+                self.blank = ""              # whitespace next to a call is dropped
+            else:
+                text = self.blank + piece
+                body = text.rstrip()
+                content, self.blank = content + body, text[len(body):]
         return content, calls
 
     def finish(self) -> str:
@@ -227,31 +233,32 @@ class ToolCallParser:
         rest, self.blank = (self.blank + rest if rest.strip() else ""), ""
         return rest
 
-    def _split(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+    def _split(self, text: str) -> list[str | tuple[str, str]]:
+        """The known part of the text, in order: content pieces and calls."""
         self.buffer += text
-        content, calls = "", []
+        pieces: list[str | tuple[str, str]] = []
         while True:
             start = self.buffer.find(CALL_OPEN)
             if start < 0:
                 keep = _partial_suffix(self.buffer, CALL_OPEN)
-                content += self.buffer[:len(self.buffer) - keep]
+                pieces.append(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
             end = self.buffer.find(CALL_CLOSE, start)
             if end < 0:
-                content += self.buffer[:start]
+                pieces.append(self.buffer[:start])
                 self.buffer = self.buffer[start:]
                 break
             block = self.buffer[start:end + len(CALL_CLOSE)]
-            content += self.buffer[:start]
+            pieces.append(self.buffer[:start])
             self.buffer = self.buffer[end + len(CALL_CLOSE):]
             call = self._parse(block[len(CALL_OPEN):-len(CALL_CLOSE)])
             if call is None:
-                content += block
+                pieces.append(block)
             elif self.req.parallel or not self.calls:
                 self.calls.append(call)
-                calls.append(call)
-        return content, calls
+                pieces.append(call)
+        return [p for p in pieces if p]
 
     def _parse(self, inner: str) -> tuple[str, str] | None:
         try:
