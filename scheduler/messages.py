@@ -75,7 +75,7 @@ class StepStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)
     num_pruned_tokens: int = 0           # draft tokens never computed: an earlier frontier rejected
-    num_masked_tokens: int = 0           # draft tokens cut by a request's grammar (structured output)
+    num_masked_tokens: int = 0           # draft tokens a request's grammar cut (structured output)
     num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
     num_drafted_ahead: int = 0           # requests whose drafts the overlap thread made
     finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)

@@ -87,8 +87,8 @@ class SampledTokens:
     num_pruned: int = 0                         # of those, drafts the target never computed: an
                                                 # earlier frontier already rejected (0 without)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
-    num_masked: int = 0                         # of num_drafted, drafts cut before verification: the
-                                                # request's grammar forbids them (counted rejected)
+    num_masked: int = 0                         # of num_drafted, drafts cut before verification:
+                                                # the grammar forbids them (counted as rejected)
 
 
 @dataclass(slots=True)

@@ -99,7 +99,8 @@ def test_chat_specific_refusals(server):
         r = post(server, "/v1/chat/completions", {**base, **extra})
         assert r.status_code == 400 and error_of(r)["param"] == param, (extra, r.text)
     ok = post(server, "/v1/chat/completions",
-              {**base, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
+              {**base, "tools": [{"type": "function", "function": {"name": "f"}}],
+               "tool_choice": "none"})
     assert ok.status_code == 200
 
 
