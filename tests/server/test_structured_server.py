@@ -204,3 +204,33 @@ def test_parser_holds_back_partial_tags_at_every_split():
         assert a + b + parser.finish() == "Sure."
         assert calls_a + calls_b == [("add", '{"a": 1, "b": 2}')]
         assert "<" not in a
+
+
+def test_grammar_compile_time_and_cache_hits_are_exported(make_engine):
+    """Three requests under one schema through a real engine: one compile observed, two hits."""
+    import types
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specserve.scheduler.messages import EngineRequest
+    from specserve.server.metrics import ServerMetrics
+    from specserve.server.settings import ServerSettings
+    from specserve.spec_phases.sampling_params import Constraint, SamplingParams
+
+    core = make_engine()
+    metrics = ServerMetrics(types.SimpleNamespace(model_info=core.model_info,
+                                                  engine_info=core.engine_info, on_step=None),
+                            ServerSettings(served_model_names=("tiny",)))
+    params = SamplingParams(max_tokens=4, temperature=0,
+                            constraint=Constraint("regex", "[0-9]+"))
+    for i in range(3):
+        core.add_request(EngineRequest(f"m{i}", [5, 6, 7 + i], params))
+    while core.has_work():
+        step = core.step()
+        if step.stats is not None:
+            metrics.steps.record(step.stats)
+    found = {s.name: s.value for f in text_string_to_metric_families(metrics.expose().decode())
+             for s in f.samples}
+    assert found["specserve:grammar_compile_seconds_count"] == 1
+    assert found["specserve:grammar_compile_seconds_sum"] > 0
+    assert found["specserve:grammar_cache_hits_total"] == 2
