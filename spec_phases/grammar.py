@@ -31,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.spec_phases.sampling_params import Constraint, ParamError
@@ -85,9 +86,9 @@ def check(constraint: Constraint) -> None:
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's int32 bitmask [rows, words] (bit b of word w: token 32 w + b) -> bool [rows,
     vocab], True where the token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    raw = bitmask.contiguous().numpy().view(np.uint8)    # little-endian hosts: bytes in order
+    bits = np.unpackbits(raw, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits).bool()
 
 
 @dataclass
@@ -114,6 +115,7 @@ class GrammarBook:
         self.matchers: dict[str, object] = {}
         self.compile_times: list[float] = []        # seconds per compile since the last drain
         self.cache_hits = 0                         # requests served a cached compile since then
+        self.mask_seconds = 0.0                     # total time spent cutting drafts and masking
 
     # -- compile (on the pool thread, started when a request is first planned) --------------
     def _llg_tokenizer(self):
@@ -196,6 +198,7 @@ class GrammarBook:
         import llguidance.torch as llt
 
         matcher = self.matcher(request_id, constraint, num_output_tokens, output_token_ids)
+        start = time.perf_counter()
         if matcher is None or matcher.is_error():
             return [], Constrained(self._eos_only(1), len(drafts))
         kept = drafts[:matcher.validate_tokens(list(drafts))] if drafts else []
@@ -208,8 +211,9 @@ class GrammarBook:
                                    f"validated")
         if kept:
             matcher.rollback(len(kept))
-        return kept, Constrained(unpack_bitmask(bitmask, self.vocab_size),
-                                 len(drafts) - len(kept))
+        masks = unpack_bitmask(bitmask, self.vocab_size)
+        self.mask_seconds += time.perf_counter() - start
+        return kept, Constrained(masks, len(drafts) - len(kept))
 
     def advance(self, request_id: str, tokens: list[int]) -> None:
         """The accepted drafts and the new token of this step."""
