@@ -54,7 +54,11 @@ def grammar_text(constraint: Constraint) -> str:
     try:
         if c.kind == "json_schema":
             schema = json.loads(c.spec)
-            if not isinstance(schema, (dict, bool)):
+            if schema is False:
+                raise ParamError(c.param, "the JSON schema `false` admits no value.")
+            if schema is True:
+                schema = {}                                    # any JSON value
+            if not isinstance(schema, dict):
                 raise ParamError(c.param, "the JSON schema must be an object (or a boolean).")
             return matcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         if c.kind == "json_object":
@@ -66,6 +70,8 @@ def grammar_text(constraint: Constraint) -> str:
                                       for choice in c.choices)
             return matcher.grammar_from_lark(f"start: {alternatives}")
         return matcher.grammar_from_lark(c.spec)
+    except ParamError:
+        raise
     except json.JSONDecodeError as exc:
         raise ParamError(c.param, f"the JSON schema is not valid JSON: {exc}") from None
     except ValueError as exc:

@@ -160,3 +160,9 @@ def test_unpack_bitmask():
     words = torch.tensor([[0b101, -1 << 31]], dtype=torch.int32)
     allowed = unpack_bitmask(words, 64)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, 63]
+
+
+def test_boolean_schemas():
+    check(Constraint("json_schema", "true"))                  # any JSON value
+    with pytest.raises(ParamError, match="admits no value"):
+        check(Constraint("json_schema", "false"))
