@@ -10,7 +10,6 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from conftest import RealServer
 from pydantic import BaseModel, Field
 
 from specserve.scheduler.async_engine import AsyncEngine
@@ -47,10 +46,10 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, 
 
 
 @pytest.fixture(scope="module")
-def server(tokenizer):
+def server(tokenizer, real_server_type):
     engine = AsyncEngine(EngineConfig(max_model_len=2048, kv_cache_memory_gb=0.25, max_num_seqs=8,
                                       speculative=SpeculativeConfig.from_json(NGRAM)))
-    live = RealServer(engine, tokenizer, enable_force_include_usage=False).start()
+    live = real_server_type(engine, tokenizer, enable_force_include_usage=False).start()
     yield live
     live.stop()
     engine.shutdown()
