@@ -116,7 +116,8 @@ class GrammarBook:
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-grammar")
         self._tokenizer: Future | None = None
-        self._compiled: OrderedDict[Constraint, Future] = OrderedDict()
+        # constraint -> (compile future, whether a request has used it yet)
+        self._compiled: OrderedDict[Constraint, list] = OrderedDict()
         self._lock = threading.Lock()
         self.matchers: dict[str, object] = {}
         self.compile_times: list[float] = []        # seconds per compile since the last drain
@@ -143,22 +144,24 @@ class GrammarBook:
                                                f"{matcher.get_error()}")
         return matcher
 
-    def prepare(self, constraint: Constraint) -> Future:
+    def prepare(self, constraint: Constraint, use: bool = True) -> Future:
         """Start compiling (or find the compiled) constraint; the future's result is a pristine
-        matcher to copy."""
+        matcher to copy. use: a request takes it (counted as a cache hit when an earlier request
+        took it already); False only warms the cache (the engine, before admitting a request)."""
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = self._pool.submit(self._llg_tokenizer)
-            future = self._compiled.get(constraint)
-            if future is not None:
-                self._compiled.move_to_end(constraint)
-                self.cache_hits += 1
-                return future
-            future = self._pool.submit(self._compile, constraint)
-            self._compiled[constraint] = future
-            while len(self._compiled) > MAX_CACHED:
-                self._compiled.popitem(last=False)
-            return future
+            entry = self._compiled.get(constraint)
+            if entry is None:
+                entry = [self._pool.submit(self._compile, constraint), False]
+                self._compiled[constraint] = entry
+                while len(self._compiled) > MAX_CACHED:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(constraint)
+            if use:
+                self.cache_hits += entry[1]
+                entry[1] = True
+            return entry[0]
 
     def drain_stats(self) -> tuple[list[float], int]:
         with self._lock:

@@ -166,3 +166,49 @@ def test_boolean_schemas():
     check(Constraint("json_schema", "true"))                  # any JSON value
     with pytest.raises(ParamError, match="admits no value"):
         check(Constraint("json_schema", "false"))
+
+
+def test_a_slow_compile_does_not_stall_other_requests(make_engine):
+    """The engine admits a constrained request only once its grammar is compiled: a compile held
+    until another request has finished must not hold that request's steps."""
+    import threading
+
+    core = make_engine()
+    book = core.worker.grammars
+    load, gate, released = book._load_tokenizer, threading.Event(), []
+
+    def slow_load():                       # the first compile loads the tokenizer: hold it
+        released.append(gate.wait(10))
+        return load()
+
+    book._load_tokenizer = slow_load
+    regex = Constraint("regex", "[0-9]+")
+    core.add_request(EngineRequest("slow", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0,
+                                                                     constraint=regex)))
+    core.add_request(EngineRequest("free", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0,
+                                                                     ignore_eos=True)))
+    finished = []
+    while core.has_work():
+        for o in core.step().outputs:
+            if o.finished:
+                finished.append(o.request_id)
+        if "free" in finished:
+            gate.set()
+    assert finished == ["free", "slow"] and released == [True]
+    core.check_integrity()
+
+
+def test_aborting_a_request_whose_grammar_is_compiling(make_engine):
+    import threading
+
+    core = make_engine()
+    book = core.worker.grammars
+    load, gate = book._load_tokenizer, threading.Event()
+    book._load_tokenizer = lambda: (gate.wait(10), load())[1]
+    core.add_request(EngineRequest("a", [5, 6], SamplingParams(
+        max_tokens=4, constraint=Constraint("regex", "x"))))
+    assert core.has_unfinished()
+    out = core.abort_request("a")
+    assert out.finished and out.finish_reason == "abort" and not core.has_unfinished()
+    gate.set()
+    core.check_integrity()
