@@ -183,6 +183,8 @@ class GrammarBook:
     def matcher(self, request_id: str, constraint: Constraint, num_output_tokens: int,
                 output_token_ids: tuple[int, ...]):
         """The request's matcher, advanced over its committed output (waits for the compile)."""
+        if request_id in self.matchers and self.matchers[request_id] is None:
+            return None                              # its grammar failed to compile
         state = self.matchers.get(request_id)
         if state is None:
             state = self.prepare(constraint)
@@ -220,6 +222,10 @@ class GrammarBook:
                                    f"validated")
         if kept:
             matcher.rollback(len(kept))
+        if matcher.is_error():                  # e.g. a step over the parser's limits: stop
+            logger.error("request %s: grammar error: %s", request_id, matcher.get_error())
+            self.mask_seconds += time.perf_counter() - start
+            return [], Constrained(self._eos_only(1), len(drafts))
         masks = unpack_bitmask(bitmask, self.vocab_size)
         self.mask_seconds += time.perf_counter() - start
         return kept, Constrained(masks, len(drafts) - len(kept))

@@ -212,3 +212,13 @@ def test_aborting_a_request_whose_grammar_is_compiling(make_engine):
     assert out.finished and out.finish_reason == "abort" and not core.has_unfinished()
     gate.set()
     core.check_integrity()
+
+
+def test_an_uncompilable_constraint_reaching_the_engine_stops_the_request(make_engine):
+    """The server refuses these with a 400; an engine-only caller gets EOS at once, not a hang."""
+    core = make_engine()
+    bad = SamplingParams(max_tokens=8, temperature=0, constraint=Constraint("regex", "(unclosed"))
+    ok = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    out, reasons, _ = run(core, [("bad", [5, 6, 7], bad), ("ok", [5, 6, 7], ok)])
+    assert out["bad"] == [core.model_info.eos_token_ids[0]] and reasons["bad"] == "stop"
+    assert len(out["ok"]) == 3
