@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.spec_phases.sampling_params import TOOL_CALL_CLOSE as CALL_CLOSE
+from specserve.spec_phases.sampling_params import TOOL_CALL_OPEN as CALL_OPEN
 from specserve.spec_phases.sampling_params import Constraint
-
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 TOOL_SYSTEM_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -32,9 +32,6 @@ TOOL_SYSTEM_PROMPT = (
     "tools: <tools>\n{tools}\n</tools>\nFor each function call return a JSON object with the "
     "function name and arguments within <tool_call></tool_call> XML tags as follows:\n"
     "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-dict>}}\n</tool_call>")
-
-# JSON inside calls: the separators json.dumps writes, no other whitespace (as for json_schema)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ToolError(ValueError):
@@ -124,23 +121,14 @@ def parse_tools(tools: list[dict] | None, tool_choice: str | dict | None,
 
 
 def call_grammar(req: ToolRequest) -> Constraint | None:
-    """For "required" and a named function: a Lark grammar (llguidance's, with `%json` for the
-    embedded schemas) that admits only well-formed calls with valid arguments."""
+    """For "required" and a named function: the "tool_calls" constraint (spec_phases/grammar.py
+    builds its grammar), which admits only well-formed calls with valid arguments."""
     if req.choice == "auto":
         return None
-    tools = [t for t in req.tools if req.named is None or t.name == req.named]
-    variants = [{"type": "object", "additionalProperties": False,
-                 "required": ["name", "arguments"],
-                 "properties": {"name": {"const": t.name}, "arguments": t.parameters}}
-                for t in tools]
-    schema = dict(variants[0]) if len(variants) == 1 else {"anyOf": variants}
-    schema["x-guidance"] = JSON_OPTIONS
-    body = json.dumps(schema, ensure_ascii=False)
-    calls = 'call ("\\n" call)*' if req.parallel else "call"
-    lark = (f"start: {calls}\n"
-            f"call: {json.dumps(CALL_OPEN + chr(10))} args {json.dumps(chr(10) + CALL_CLOSE)}\n"
-            f"args: %json {body}\n")
-    return Constraint("lark", lark, param="tools")
+    tools = [{"name": t.name, "parameters": t.parameters} for t in req.tools
+             if req.named is None or t.name == req.named]
+    return Constraint("tool_calls", json.dumps({"tools": tools, "parallel": req.parallel},
+                                               ensure_ascii=False), param="tools")
 
 
 # -- the prompt ------------------------------------------------------------------------------------

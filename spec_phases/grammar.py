@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.spec_phases.sampling_params import Constraint, ParamError
+from specserve.spec_phases.sampling_params import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Constraint,
+                                                   ParamError)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ def grammar_text(constraint: Constraint) -> str:
             return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if c.kind == "regex":
             return matcher.grammar_from_regex(c.spec)
+        if c.kind == "tool_calls":
+            return matcher.grammar_from_lark(tool_calls_lark(json.loads(c.spec)))
         if c.kind == "choice":
             alternatives = " | ".join(json.dumps(choice, ensure_ascii=False)
                                       for choice in c.choices)
@@ -76,6 +79,22 @@ def grammar_text(constraint: Constraint) -> str:
         raise ParamError(c.param, f"the JSON schema is not valid JSON: {exc}") from None
     except ValueError as exc:
         raise ParamError(c.param, f"invalid {c.kind}: {exc}") from None
+
+
+def tool_calls_lark(spec: dict) -> str:
+    """A Lark grammar (llguidance's dialect: `%json` embeds a JSON schema) admitting only calls of
+    the given functions with arguments valid against their parameter schemas."""
+    variants = [{"type": "object", "additionalProperties": False,
+                 "required": ["name", "arguments"],
+                 "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]}}
+                for t in spec["tools"]]
+    schema = dict(variants[0]) if len(variants) == 1 else {"anyOf": variants}
+    schema["x-guidance"] = JSON_OPTIONS
+    calls = 'call ("\\n" call)*' if spec["parallel"] else "call"
+    open_tag, close_tag = json.dumps(TOOL_CALL_OPEN + "\n"), json.dumps("\n" + TOOL_CALL_CLOSE)
+    return (f"start: {calls}\n"
+            f"call: {open_tag} args {close_tag}\n"
+            f"args: %json {json.dumps(schema, ensure_ascii=False)}\n")
 
 
 def check(constraint: Constraint) -> None:

@@ -17,7 +17,10 @@ class ParamError(ValueError):
         self.message = message
 
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "tool_calls")
+# the Hermes-style tags around each call a "tool_calls" constraint admits (server/tool_calls.py
+# parses the same tags out of free text)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,10 @@ class Constraint:
     (`spec_phases/grammar.py`, cached by this value) and masks every sampled or verified row.
 
     kind: "json_schema" (spec: the schema as JSON text), "json_object" (any JSON object), "regex"
-    (spec: the pattern), "choice" (one of `choices`, verbatim), "lark" (spec: a Lark grammar).
+    (spec: the pattern), "choice" (one of `choices`, verbatim), "lark" (spec: a Lark grammar),
+    "tool_calls" (spec: JSON text {"tools": [{"name", "parameters"}], "parallel": bool}: one call,
+    or with `parallel` one or more, each `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`
+    with arguments valid against that function's parameter schema).
     `param` names the request field it came from, for error messages."""
     kind: str
     spec: str = ""

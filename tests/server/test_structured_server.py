@@ -94,14 +94,15 @@ def test_required_and_named_tool_choice_constrain_to_calls(server):
     assert post(server, "/v1/chat/completions",
                 {**CHAT, "tools": [ADD, ECHO], "tool_choice": "required"}).status_code == 200
     c = last_constraint(server)
-    assert (c.kind, c.param) == ("lark", "tools")
-    assert 'call ("\\n" call)*' in c.spec and '"const": "add"' in c.spec
-    assert '"const": "echo"' in c.spec
+    assert (c.kind, c.param) == ("tool_calls", "tools")
+    assert json.loads(c.spec) == {"parallel": True, "tools": [
+        {"name": "add", "parameters": ADD["function"]["parameters"]},
+        {"name": "echo", "parameters": {"type": "object", "properties": {}}}]}
     named = {"type": "function", "function": {"name": "echo"}}
     assert post(server, "/v1/chat/completions",
                 {**CHAT, "tools": [ADD, ECHO], "tool_choice": named}).status_code == 200
-    c = last_constraint(server)
-    assert "start: call\n" in c.spec and '"const": "add"' not in c.spec
+    assert json.loads(last_constraint(server).spec) == {"parallel": False, "tools": [
+        {"name": "echo", "parameters": {"type": "object", "properties": {}}}]}
     post(server, "/v1/chat/completions", {**CHAT, "tools": [ADD]})     # auto: free text
     assert last_constraint(server) is None
 

@@ -222,3 +222,20 @@ def test_an_uncompilable_constraint_reaching_the_engine_stops_the_request(make_e
     out, reasons, _ = run(core, [("bad", [5, 6, 7], bad), ("ok", [5, 6, 7], ok)])
     assert out["bad"] == [core.model_info.eos_token_ids[0]] and reasons["bad"] == "stop"
     assert len(out["ok"]) == 3
+
+
+def test_tool_calls_constraint_makes_one_valid_call(make_engine, tok):
+    params = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "b": {"type": "boolean"}}}
+    spec = json.dumps({"tools": [{"name": "f", "parameters": params}], "parallel": False})
+    constraint = Constraint("tool_calls", spec, param="tools")
+    check(constraint)
+    out, reasons, _ = run(make_engine(), [("t", [5, 6, 7], SamplingParams(
+        max_tokens=40, temperature=0, constraint=constraint))])
+    text = tok.decode(out["t"][:-1])
+    assert reasons["t"] == "stop" and text.startswith("<tool_call>\n")
+    assert text.endswith("\n</tool_call>")
+    call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    assert call["name"] == "f"
+    jsonschema.validate(call["arguments"], params)
