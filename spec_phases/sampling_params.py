@@ -31,8 +31,9 @@ class Constraint:
     kind: "json_schema" (spec: the schema as JSON text), "json_object" (any JSON object), "regex"
     (spec: the pattern), "choice" (one of `choices`, verbatim), "lark" (spec: a Lark grammar),
     "tool_calls" (spec: JSON text {"tools": [{"name", "parameters"}], "parallel": bool}: one call,
-    or with `parallel` one or more, each `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`
-    with arguments valid against that function's parameter schema).
+    or with `parallel` one or more, each
+    `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` with arguments valid against
+    that function's parameter schema).
     `param` names the request field it came from, for error messages."""
     kind: str
     spec: str = ""
