@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self._fault: str | None = None             # inject_fault (tests)
+        # constrained requests whose grammar is still compiling: admitted once it is ready, so a
+        # slow compile never stalls the steps of other requests
+        self._compiling: list[tuple[Future, Request]] = []
         self.worker = Worker(config.worker_config())
         cfg = self.worker.model_config
         max_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
@@ -94,18 +98,49 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> None:
         self.validate(req)
-        self.scheduler.add(Request(req))
+        request = Request(req)
+        constraint = req.sampling_params.constraint
+        if constraint is not None:                  # structured output: compile first
+            future = self.worker.grammars.prepare(constraint, use=False)
+            if not future.done():
+                if request.request_id in self.scheduler.requests or any(
+                        r.request_id == request.request_id for _, r in self._compiling):
+                    raise ValueError(f"duplicate request id {request.request_id}")
+                self._compiling.append((future, request))
+                return
+        self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish the request now; its device-side state is released with the next step."""
+        for i, (_, request) in enumerate(self._compiling):
+            if request.request_id == request_id:
+                del self._compiling[i]
+                return RequestOutput(request_id=request_id, new_token_ids=[], finished=True,
+                                     finish_reason="abort",
+                                     num_prompt_tokens=request.num_prompt_tokens)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._compiling) or self.scheduler.has_unfinished()
 
     def has_work(self) -> bool:
         """Requests to run, or device-side state still to release: the loop steps while true."""
-        return self.scheduler.has_work()
+        return bool(self._compiling) or self.scheduler.has_work()
+
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar compiled (or failed: the worker then ends them) to the
+        scheduler, in arrival order. With nothing else to run, wait a little for one."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_work():
+            wait([f for f, _ in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        still = []
+        for future, request in self._compiling:
+            if future.done():
+                self.scheduler.add(request)
+            else:
+                still.append((future, request))
+        self._compiling = still
 
     # -- the loop ----------------------------------------------------------------------------
     def inject_fault(self, where: str) -> None:
@@ -122,6 +157,7 @@ class EngineCore:
         if self._fault == "loop":
             self._fault = None
             raise RuntimeError("injected fault in the engine loop (test hook)")
+        self._admit_compiled()
         plan = self.scheduler.schedule()
         if plan.is_empty():
             return EngineStep([])

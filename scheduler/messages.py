@@ -76,6 +76,7 @@ class StepStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)
     num_pruned_tokens: int = 0           # draft tokens never computed: an earlier frontier rejected
+    num_masked_tokens: int = 0           # draft tokens a request's grammar cut (structured output)
     num_frontiers: int = 0               # verify forwards this step ran (1 without frontiers)
     num_drafted_ahead: int = 0           # requests whose drafts the overlap thread made
     finished: list[tuple[str, str]] = field(default_factory=list)   # (request_id, finish_reason)
@@ -83,6 +84,9 @@ class StepStats:
     step_time_s: float = 0.0
     swap_bytes_h2d: int = 0              # lossy_kv, full cache in host memory: bytes moved
     swap_bytes_d2h: int = 0
+    grammar_compile_s: list[float] = field(default_factory=list)   # structured output: seconds
+                                         # per grammar compiled (the worker's cache missed)
+    grammar_cache_hits: int = 0          # constrained requests whose grammar was already compiled
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,7 @@ class Scheduler:
             if sampled.num_drafted:
                 self._count_spec(req, sampled.num_drafted, num_accepted)
                 stats.num_pruned_tokens += sampled.num_pruned
+                stats.num_masked_tokens += sampled.num_masked
             if self.controller is not None and sreq.num_draft_tokens:
                 self.controller.observe(req.request_id, sampled.num_drafted, num_accepted)
             new_tokens = []
@@ -230,8 +231,11 @@ class Scheduler:
         stats.step_time_s = result.step_time_s
         stats.num_frontiers = result.num_frontiers
         stats.num_drafted_ahead = result.num_drafted_ahead
+        stats.grammar_compile_s = list(result.grammar_compile_s)
+        stats.grammar_cache_hits = result.grammar_cache_hits
         if self.controller is not None:
-            drafted = [s.num_drafted for s in result.sampled.values()]
+            # drafts the grammar cut were never computed: priced as no rows
+            drafted = [s.num_drafted - s.num_masked for s in result.sampled.values()]
             self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),
                                          result.step_time_s, swap_bytes=result.swap_bytes[0],
                                          draft_tokens=sum(drafted),

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.scheduler.messages import EngineRequest, ModelInfo
-from specserve.spec_phases.sampling_params import ParamError
+from specserve.spec_phases.grammar import check as check_grammar
+from specserve.spec_phases.sampling_params import Constraint, ParamError
 
 
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
@@ -35,3 +36,10 @@ def validate(req: EngineRequest, info: ModelInfo) -> None:
     check_prompt_ids(prompt, info.vocab_size)
     check_context(len(prompt), req.sampling_params.max_tokens, info.max_model_len)
     req.sampling_params.check_vocab(info.vocab_size)
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """ParamError naming the field when a structured-output constraint is malformed or cannot be
+    compiled (an unsupported schema keyword, a bad regex). Milliseconds for a typical schema, more
+    for a huge one: call it off the event loop."""
+    check_grammar(constraint)

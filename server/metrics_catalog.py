@@ -194,6 +194,12 @@ class EngineMetrics:
                                       "VeriCache full-KV swap time.",
                                       names, buckets=SWAP_SECONDS_BUCKETS,
                                       registry=registry).labels(**base)
+        self.grammar_compile_seconds = Histogram(   # structured output (docs/structured-output.md)
+            "specserve:grammar_compile_seconds", "Grammar compile time per new constraint.",
+            names, buckets=SWAP_SECONDS_BUCKETS, registry=registry).labels(**base)
+        self.grammar_cache_hits = Counter(
+            "specserve:grammar_cache_hits", "Constrained requests whose grammar was compiled "
+            "already.", names, registry=registry).labels(**base)
 
     def _declare_spec_decode(self, registry: CollectorRegistry, base: dict,
                              names: list[str]) -> None:

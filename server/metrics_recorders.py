@@ -93,6 +93,9 @@ class StepRecorder:
         # VeriCache: full-cache bytes brought to the device
         if stats.swap_bytes_h2d:
             m.swap_bytes.inc(stats.swap_bytes_h2d)
+        for seconds in stats.grammar_compile_s:                # structured output
+            m.grammar_compile_seconds.observe(seconds)
+        m.grammar_cache_hits.inc(stats.grammar_cache_hits)
         if stats.first_scheduled:
             self._note_scheduled(stats.first_scheduled, now - stats.step_time_s)
         if self.log_interval_s is not None and now - self._last_log_time >= self.log_interval_s:

@@ -8,9 +8,12 @@ declared here so that `unsupported_fields` can refuse them with a 400 naming the
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.spec_phases.sampling_params import Constraint, ParamError
 
 TokenIds = list[int]
 Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
@@ -61,13 +64,14 @@ class SamplingFields(OpenAIBase):
                                    pattern=r"^[\x21-\x7e]+$")
     user: str | None = None
     num_speculative_tokens: int | None = None
-    # Known to vLLM, refused here until implemented (openai-api.md §2.3).
-    use_beam_search: bool = False
+    # structured output (docs/structured-output.md): `constraint()` reads these
     response_format: dict[str, Any] | None = None
-    structured_outputs: Any = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    # Known to vLLM, refused here until implemented (openai-api.md §2.3).
+    use_beam_search: bool = False
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
@@ -80,16 +84,95 @@ class SamplingFields(OpenAIBase):
         """The first field set to something this server cannot do, or None."""
         if self.use_beam_search:
             return "use_beam_search"
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            return "response_format"
-        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            return "guided_decoding_backend"
+        for name in ("guided_grammar", "guided_whitespace_pattern",
                      "prompt_embeds", "logits_processors", "kv_transfer_params"):
             if getattr(self, name) is not None:
                 return name
+        for key, value in (self.structured_outputs or {}).items():
+            if key not in STRUCTURED_OUTPUTS_KEYS and value not in (None, False):
+                return f"structured_outputs.{key}"
         if self.priority != 0:
             return "priority"
         return None
+
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint the request asks for (None: free text), from
+        `response_format`, vLLM's `guided_json` / `guided_regex` / `guided_choice` or its newer
+        `structured_outputs` object; at most one of them. ParamError names the field."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None:
+            found.append(response_format_constraint(fmt))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append(field_constraint(kind, value, name))
+        for key, value in (self.structured_outputs or {}).items():
+            kind = STRUCTURED_OUTPUTS_KEYS.get(key)
+            if kind == "json_object" and value:
+                found.append(Constraint("json_object", param="structured_outputs.json_object"))
+            elif kind is not None and value is not None and kind != "json_object":
+                found.append(field_constraint(kind, value, f"structured_outputs.{key}"))
+        found = [c for c in found if c is not None]
+        if len(found) > 1:
+            raise ParamError(found[1].param, f"only one structured-output constraint per request; "
+                                             f"got {found[0].param} and {found[1].param}.")
+        return found[0] if found else None
+
+
+# vLLM's StructuredOutputsParams keys served here, and the constraint kind each gives
+STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                           "json_object": "json_object"}
+
+
+def response_format_constraint(fmt: dict[str, Any]) -> Constraint | None:
+    """OpenAI's `response_format`: text, json_object, or json_schema {name, schema, strict}. The
+    schema is enforced whether or not `strict` is set (as vLLM does)."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind != "json_schema":
+        raise ParamError("response_format", f"response_format.type must be one of 'text', "
+                                            f"'json_object', 'json_schema'; got {kind!r}.")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ParamError("response_format.json_schema",
+                         "response_format.json_schema must be an object with a `schema`.")
+    if not isinstance(spec.get("name", "schema"), str):
+        raise ParamError("response_format.json_schema.name", "the schema's name must be a string.")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise ParamError("response_format.json_schema.strict", "strict must be a boolean.")
+    schema = spec.get("schema")
+    if schema is None:                     # no schema: any JSON object (vLLM does the same)
+        return Constraint("json_object", param="response_format.json_schema")
+    return field_constraint("json_schema", schema, "response_format.json_schema.schema")
+
+
+def field_constraint(kind: str, value: Any, param: str) -> Constraint:
+    """One constraint field's value -> a Constraint (shape checks only; the grammar library
+    checks the rest)."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ParamError(param, f"{param} is not valid JSON: {exc}") from None
+        if not isinstance(value, (dict, bool)):
+            raise ParamError(param, f"{param} must be a JSON schema object.")
+        return Constraint("json_schema", json.dumps(value), param=param)    # key order kept
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise ParamError(param, f"{param} must be a string.")
+        return Constraint("regex", value, param=param)
+    if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        raise ParamError(param, f"{param} must be a non-empty list of strings.")
+    return Constraint("choice", choices=tuple(value), param=param)
 
 
 class CompletionRequest(SamplingFields):
@@ -113,6 +196,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant turn that called tools
+    tool_call_id: str | None = None                    # a `tool` message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -197,16 +282,28 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str                   # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None              # None when the turn is tool calls only
+    tool_calls: list[ToolCall] | None = None      # only when the request had tools
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "error", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

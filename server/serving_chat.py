@@ -3,7 +3,7 @@ SSE."""
 from __future__ import annotations
 
 import asyncio
-
+import functools
 import time
 
 from fastapi import Request
@@ -15,6 +15,10 @@ from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import ChatCompletionRequest, ChatMessage
 from specserve.server.template_budget import TemplateBudgetError, TemplateRenderError
 from specserve.scheduler.validation import check_context
+from specserve.server.structured import checked, constrained, request_constraint
+from specserve.server.tool_calls import (ToolCallParser, ToolError, ToolRequest, call_grammar,
+                                         history_message, new_call_id, parse_tools,
+                                         tool_call_objects, with_tool_prompt)
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            encode_text,
                                            engine_request_id, error_event, logprob_value,
@@ -45,14 +49,37 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            for j, call in enumerate(message.tool_calls):
+                fn = call.get("function")
+                if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+                    raise bad_request("a tool call needs function.name.",
+                                      f"messages.{i}.tool_calls.{j}")
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         result.append(entry)
     return result
 
 
+@functools.lru_cache(maxsize=16)
+def template_takes_tools(template: str) -> bool:
+    """Whether the chat template reads a `tools` variable (renders a tool section itself)."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(
+            template))
+    except jinja2.TemplateError:
+        return False
+
+
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_template: str | None,
                 add_generation_prompt: bool, continue_final_message: bool,
-                chat_template_kwargs: dict | None) -> str:
-    """The prompt text from the chat template (request > --chat-template > the model's own)."""
+                chat_template_kwargs: dict | None, tools: ToolRequest | None = None) -> str:
+    """The prompt text from the chat template (request > --chat-template > the model's own).
+    Tools go to a template that takes them, else into the system message (tool_calls.py)."""
     import jinja2
 
     if (chat_template is not None or "chat_template" in (chat_template_kwargs or {})) and \
@@ -67,12 +94,18 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_templa
     if add_generation_prompt and continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true.",
                           "continue_final_message")
+    takes_tools = template_takes_tools(template)
+    convo = [history_message(m, takes_tools) for m in conversation(messages)]
     options = dict(add_generation_prompt=add_generation_prompt,
                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+    if tools is not None and takes_tools:
+        options["tools"] = [t.spec() for t in tools.tools]
+    elif tools is not None:
+        convo = with_tool_prompt(convo, tools)
     if chat_template is not None or "chat_template" in options:     # the request's own code
         try:
-            return ctx.template_sandbox.render(conversation(messages),
-                                               options.pop("chat_template", template), **options)
+            return ctx.template_sandbox.render(convo, options.pop("chat_template", template),
+                                               **options)
         except TemplateBudgetError as exc:
             raise bad_request(f"Refused: {exc}.", "chat_template") from None
         except TemplateRenderError as exc:
@@ -80,7 +113,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_templa
                               "messages") from None
     try:
         return ctx.tokenizer.apply_chat_template(
-            conversation(messages), chat_template=template, tokenize=False, **options)
+            convo, chat_template=template, tokenize=False, **options)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
         raise bad_request(f"The chat template failed on these messages: {exc}",
                           "messages") from None
@@ -104,12 +137,17 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
                                  ctx: ServingContext) -> Response:
     model = served_model(ctx, body.model)
     check_common_fields(body, "chat")
-    if body.tools and body.tool_choice != "none":
-        raise bad_request("tools are not supported by this server (use tool_choice: \"none\").",
-                          "tools")
-    if body.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice other than \"none\" is not supported by this server.",
-                          "tool_choice")
+    try:
+        tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ToolError as exc:
+        raise bad_request(exc.message, exc.param) from None
+    constraint = request_constraint(body)
+    call_constraint = call_grammar(tools) if tools is not None else None
+    if constraint is not None and call_constraint is not None:
+        raise bad_request(f"{constraint.param} cannot be combined with tool_choice "
+                          f"{body.tool_choice!r}: the calls are constrained already.",
+                          constraint.param)
+    constraint = await checked(constraint or call_constraint)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
@@ -123,7 +161,8 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
                                    chat_template=body.chat_template,
                                    add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
-                                   chat_template_kwargs=body.chat_template_kwargs)
+                                   chat_template_kwargs=body.chat_template_kwargs,
+                                   tools=tools)
     prompt_ids = await asyncio.to_thread(encode_text, ctx, text, "messages",
                                          body.add_special_tokens,
                                          limit_length=body.truncate_prompt_tokens is None)
@@ -147,20 +186,22 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
     request_id = request_id_for(raw, body)
     requests, states = [], []
     for i in range(body.n):
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs,
-                                 prompt_logprobs=body.prompt_logprobs, vocab_size=info.vocab_size,
-                                 seed_offset=i)
+        params = constrained(sampling_params(body, max_tokens=max_tokens, logprobs=logprobs,
+                                             prompt_logprobs=body.prompt_logprobs,
+                                             vocab_size=info.vocab_size, seed_offset=i),
+                             constraint)
         requests.append(EngineRequest(engine_request_id(request_id, i), prompt_ids, params))
         states.append(new_choice(ctx, body, i, 0))
-    return await respond(raw, ctx, ChatJob(ctx, body, model, request_id, prompt_ids, states),
-                         requests, body.n, body.stream)
+    return await respond(raw, ctx, ChatJob(ctx, body, model, request_id, prompt_ids, states,
+                                           tools), requests, body.n, body.stream)
 
 
 class ChatJob:
     def __init__(self, ctx, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids,
-                 states):
+                 states, tools: ToolRequest | None = None):
         self.ctx, self.body, self.model = ctx, body, model
         self.prompt_ids, self.states = prompt_ids, states
+        self.tools = tools                 # None: no tool may be called, the text is content
         self.id = f"chatcmpl-{request_id}"
         self.created = int(time.time())
         self.k = body.top_logprobs or 0
@@ -191,9 +232,18 @@ class ChatJob:
                     break
         choices = []
         for state in self.states:
-            choice = {"index": state.index, "message": {"role": "assistant", "content": state.text},
+            message = {"role": "assistant", "content": state.text}
+            finish_reason = state.finish_reason
+            if self.tools is not None:
+                parser = ToolCallParser(self.tools)
+                content, calls = parser.feed(state.text)
+                content += parser.finish()
+                message["content"] = content if content or not calls else None
+                message["tool_calls"] = tool_call_objects(calls, [new_call_id() for _ in calls])
+                finish_reason = tool_finish_reason(finish_reason, calls)
+            choice = {"index": state.index, "message": message,
                       "logprobs": self.logprobs(state.token_ids, state.logprobs),
-                      "finish_reason": state.finish_reason, "stop_reason": state.stop_reason}
+                      "finish_reason": finish_reason, "stop_reason": state.stop_reason}
             if self.body.return_token_ids:
                 choice["token_ids"] = state.token_ids
                 choice["prompt_token_ids"] = self.prompt_ids
@@ -214,6 +264,9 @@ class ChatJob:
         include_usage = settings.enable_force_include_usage or bool(
             body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        parsers = [ToolCallParser(self.tools) if self.tools is not None else None
+                   for _ in self.states]
+        num_calls = [0] * len(self.states)
         try:
             for state in self.states:             # role first, one chunk per choice
                 yield sse_data(self.chunk({"index": state.index,
@@ -226,12 +279,27 @@ class ChatJob:
                     stream.finish(index)
                 logprobs = self.logprobs(delta.token_ids, delta.logprobs)
                 has_logprobs = bool(logprobs and logprobs["content"])
-                if not delta.text and delta.finish_reason is None and not has_logprobs:
+                text, finish_reason, parser = delta.text, delta.finish_reason, parsers[index]
+                if parser is not None:            # tool calls: one chunk per completed call
+                    text, calls = parser.feed(text)
+                    if finish_reason is not None:
+                        text += parser.finish()
+                    for name, args in calls:
+                        call = {"index": num_calls[index], "id": new_call_id(),
+                                "type": "function",
+                                "function": {"name": name, "arguments": args}}
+                        num_calls[index] += 1
+                        yield sse_data(self.chunk({"index": state.index,
+                                                   "delta": {"tool_calls": [call]},
+                                                   "logprobs": None, "finish_reason": None}))
+                    if finish_reason is not None:
+                        finish_reason = tool_finish_reason(finish_reason, parser.calls)
+                if not text and finish_reason is None and not has_logprobs:
                     continue
                 choice = {"index": state.index,
-                          "delta": {"content": delta.text} if delta.text else {},
-                          "logprobs": logprobs, "finish_reason": delta.finish_reason}
-                if delta.finish_reason is not None:
+                          "delta": {"content": text} if text else {},
+                          "logprobs": logprobs, "finish_reason": finish_reason}
+                if finish_reason is not None:
                     choice["stop_reason"] = delta.stop_reason
                 if body.return_token_ids:
                     choice["token_ids"] = delta.token_ids
@@ -254,3 +322,8 @@ class ChatJob:
         finally:
             await stream.close()
         yield "[DONE]"
+
+
+def tool_finish_reason(finish_reason: str | None, calls: list) -> str | None:
+    """"tool_calls" when the model ended its turn after calling tools (OpenAI, vLLM)."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason

@@ -14,6 +14,7 @@ from specserve.server.errors import bad_request
 from specserve.server.generation import ChoiceState, spec_metrics
 from specserve.server.protocol import CompletionRequest
 from specserve.scheduler.validation import check_context, check_prompt_ids
+from specserve.server.structured import checked, constrained, request_constraint
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            encode_text,
                                            engine_request_id,
@@ -127,6 +128,7 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
         max_tokens = ctx.settings.sampling_defaults.get("max_tokens", 16)
     if max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    constraint = await checked(request_constraint(body))        # structured output
     prompts = await asyncio.to_thread(parse_prompts, ctx, body)     # tokenizing: off the loop
     if len(prompts) * body.n > ctx.settings.max_choices:
         raise bad_request(f"prompts × n must be at most {ctx.settings.max_choices}, "
@@ -141,9 +143,10 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
     for prompt_index, (_, ids) in enumerate(prompts):
         for i in range(body.n):
             prompt_lp = max(want_prompt_lp) if want_prompt_lp else None
-            params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                                     prompt_logprobs=prompt_lp, vocab_size=info.vocab_size,
-                                     seed_offset=i)
+            params = constrained(sampling_params(body, max_tokens=max_tokens,
+                                                 logprobs=body.logprobs, prompt_logprobs=prompt_lp,
+                                                 vocab_size=info.vocab_size, seed_offset=i),
+                                 constraint)
             index = prompt_index * body.n + i
             requests.append(EngineRequest(engine_request_id(request_id, index), ids, params))
             states.append(new_choice(ctx, body, index, prompt_index))

@@ -43,7 +43,9 @@ class FrontierVerifier(Verifier):
         super().__init__(*args, **kwargs)
         self.size, self.on_decided = frontier_size, on_decided
 
-    def verify(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]]) -> StepResult:
+    def verify(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]],
+               masks: dict[str, torch.Tensor] | None = None) -> StepResult:
+        self.masks = masks or {}
         size = self.size
         first = [d[:size] for d in drafts]
         hidden = self.runner.forward([r.token_ids + tuple(d) for r, d in zip(reqs, first)],

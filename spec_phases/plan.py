@@ -87,6 +87,8 @@ class SampledTokens:
     num_pruned: int = 0                         # of those, drafts the target never computed: an
                                                 # earlier frontier already rejected (0 without)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    num_masked: int = 0                         # of num_drafted, drafts cut before verification:
+                                                # the grammar forbids them (counted as rejected)
 
 
 @dataclass(slots=True)
@@ -100,3 +102,6 @@ class StepResult:
     swap_bytes: tuple[int, int] = (0, 0)        # full-cache bytes (host->device, device->host)
                                                 # moved this step (VeriCache with a host pool)
     num_drafted_ahead: int = 0                  # requests whose drafts came from the overlap thread
+    grammar_compile_s: list[float] = field(default_factory=list)   # structured output: each
+                                                # grammar compiled since the last step, in seconds
+    grammar_cache_hits: int = 0                 # requests that found their grammar compiled

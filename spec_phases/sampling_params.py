@@ -17,6 +17,37 @@ class ParamError(ValueError):
         self.message = message
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "tool_calls")
+# the Hermes-style tags around each call a "tool_calls" constraint admits (server/tool_calls.py
+# parses the same tags out of free text)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match (structured output), as plain text: the worker compiles it
+    (`spec_phases/grammar.py`, cached by this value) and masks every sampled or verified row.
+
+    kind: "json_schema" (spec: the schema as JSON text), "json_object" (any JSON object), "regex"
+    (spec: the pattern), "choice" (one of `choices`, verbatim), "lark" (spec: a Lark grammar),
+    "tool_calls" (spec: JSON text {"tools": [{"name", "parameters"}], "parallel": bool}: one call,
+    or with `parallel` one or more, each
+    `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` with arguments valid against
+    that function's parameter schema).
+    `param` names the request field it came from, for error messages."""
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        _check(self.kind in CONSTRAINT_KINDS, self.param,
+               f"unknown constraint kind {self.kind!r}; one of {list(CONSTRAINT_KINDS)}.")
+        object.__setattr__(self, "choices", tuple(str(c) for c in self.choices))
+        if self.kind == "choice":
+            _check(bool(self.choices), self.param, "choice needs at least one option.")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -39,6 +70,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # per-request cap on drafts (ours); 0 turns speculation off
     num_speculative_tokens: int | None = None
+    # structured output: every sampled token keeps the text a prefix of a match (None: free text)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens",

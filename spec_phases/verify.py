@@ -8,6 +8,11 @@ draft, gives the one new token. With one-hot drafts (every drafter here) this is
 exactly: draft x is accepted with probability p(x), and on rejection the token is drawn from p
 without x, the residual. Seeded sampling gives the same text with speculation on or off.
 
+A constrained request (structured output) has one grammar mask per row: the grammar state after
+its last token and drafts[:i] (`spec_phases/grammar.py`). The mask is applied to the row's logits
+after the logit processors, before the draw, so every row draws what plain constrained decoding
+would draw there, and acceptance stays exact.
+
 Prefill chunks are verify passes over prompt tokens (nothing to sample until the chunk reaches the
 end of the prompt) and plain decoding is a verify pass with zero drafts: one path.
 """
@@ -26,8 +31,12 @@ class Verifier:
         """proposer: told the raw logits of every verified row when it learns from the target."""
         self.runner, self.sampler = runner, sampler
         self.observer = proposer if proposer is not None and proposer.learns_from_target else None
+        self.masks: dict[str, torch.Tensor] = {}      # this step's grammar masks, per request
 
-    def verify(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]]) -> StepResult:
+    def verify(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]],
+               masks: dict[str, torch.Tensor] | None = None) -> StepResult:
+        """masks: request id -> bool [len(drafts) + 1, vocab], the rows' grammar masks."""
+        self.masks = masks or {}
         hidden = self.runner.forward([r.token_ids + tuple(d) for r, d in zip(reqs, drafts)],
                                      [r.num_computed_tokens for r in reqs],
                                      [r.block_ids for r in reqs])
@@ -62,10 +71,30 @@ class Verifier:
                 inputs.append(d[i - 1] if i else r.token_ids[-1])
         if self.observer is not None:
             self.observer.observe(torch.tensor(inputs), raw)
-        keep_raw = any(r.params.logprobs is not None for r, _, _, _ in spans)  # logprobs read raw
+        keep_raw = bool(self.masks) or any(r.params.logprobs is not None  # logprobs read raw
+                                           for r, _, _, _ in spans)
         logits = self.sampler.process(raw.clone() if keep_raw else raw, sample_rows)
+        if self.masks:
+            self.apply_masks(logits, raw, spans)
         u = torch.cat([us[lo:lo + n] for (_, _, lo, n), us in zip(spans, uniforms)])
         return self.sampler.sample(logits, sample_rows, u).tolist()
+
+    def apply_masks(self, logits: torch.Tensor, raw: torch.Tensor,
+                    spans: list[tuple[ScheduledRequest, list[int], int, int]]) -> None:
+        """Forbidden tokens -> -inf in each constrained row. A row the processors had already
+        emptied of every allowed token (min_tokens banning the EOS the grammar needs) keeps the
+        grammar: its raw logits over the allowed tokens."""
+        at = 0
+        for r, _, lo, n in spans:
+            mask = self.masks.get(r.request_id)
+            if mask is not None:
+                allowed = mask[lo:lo + n].to(logits.device)
+                rows = logits[at:at + n].masked_fill(~allowed, float("-inf"))
+                dead = torch.isneginf(rows).all(dim=-1)
+                if bool(dead.any()):
+                    rows[dead] = raw[at:at + n][dead].masked_fill(~allowed[dead], float("-inf"))
+                logits[at:at + n] = rows
+            at += n
 
     @staticmethod
     def row(r: ScheduledRequest, drafts: list[int], i: int) -> SampleRow:

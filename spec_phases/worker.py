@@ -13,6 +13,7 @@ from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
 from specserve.spec_phases.calibration import build_compressor
 from specserve.spec_phases.config import SpeculativeConfig, WorkerConfig
 from specserve.spec_phases.frontiers import FrontierVerifier
+from specserve.spec_phases.grammar import GrammarBook
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.overlap import DraftAhead
 from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult
@@ -23,6 +24,7 @@ from specserve.spec_phases.proposers.ngram import NgramProposer
 from specserve.spec_phases.proposers.token_recycling import TokenRecyclingProposer
 from specserve.spec_phases.runner import ModelRunner
 from specserve.spec_phases.sampler import Sampler
+from specserve.spec_phases.tokenizer import load_tokenizer
 from specserve.spec_phases.verify import Verifier
 
 logger = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class Worker:
         self.draft_pool: DraftPool | None = None
         self.proposer = self._proposer(spec, in_host)
         self.verifier = Verifier(self.runner, self.sampler, self.proposer)
+        self.grammars = GrammarBook(lambda: load_tokenizer(config.model), cfg.vocab_size,
+                                    cfg.eos_token_ids)
         self.draft_ahead = None
         if spec is not None and spec.overlap_draft and self.proposer is not None:
             self.draft_ahead = DraftAhead(self.proposer, spec.num_speculative_tokens)
@@ -175,16 +179,29 @@ class Worker:
         start = time.perf_counter()
         if self.draft_pool is not None:
             self.draft_pool.release(plan.finished_ids + plan.preempted_ids)
+        self.grammars.release(plan.finished_ids)     # kept across preemption: outputs are kept
         if not plan.requests:
             return StepResult()
+        for r in plan.requests:                      # compile while the prompt prefills
+            if r.params.constraint is not None:
+                self.grammars.prefetch(r.request_id, r.params.constraint)
         drafts, passes, ahead = self._draft(plan.requests)            # draft phase
+        drafts, masks, masked = self._constrain(plan.requests, drafts)
         if plan.frontier_size:                                        # verify phase
             on_decided = self.draft_ahead.submit if self.draft_ahead is not None else None
             verifier = FrontierVerifier(self.runner, self.sampler, self.proposer,
                                         frontier_size=plan.frontier_size, on_decided=on_decided)
         else:
             verifier = self.verifier
-        result = verifier.verify(plan.requests, drafts)
+        result = verifier.verify(plan.requests, drafts, masks)
+        for request_id, n in masked.items():        # cut drafts count as drafted and rejected
+            sampled = result.sampled[request_id]
+            sampled.num_drafted += n
+            sampled.num_masked = n
+        for r in plan.requests:
+            if r.request_id in masks:
+                self.grammars.advance(r.request_id, result.sampled[r.request_id].token_ids)
+        result.grammar_compile_s, result.grammar_cache_hits = self.grammars.drain_stats()
         result.draft_passes, result.num_drafted_ahead = passes, ahead
         result.swap_bytes = self._swap_delta()
         result.step_time_s = time.perf_counter() - start
@@ -215,6 +232,22 @@ class Worker:
             drafts[i] = d[:reqs[i].num_draft_tokens]
         return drafts, out.passes, len(wanted) - len(rest)
 
+    def _constrain(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]]
+                   ) -> tuple[list[list[int]], dict, dict[str, int]]:
+        """Constrained requests that sample this step: drafts cut where the grammar forbids, one
+        mask per verify row, and how many drafts each lost (`spec_phases/grammar.py`)."""
+        masks, masked = {}, {}
+        for i, r in enumerate(reqs):
+            if r.params.constraint is None or not r.sample:
+                continue
+            drafts[i], c = self.grammars.constrain(
+                r.request_id, r.params.constraint, r.num_output_tokens, r.output_token_ids,
+                drafts[i])
+            masks[r.request_id] = c.masks
+            if c.num_masked:
+                masked[r.request_id] = c.num_masked
+        return drafts, masks, masked
+
     def _swap_delta(self) -> tuple[int, int]:
         """Full-cache bytes moved since the last call, with the full cache in a HostKVPool (else
         0, 0): host->device = the verify pass's staging (`HostKVPool.bytes_h2d`) plus the drafting
@@ -240,4 +273,7 @@ class Worker:
         releases), within its reservation."""
         if self.draft_pool is not None:
             self.draft_pool.check_integrity(live_ids, releasing, reserved_bytes)
+        stale = set(self.grammars.matchers) - live_ids - releasing
+        if stale:
+            raise AssertionError(f"grammar state held for requests no longer live: {stale}")
 

@@ -7,6 +7,8 @@ Edges that skip a layer are allowed module by module (NARROW), each for one reas
 - server, loadtests -> spec_phases.paths: where the embedded model and the cache directory are (the
   tokenizer files sit beside the model; peers are given the same file).
 - server -> kv_cache.compress.registry: the compressor names, for the CLI's choices.
+- server -> spec_phases.tokenizer: one tokenizer loader; the worker's grammar masks (structured
+  output) must see the same tokens the server encodes and decodes.
 Everything else goes through the layer below."""
 import ast
 import tomllib
@@ -22,7 +24,8 @@ ALLOWED = {
     "loadtests": {"loadtests"},                  # HTTP only
 }
 NARROW = {
-    "server": {"spec_phases.sampling_params", "spec_phases.paths", "kv_cache.compress.registry"},
+    "server": {"spec_phases.sampling_params", "spec_phases.paths", "kv_cache.compress.registry",
+               "spec_phases.tokenizer"},
     "loadtests": {"spec_phases.paths"},
 }
 

@@ -50,6 +50,13 @@ class RealServer:
         self.engine.check_integrity()
 
 
+@pytest.fixture(scope="session")
+def real_server_type():
+    """RealServer, for modules that build their own server (a `from conftest import` is ambiguous
+    when the whole suite runs)."""
+    return RealServer
+
+
 @pytest.fixture(scope="module")
 def real_server():
     engine = AsyncEngine(EngineConfig(model="tiny-random", max_model_len=256, num_kv_blocks=96,

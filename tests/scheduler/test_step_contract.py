@@ -137,3 +137,27 @@ def test_an_aborted_request_is_released_by_the_next_plan():
     plan = sched.schedule()
     assert plan.finished_ids == ("a",) and [r.request_id for r in plan.requests] == ["b"]
     assert sched.releasing() == set()
+
+
+def test_drafts_the_grammar_cut_count_as_drafted_and_rejected_but_not_as_computed_rows():
+    """Structured output: a SampledTokens with num_masked drafts (cut before verification). The
+    vLLM counters and FASER's acceptance see them as rejected drafts; the cost model does not
+    price them as verify rows (they were never computed)."""
+    kv = KVCacheManager([BlockPool(64, BS, False, name="full")])
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096,
+                                          max_model_len=256, eos_token_ids=(2,),
+                                          num_speculative_tokens=4, adaptive=True))
+    add(sched, "a", 6)
+    prefill(sched, {"a": 40})
+    before = sched.controller.probs("a")[0]
+    plan = sched.schedule()
+    k = plan.requests[0].num_draft_tokens                          # the controller's choice
+    assert k >= 2
+    res = StepResult(sampled={"a": SampledTokens([41], num_drafted=k, num_masked=k - 1)},
+                     step_time_s=0.01)
+    _, stats = sched.commit(plan, res)
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_masked_tokens) == (
+        k, 0, k - 1)
+    assert sched.controller.probs("a")[0] < before                 # acceptance estimate fell
+    tokens = sched.controller.cost.samples[-1][1]
+    assert tokens == plan.num_tokens + 1                            # 1 draft row computed, not k

@@ -32,10 +32,12 @@ def error_of(response) -> dict:
      "prompt_logprobs is not available when stream=true."),
     ({"prompt": [70000]}, "prompt", "token id 70000 is out of vocabulary (size 49152)."),
     ({"temperature": "hot"}, "temperature", "1 validation error: temperature:"),
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "response_format is not supported by this server"),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     "response_format.type must be one of 'text', 'json_object', 'json_schema'; got 'xml'."),
     ({"priority": 1}, "priority", "priority is not supported by this server"),
-    ({"guided_json": {}}, "guided_json", "guided_json is not supported by this server"),
+    ({"guided_json": 5}, "guided_json", "guided_json must be a JSON schema object."),
+    ({"guided_grammar": "root ::= \"a\""}, "guided_grammar",
+     "guided_grammar is not supported by this server"),
 ])
 def test_validation_rows(server, body, param, message):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", **body})
@@ -87,7 +89,7 @@ def test_routes_models_and_methods(server):
 def test_chat_specific_refusals(server):
     base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     cases = [({"top_logprobs": 2}, "top_logprobs"),
-             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+             ({"tools": [{"type": "function"}]}, "tools.0"),
              ({"tool_choice": "auto"}, "tool_choice"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
               "messages.0.content"),
@@ -96,7 +98,9 @@ def test_chat_specific_refusals(server):
     for extra, param in cases:
         r = post(server, "/v1/chat/completions", {**base, **extra})
         assert r.status_code == 400 and error_of(r)["param"] == param, (extra, r.text)
-    ok = post(server, "/v1/chat/completions", {**base, "tools": [{"type": "function"}], "tool_choice": "none"})
+    ok = post(server, "/v1/chat/completions",
+              {**base, "tools": [{"type": "function", "function": {"name": "f"}}],
+               "tool_choice": "none"})
     assert ok.status_code == 200
 
 

@@ -1,0 +1,35 @@
+"""Structured output at the HTTP edge: the request's constraint (`response_format`, vLLM's
+`guided_*` / `structured_outputs`, or a tool call's schema), checked off the event loop, into the
+request's SamplingParams. The engine compiles and enforces it (docs/structured-output.md)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from specserve.scheduler.validation import check_constraint
+from specserve.server.errors import bad_request
+from specserve.server.protocol import SamplingFields
+from specserve.spec_phases.sampling_params import Constraint, ParamError, SamplingParams
+
+
+def request_constraint(body: SamplingFields) -> Constraint | None:
+    """The body's constraint fields -> one Constraint, or a 400 naming the field."""
+    try:
+        return body.constraint()
+    except ParamError as exc:
+        raise bad_request(exc.message, exc.param) from None
+
+
+async def checked(constraint: Constraint | None) -> Constraint | None:
+    """A 400 naming the field if the grammar library cannot compile the constraint; the check
+    runs on a worker thread, so a large schema never stalls other requests' streams."""
+    if constraint is not None:
+        try:
+            await asyncio.to_thread(check_constraint, constraint)
+        except ParamError as exc:
+            raise bad_request(exc.message, exc.param) from None
+    return constraint
+
+
+def constrained(params: SamplingParams, constraint: Constraint | None) -> SamplingParams:
+    return params if constraint is None else dataclasses.replace(params, constraint=constraint)
