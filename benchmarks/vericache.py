@@ -160,7 +160,7 @@ def swap_cost(core: EngineCore, num_reqs: int, context: int, k: int, repeats: in
         times["resident_s"].append(time.perf_counter() - start)
         start = time.perf_counter()
         staged = StagedPagedAttention(pool, paged.meta.query_start, paged.meta.seq_lens, tables,
-                                      paged.slot_mapping, runner.scale, w.device)
+                                      paged.slot_mapping, runner.layers, w.device)
         w.model(ids, positions, staged)
         times["staged_s"].append(time.perf_counter() - start)
     return {"resident_s": min(times["resident_s"]), "staged_s": min(times["staged_s"]),

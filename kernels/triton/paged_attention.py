@@ -108,16 +108,23 @@ def _build_short(meta: PagedAttentionMetadata, device) -> tuple | None:
             torch.tensor(rows).to(device), max(lens))
 
 
-def supports(q: torch.Tensor, *args, **kwargs) -> bool:
-    """Head sizes the kernel can tile: a power of two, at least 16 (others go to the reference)."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: PagedAttentionMetadata, scale: float, window: int = 0,
+             softcap: float = 0.0) -> bool:
+    """Head sizes the kernel can tile: a power of two, at least 16; no sliding window and no
+    soft-cap (those layers go to the reference)."""
     head_dim = q.shape[2]
-    return head_dim >= 16 and not head_dim & (head_dim - 1)
+    return head_dim >= 16 and not head_dim & (head_dim - 1) and not window and not softcap
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Same contract as kernels/reference/paged_attention.py (dispatch falls back to it for
-    unsupported head sizes and when the kernel cannot run here)."""
+    unsupported head sizes, windows and soft-caps, and when the kernel cannot run here)."""
+    if window or softcap:
+        raise ValueError("the Triton paged attention has no sliding window or soft-cap; "
+                         "dispatch sends those layers to the reference")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)

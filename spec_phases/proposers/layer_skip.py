@@ -63,12 +63,12 @@ def layer_influence(model, ids: torch.Tensor, pos: torch.Tensor
     cosine between the stream before and after it; ShortGPT's block influence), and the full
     model's greedy predictions [n]. Small influence = cheap to skip."""
     attn = DenseCache(model.config.num_layers)
-    x, delta = model.embed_tokens(ids), None
-    rope = model.rope.table(pos)
+    x, delta = model.embed(ids), None
+    ropes = model.rope_tables(pos)
     influence = []
     for layer in model.layers:
         before = x if delta is None else x + delta
-        x, delta = layer(x, delta, rope, attn)
+        x, delta = layer(x, delta, ropes, attn)
         after = x + delta
         influence.append(1 - float(F.cosine_similarity(before.float(), after.float(), -1).mean()))
     hidden = model.norm.add_forward(x, delta)[1]
