@@ -152,8 +152,8 @@ _LLAMA_NORMS = {"post_attention_layernorm.weight": "post_attention_layernorm.wei
 _SANDWICH_NORMS = {"post_attention_layernorm.weight": "attn_out_norm.weight",
                    "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
                    "post_feedforward_layernorm.weight": "mlp_out_norm.weight"}
-_HF_GLOBAL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
-              "lm_head.weight": "lm_head.weight"}
+_HF_GLOBAL = {"model.embed_tokens.weight": "embed_tokens.weight",
+              "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
 
 
 def hf_tensor_name(cfg: ModelConfig, name: str) -> str | None:

@@ -24,7 +24,8 @@ class PagedAttention:
 
     def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata,
                  slot_mapping: torch.Tensor, layers: LayerAttention):
-        self.storage, self.meta, self.slot_mapping, self.layers = storage, meta, slot_mapping, layers
+        self.storage, self.meta, self.slot_mapping = storage, meta, slot_mapping
+        self.layers = layers
         self.op = get_op("paged_attention", str(storage.k.device))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
