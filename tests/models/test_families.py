@@ -123,3 +123,26 @@ def test_unsupported_rope_type_is_refused(tmp_path, checkpoints):
     with pytest.raises(UnsupportedModelError, match="RoPE type 'longrope' is not supported") as e:
         load_model(str(folder))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_prefix_cache_hits_decode_the_same_ids(engines, checkpoints, name):
+    """A prompt served again from the prefix cache (its first blocks lie outside the window)
+    decodes transformers' ids too."""
+    new, _, hf = checkpoints(name)
+    prompt = PROMPTS[0]
+    core = engines.core(model=str(new), dtype="float32", device="cpu", kv_cache_memory_gb=0.05,
+                        block_size=4, num_threads=1)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    runs = []
+    for i in range(2):
+        core.add_request(EngineRequest(f"r{i}", prompt, params))
+        ids, cached = [], 0
+        while core.has_unfinished():
+            for out in core.step().outputs:
+                ids.extend(out.new_token_ids)
+                cached = max(cached, out.num_cached_tokens)
+        runs.append((ids, cached))
+    want = hf_greedy(hf, prompt)
+    assert runs[0] == (want, 0)
+    assert runs[1][0] == want and runs[1][1] >= 16
