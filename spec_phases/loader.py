@@ -1,4 +1,4 @@
-"""Weights: GGUF (dequantized with the `gguf` library; Llama/Mistral and Qwen2 GGUFs), HF folders
+"""Weights: GGUF (dequantized with the `gguf` library; Llama/Mistral, Qwen2, Qwen3), HF folders
 (safetensors + config.json read through transformers' `AutoConfig`; the families of
 `spec_phases/families.py`), and tiny random-weight models of the same architecture for fast tests.
 Loading shows a progress bar. What we cannot serve exactly raises `UnsupportedModelError` (one
@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from specserve.spec_phases.families import (UnsupportedModelError, check_architecture,
                                              hf_tensor_name, model_config)
-from specserve.spec_phases.model import LlamaModel, ModelConfig
+from specserve.spec_phases.model import FamilyOptions, LlamaModel, ModelConfig
 from specserve.spec_phases.paths import TINY_RANDOM, resolve_model_path
 from specserve.spec_phases.rope import RopeConfig
 
@@ -25,11 +25,15 @@ _GGUF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "q.weight", "attn_k.weight": "k.weight", "attn_v.weight": "v.weight",
     "attn_q.bias": "q.bias", "attn_k.bias": "k.bias", "attn_v.bias": "v.bias",
+    "attn_q_norm.weight": "q_norm.weight", "attn_k_norm.weight": "k_norm.weight",
     "attn_output.weight": "o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "gate.weight", "ffn_up.weight": "up.weight",
     "ffn_down.weight": "down_proj.weight",
 }
+# GGUF general.architecture -> the architecture we serve it as (llama.cpp writes Mistral as llama)
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM"}
 _GGUF_GLOBAL = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                 "output.weight": "lm_head.weight"}
 
@@ -131,9 +135,10 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
     arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (GGUF: llama, "
-                                    f"qwen2; other families: load their HF safetensors folder)")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (GGUF: "
+                                    f"{', '.join(_GGUF_ARCHITECTURES)}; other families: load "
+                                    f"their HF safetensors folder)")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise UnsupportedModelError(f"GGUF RoPE scaling ({scaling}, or a rope_freqs tensor) is "
@@ -153,7 +158,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
         max_position=int(meta[f"{arch}.context_length"]),
         tie_word_embeddings="output.weight" not in names,
-        architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM",
+        architecture=_GGUF_ARCHITECTURES[arch],
+        family=FamilyOptions(qk_norm=arch == "qwen3"),
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),))

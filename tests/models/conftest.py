@@ -52,6 +52,11 @@ FAMILIES = {
     "phi3": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
                       "sliding_window": 8}),
 }
+# for GGUF (tests/models/test_families_gguf.py): transformers' GGUF reader takes head_dim as
+# hidden / heads (Llama, Qwen2) or its config's default 128 (Qwen3), so these match it
+GGUF_LAYOUTS = {f"{name}-gguf": (FAMILIES[name][0], {**FAMILIES[name][1], "hidden_size": 128,
+                                                     "head_dim": 128 if name == "qwen3" else 64})
+                for name in ("llama", "qwen2", "qwen3")}
 FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
@@ -60,7 +65,7 @@ FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 def hf_config(name: str):
     from transformers import AutoConfig
-    model_type, extra = FAMILIES[name]
+    model_type, extra = {**FAMILIES, **GGUF_LAYOUTS}[name]
     fields = {**BASE, **extra}
     if model_type == "phi3":                      # Phi-3 has no head_dim: hidden / heads
         fields = {**fields, "hidden_size": 128}
