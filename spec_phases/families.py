@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",      # its text model (no image input)
     "Phi3ForCausalLM": "phi3",
 }
 _GEMMA = FamilyOptions(norm_offset=1.0, scale_embeddings=True, activation="gelu_tanh")
@@ -107,6 +108,8 @@ def model_config(hf_config) -> ModelConfig:
     if hf["model_type"] != model_type:
         raise UnsupportedModelError(f"architecture {arch} with model_type {hf['model_type']!r} "
                                     f"is not supported (expected {model_type!r})")
+    if model_type == "gemma3":                    # multimodal: serve the text model it holds
+        hf, model_type = hf_config.text_config.to_dict(), "gemma3_text"
     for flag in ("use_bidirectional_attention", "mlp_bias"):
         if hf.get(flag):
             raise UnsupportedModelError(f"{arch} with {flag} is not supported")
@@ -127,6 +130,13 @@ def model_config(hf_config) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         windows=windows, family=_family(hf, model_type), architecture=arch)
+
+
+# multimodal checkpoints: where their text model's tensors sit, and the towers we do not load
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")
 
 
 # HF per-layer tensor name -> ours. Split q/k/v and gate/up are fused by the loader; Phi-3's fused
@@ -157,8 +167,15 @@ _HF_GLOBAL = {"model.embed_tokens.weight": "embed_tokens.weight",
 
 
 def hf_tensor_name(cfg: ModelConfig, name: str) -> str | None:
-    """An HF checkpoint's tensor name -> ours; None for tensors we do not load (a tied LM head).
-    Raises UnsupportedModelError for a tensor the family should not have."""
+    """An HF checkpoint's tensor name -> ours; None for tensors we do not load (a tied LM head, a
+    multimodal checkpoint's vision tower). Raises UnsupportedModelError for a tensor the family
+    should not have."""
+    if cfg.architecture == "Gemma3ForConditionalGeneration":
+        if name.startswith(_OTHER_TOWERS):
+            return None
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            name = _TEXT_PREFIXES[prefix] + name[len(prefix):]
     if name.startswith("model.layers."):
         _, _, idx, leaf = name.split(".", 3)
         table = {**_HF_LAYER, **(_SANDWICH_NORMS if cfg.family.sandwich_norms else _LLAMA_NORMS)}

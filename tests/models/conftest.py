@@ -65,6 +65,15 @@ FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 def hf_config(name: str):
     from transformers import AutoConfig
+    if name == "gemma3-multimodal":               # Gemma 3 4B+: a text model beside a vision tower
+        text = hf_config("gemma3").to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)
+        cfg = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision,
+                                   mm_tokens_per_image=4, image_token_index=255,
+                                   boi_token_index=253, eoi_token_index=254)
+        cfg.architectures = ["Gemma3ForConditionalGeneration"]
+        return cfg
     model_type, extra = {**FAMILIES, **GGUF_LAYOUTS}[name]
     fields = {**BASE, **extra}
     if model_type == "phi3":                      # Phi-3 has no head_dim: hidden / heads
@@ -96,13 +105,14 @@ def old_spelling(src: Path, dst: Path) -> None:
     import shutil
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    params = cfg.pop("rope_parameters")
+    text = cfg.get("text_config", cfg)            # a multimodal config: its text model's
+    params = text.pop("rope_parameters")
     if "full_attention" in params:                # Gemma 3: global and local bases
-        cfg["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        text["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
         params = params["full_attention"]
-    cfg["rope_theta"] = params.pop("rope_theta")
+    text["rope_theta"] = params.pop("rope_theta")
     if params.get("rope_type", "default") != "default":
-        cfg["rope_scaling"] = params
+        text["rope_scaling"] = params
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -117,8 +127,11 @@ class Checkpoints:
         if name not in self.built:
             from transformers import AutoModelForCausalLM
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32,
-                                                     attn_implementation="eager")
+            from transformers import AutoModelForImageTextToText
+            auto = AutoModelForImageTextToText if name == "gemma3-multimodal" else \
+                AutoModelForCausalLM
+            model = auto.from_config(hf_config(name), dtype=torch.float32,
+                                     attn_implementation="eager")
             randomize(model, seed=sum(map(ord, name)))
             new, old = self.root / name, self.root / f"{name}-old"
             model.save_pretrained(new)

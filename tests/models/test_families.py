@@ -38,7 +38,7 @@ def engine_greedy(engines, folder, **cfg):
     return [outs[f"p{i}"] for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, "gemma3-multimodal"])
 def test_greedy_ids_match_transformers(engines, checkpoints, name):
     new, old, hf = checkpoints(name)
     want = [hf_greedy(hf, p) for p in PROMPTS]
