@@ -123,7 +123,7 @@ def capacity(model, ids: list[int], budget_gb: float, variants: list[tuple[str, 
     settings) variant; sequences that fit in `budget_gb` of device memory with full fp16 KV vs with
     the compressed drafting cache."""
     cfg, dev = model.config, model.embed_tokens.weight.device
-    cache = DenseCache(cfg.num_layers)
+    cache = DenseCache(cfg.attention())
     for start in range(0, len(ids), chunk):
         part = torch.tensor(ids[start:start + chunk], device=dev)
         model(part, torch.arange(start, start + len(part), device=dev), cache)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.metadata import LayerAttention
 from specserve.spec_phases.rope import RopeConfig, frequencies
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -76,6 +77,13 @@ class ModelConfig:
         """Keys layer `layer` attends to: the last this many positions (query's own included);
         0: all of them."""
         return self.windows[layer] if self.windows else 0
+
+    def attention(self) -> LayerAttention:
+        """What every attention implementation needs to know of this model: the score scale
+        (the family's query scaling is folded into q), each layer's window, the score soft-cap."""
+        return LayerAttention(self.head_dim ** -0.5,
+                              tuple(self.layer_window(i) for i in range(self.num_layers)),
+                              self.family.attn_softcap)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

@@ -42,10 +42,7 @@ class ModelRunner:
         self.model, self.storage = model, storage
         self.device = model.embed_tokens.weight.device
         self.block_size = storage.block_size
-        self.layers = LayerAttention(model.config.head_dim ** -0.5,
-                                     tuple(model.config.layer_window(i)
-                                           for i in range(model.config.num_layers)),
-                                     model.config.family.attn_softcap)
+        self.layers = model.config.attention()
 
     @torch.inference_mode()
     def forward(self, token_lists: list[tuple[int, ...]], starts: list[int],

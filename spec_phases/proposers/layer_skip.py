@@ -62,7 +62,7 @@ def layer_influence(model, ids: torch.Tensor, pos: torch.Tensor
     """One full forward over ids: per layer, how much it turns the residual stream (1 - the mean
     cosine between the stream before and after it; ShortGPT's block influence), and the full
     model's greedy predictions [n]. Small influence = cheap to skip."""
-    attn = DenseCache(model.config.num_layers)
+    attn = DenseCache(model.config.attention())
     x, delta = model.embed(ids), None
     ropes = model.rope_tables(pos)
     influence = []
@@ -93,7 +93,7 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
     for num_skip in range(1, len(order) + 1):
         skip = set(order[:num_skip])
         layers = [i for i in range(n) if i not in skip]
-        agree = model.compute_logits(model(ids, pos, DenseCache(n), layers)).argmax(-1) == ref
+        agree = model.compute_logits(model(ids, pos, DenseCache(model.config.attention()), layers)).argmax(-1) == ref
         a = min(float(agree.float().mean()), 0.999)
         c = (n - num_skip) / n
         speedup = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))

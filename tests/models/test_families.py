@@ -68,6 +68,8 @@ def test_window_and_softcap_change_the_output(checkpoints):
     """The options the families declare are really applied: switching one off changes logits."""
     from dataclasses import replace
 
+    from specserve.spec_phases.calibration import DenseCache
+
     ids = torch.tensor(PROMPTS[0])
     for name in ("mistral", "gemma2"):
         model = load_model(str(checkpoints(name)[0]))
@@ -76,6 +78,11 @@ def test_window_and_softcap_change_the_output(checkpoints):
             theirs = hf(ids[None]).logits[0]
         mine = engine_logits(model, ids)
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+        # calibration's dense forward (layer-skip set, Spherical-KV's text) is the same model
+        dense = DenseCache(model.config.attention())
+        with torch.inference_mode():
+            dense_logits = model.compute_logits(model(ids, torch.arange(len(ids)), dense))
+        torch.testing.assert_close(dense_logits, theirs, rtol=1e-4, atol=1e-4)
         plain = replace(model.config, windows=(), family=replace(model.config.family,
                                                                  attn_softcap=0.0))
         model.config = plain
@@ -146,3 +153,16 @@ def test_prefix_cache_hits_decode_the_same_ids(engines, checkpoints, name):
     want = hf_greedy(hf, prompt)
     assert runs[0] == (want, 0)
     assert runs[1][0] == want and runs[1][1] >= 16
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
+def test_calibration_text_follows_windows_and_softcaps(checkpoints, name):
+    """own_text (one token per step over a dense cache, the text Spherical-KV calibrates on) is
+    the model's greedy text, past its sliding window."""
+    from specserve.spec_phases.calibration import own_text
+    new, _, hf = checkpoints(name)
+    text = own_text(load_model(str(new)), num_seqs=2, length=20, temperature=0)
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([[1]]), max_new_tokens=20, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)[0].tolist()
+    assert text.token_ids[0] == want
