@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
 }
 _GEMMA = FamilyOptions(norm_offset=1.0, scale_embeddings=True, activation="gelu_tanh")
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 class UnsupportedModelError(ValueError):
@@ -52,7 +52,8 @@ def check_architecture(architectures: list[str] | None, model_type: str | None) 
 
 
 def _family(hf: dict, model_type: str) -> FamilyOptions:
-    act = hf.get("hidden_activation") or hf["hidden_act"]
+    # the key transformers' MLP reads: Gemma 2/3 name it hidden_activation
+    act = hf["hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"]
     if act not in _ACTIVATIONS:
         raise UnsupportedModelError(f"activation {act!r} of {model_type} is not supported "
                                     f"(supported: {list(_ACTIVATIONS)})")

@@ -8,8 +8,8 @@ The model never owns a KV cache. Each layer hands its post-RoPE keys/values to a
 drafting cache (lossy_kv), a dense cache (calibration). So one model serves every phase. A family's
 query scaling (`query_pre_attn_scalar`) is folded into q here, so every attention implementation
 scales scores by head_dim ** -0.5; sliding windows and score soft-capping are per-layer facts of
-the config (`ModelConfig.layer_window`, `FamilyOptions.attn_softcap`) the runner's paged attention
-honours.
+the config that every full-model attention reads from `ModelConfig.attention()` (the runner's paged
+attention, calibration's dense caches).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torch import nn
 from specserve.kernels.metadata import LayerAttention
 from specserve.spec_phases.rope import RopeConfig, frequencies
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class FamilyOptions:
     """What sets a family's decoder apart from Llama's (the defaults are Llama)."""
     norm_offset: float = 0.0             # Gemma: RMSNorm scales by (1 + w)
     scale_embeddings: bool = False       # Gemma: embeddings times sqrt(hidden_size)
-    activation: str = "silu"             # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    activation: str = "silu"             # the MLP's gate: silu (SwiGLU), gelu_tanh / gelu (GeGLU)
     qk_norm: bool = False                # Qwen3, Gemma 3: RMSNorm over each head of q and k
     sandwich_norms: bool = False         # Gemma 2/3: RMSNorm on the attention and MLP outputs
     query_pre_attn_scalar: float | None = None   # Gemma: scores scaled by this ** -0.5
@@ -119,11 +119,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def gated_mlp_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up: SwiGLU (silu) or GeGLU (gelu, tanh approximation)."""
+    """act(gate) * up: SwiGLU (silu) or GeGLU (gelu, exact or its tanh approximation)."""
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

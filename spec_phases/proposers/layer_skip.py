@@ -93,7 +93,8 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
     for num_skip in range(1, len(order) + 1):
         skip = set(order[:num_skip])
         layers = [i for i in range(n) if i not in skip]
-        agree = model.compute_logits(model(ids, pos, DenseCache(model.config.attention()), layers)).argmax(-1) == ref
+        hidden = model(ids, pos, DenseCache(model.config.attention()), layers)
+        agree = model.compute_logits(hidden).argmax(-1) == ref
         a = min(float(agree.float().mean()), 0.999)
         c = (n - num_skip) / n
         speedup = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))

@@ -39,6 +39,8 @@ FAMILIES = {
                             "sliding_window": 8}),
     "gemma": ("gemma", {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
                         "tie_word_embeddings": True}),
+    "gemma_gelu": ("gemma", {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+                             "hidden_act": "gelu"}),           # Gemma 1's exact GeLU
     "gemma2": ("gemma2", {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
                           "head_dim": 256, "sliding_window": 8, "query_pre_attn_scalar": 144,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,

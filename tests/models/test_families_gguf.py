@@ -21,8 +21,8 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight"
          "post_attention_layernorm.weight": "ffn_norm.weight",
          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
          "mlp.down_proj.weight": "ffn_down.weight"}
-GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight"}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
+          "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
