@@ -123,7 +123,7 @@ def capacity(model, ids: list[int], budget_gb: float, variants: list[tuple[str, 
     settings) variant; sequences that fit in `budget_gb` of device memory with full fp16 KV vs with
     the compressed drafting cache."""
     cfg, dev = model.config, model.embed_tokens.weight.device
-    cache = DenseCache(cfg.num_layers)
+    cache = DenseCache(cfg.attention())
     for start in range(0, len(ids), chunk):
         part = torch.tensor(ids[start:start + chunk], device=dev)
         model(part, torch.arange(start, start + len(part), device=dev), cache)
@@ -160,7 +160,7 @@ def swap_cost(core: EngineCore, num_reqs: int, context: int, k: int, repeats: in
         times["resident_s"].append(time.perf_counter() - start)
         start = time.perf_counter()
         staged = StagedPagedAttention(pool, paged.meta.query_start, paged.meta.seq_lens, tables,
-                                      paged.slot_mapping, runner.scale, w.device)
+                                      paged.slot_mapping, runner.layers, w.device)
         w.model(ids, positions, staged)
         times["staged_s"].append(time.perf_counter() - start)
     return {"resident_s": min(times["resident_s"]), "staged_s": min(times["staged_s"]),

@@ -28,3 +28,17 @@ class PagedAttentionMetadata:
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What paged attention needs to know of a model, per layer: the score scale, each layer's
+    sliding window (0: full attention; () every layer full) and the score soft-cap (0: off)."""
+    scale: float
+    windows: tuple[int, ...] = ()
+    softcap: float = 0.0
+
+    def options(self, layer: int) -> dict:
+        """paged_attention's keyword arguments for `layer`."""
+        return {"scale": self.scale, "window": self.windows[layer] if self.windows else 0,
+                "softcap": self.softcap}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.metadata import PagedAttentionMetadata
+from specserve.kernels.metadata import LayerAttention, PagedAttentionMetadata
 
 
 class HostKVPool:
@@ -115,9 +115,9 @@ class StagedPagedAttention:
     """Drop-in for the runner's PagedAttention with the full cache in a HostKVPool."""
 
     def __init__(self, pool: HostKVPool, query_start: list[int], seq_lens: list[int],
-                 block_tables: list[list[int]], slot_mapping: torch.Tensor, scale: float,
-                 device: str | torch.device):
-        self.pool, self.scale = pool, scale
+                 block_tables: list[list[int]], slot_mapping: torch.Tensor,
+                 layers: LayerAttention, device: str | torch.device):
+        self.pool, self.layers = pool, layers
         self.staged = StagedKV(pool, block_tables, device)
         self.meta = PagedAttentionMetadata(query_start, seq_lens, self.staged.block_tables,
                                            pool.block_size,
@@ -134,4 +134,4 @@ class StagedPagedAttention:
         sk.index_copy_(0, self.local_slots, k.to(sk.dtype))
         sv.index_copy_(0, self.local_slots, v.to(sv.dtype))
         self.pool.write(layer, self.slot_mapping, k, v)
-        return self.op(q, sk, sv, self.meta, self.scale)
+        return self.op(q, sk, sv, self.meta, **self.layers.options(layer))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.dispatch import get_op
+from specserve.kernels.metadata import LayerAttention
 from specserve.kv_cache.compress import registry
 from specserve.kv_cache.compress.base import Compressor
 from specserve.spec_phases.paths import cache_dir
@@ -57,9 +58,12 @@ class OwnText:
 
 class DenseCache:
     """Causal attention of one sequence over everything it has seen (keeps every layer's K/V):
-    the whole-sequence forwards of calibration and of the benchmarks."""
+    the whole-sequence forwards of calibration and of the benchmarks. Each layer's sliding window
+    and the score soft-cap as the model declares them (`ModelConfig.attention`)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, layers: LayerAttention):
+        self.layers = layers
+        num_layers = len(layers.windows)
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
@@ -70,15 +74,20 @@ class DenseCache:
         keys, values = torch.cat(self.k[layer]), torch.cat(self.v[layer])
         n = keys.shape[0]
         pos = torch.arange(n, device=q.device)
-        out, _ = get_op("dense_attention", str(q.device))(q, keys, values, q.shape[-1] ** -0.5,
-                                                           pos[n - q.shape[0]:], pos)
+        opts = self.layers.options(layer)
+        out, _ = get_op("dense_attention", str(q.device))(q, keys, values, opts["scale"],
+                                                           pos[n - q.shape[0]:], pos,
+                                                           opts["window"], opts["softcap"])
         return out.to(q.dtype)
 
 
 class _BatchedDenseCache:
-    """Attention of one new token per sequence over that sequence's keys so far (all layers)."""
+    """Attention of one new token per sequence over that sequence's keys so far (all layers; a
+    layer's sliding window keeps its last `window` keys)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, layers: LayerAttention):
+        self.layers = layers
+        num_layers = len(layers.windows)
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]   # [B, kvh, D] per step
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
@@ -86,9 +95,12 @@ class _BatchedDenseCache:
                  v: torch.Tensor) -> torch.Tensor:
         self.k[layer].append(k)
         self.v[layer].append(v)
-        keys = torch.stack(self.k[layer], dim=2)                          # [B, kvh, n, D]
-        values = torch.stack(self.v[layer], dim=2)
-        out, _ = get_op("batched_attention", str(q.device))(q, keys, values, q.shape[-1] ** -0.5)
+        opts = self.layers.options(layer)
+        seen = -opts["window"] if opts["window"] else 0
+        keys = torch.stack(self.k[layer][seen:], dim=2)                   # [B, kvh, n, D]
+        values = torch.stack(self.v[layer][seen:], dim=2)
+        out, _ = get_op("batched_attention", str(q.device))(q, keys, values, opts["scale"],
+                                                             None, opts["softcap"])
         return out.to(q.dtype)
 
 
@@ -101,7 +113,7 @@ def own_text(model, num_seqs: int, length: int, temperature: float = 1.0, seed: 
     gen = torch.Generator().manual_seed(seed)
     bos = cfg.bos_token_id if cfg.bos_token_id is not None else 1
     ids = [[bos] for _ in range(num_seqs)]
-    cache = _BatchedDenseCache(cfg.num_layers)
+    cache = _BatchedDenseCache(cfg.attention())
     offsets = torch.arange(num_seqs, device=dev) * length
     start = last_log = time.perf_counter()
     with calibration_threads(dev):

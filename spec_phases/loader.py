@@ -1,5 +1,8 @@
-"""Weights: GGUF (dequantized with the `gguf` library), HF folders (safetensors + config.json), and
-tiny random-weight models of the same architecture for fast tests. Loading shows a progress bar."""
+"""Weights: GGUF (dequantized with the `gguf` library; Llama/Mistral, Qwen2, Qwen3), HF folders
+(safetensors + config.json read through transformers' `AutoConfig`; the families of
+`spec_phases/families.py`), and tiny random-weight models of the same architecture for fast tests.
+Loading shows a progress bar. What we cannot serve exactly raises `UnsupportedModelError` (one
+line)."""
 from __future__ import annotations
 
 import json
@@ -9,35 +12,36 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from specserve.spec_phases.model import LlamaModel, ModelConfig
+from specserve.spec_phases.families import (UnsupportedModelError, check_architecture,
+                                             hf_tensor_name, model_config)
+from specserve.spec_phases.model import FamilyOptions, LlamaModel, ModelConfig
 from specserve.spec_phases.paths import TINY_RANDOM, resolve_model_path
+from specserve.spec_phases.rope import RopeConfig
 
-# internal name of each per-layer tensor -> (GGUF name, HF name)
-_LAYER_TENSORS = {
-    "input_layernorm.weight": ("attn_norm.weight", "input_layernorm.weight"),
-    "q.weight": ("attn_q.weight", "self_attn.q_proj.weight"),
-    "k.weight": ("attn_k.weight", "self_attn.k_proj.weight"),
-    "v.weight": ("attn_v.weight", "self_attn.v_proj.weight"),
-    "q.bias": ("attn_q.bias", "self_attn.q_proj.bias"),
-    "k.bias": ("attn_k.bias", "self_attn.k_proj.bias"),
-    "v.bias": ("attn_v.bias", "self_attn.v_proj.bias"),
-    "o_proj.weight": ("attn_output.weight", "self_attn.o_proj.weight"),
-    "post_attention_layernorm.weight": ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    "gate.weight": ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    "up.weight": ("ffn_up.weight", "mlp.up_proj.weight"),
-    "down_proj.weight": ("ffn_down.weight", "mlp.down_proj.weight"),
+__all__ = ["UnsupportedModelError", "build_random_model", "load_model", "tiny_config"]
+
+# GGUF (llama.cpp) tensor name -> ours; HF names: spec_phases/families.py
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "q.weight", "attn_k.weight": "k.weight", "attn_v.weight": "v.weight",
+    "attn_q.bias": "q.bias", "attn_k.bias": "k.bias", "attn_v.bias": "v.bias",
+    "attn_q_norm.weight": "q_norm.weight", "attn_k_norm.weight": "k_norm.weight",
+    "attn_output.weight": "o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "gate.weight", "ffn_up.weight": "up.weight",
+    "ffn_down.weight": "down_proj.weight",
 }
-_GLOBAL_TENSORS = {
-    "embed_tokens.weight": ("token_embd.weight", "model.embed_tokens.weight"),
-    "norm.weight": ("output_norm.weight", "model.norm.weight"),
-    "lm_head.weight": ("output.weight", "lm_head.weight"),
-}
+# GGUF general.architecture -> the architecture we serve it as (llama.cpp writes Mistral as llama)
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM"}
+_GGUF_GLOBAL = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                "output.weight": "lm_head.weight"}
 
 
 def tiny_config(vocab_size: int = 49152, max_position: int = 4096) -> ModelConfig:
     """Same architecture as SmolLM2 (GQA, tied embeddings), a few hundred times smaller."""
     return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                       num_heads=4, num_kv_heads=2, head_dim=16, rope=RopeConfig(10000.0),
                        max_position=max_position, bos_token_id=1, eos_token_ids=(2,))
 
 
@@ -58,7 +62,7 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, dev
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _split_names(cfg).items():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):
             tensors[name] = torch.ones(param)
         elif name.endswith(".bias"):
             tensors[name] = torch.randn(param, generator=gen) * 0.02
@@ -81,6 +85,11 @@ def _split_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "up.weight": (inter, h), p + "down_proj.weight": (h, inter)})
         if cfg.attention_bias:
             shapes.update({p + "q.bias": (q,), p + "k.bias": (kv,), p + "v.bias": (kv,)})
+        if cfg.family.qk_norm:
+            shapes.update({p + "q_norm.weight": (cfg.head_dim,),
+                           p + "k_norm.weight": (cfg.head_dim,)})
+        if cfg.family.sandwich_norms:
+            shapes.update({p + "attn_out_norm.weight": (h,), p + "mlp_out_norm.weight": (h,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
@@ -88,7 +97,8 @@ def _split_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
               device: str) -> LlamaModel:
-    """Fuse q/k/v and gate/up, cast, and load into a model built without random init."""
+    """Fuse q/k/v and gate/up (where the checkpoint splits them), cast, and load into a model
+    built without random init."""
     state: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.startswith("layers."):
@@ -99,21 +109,22 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
         state[name] = t
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        state[p + "qkv_proj.weight"] = torch.cat([tensors[p + s + ".weight"] for s in "qkv"])
+        if p + "qkv_proj.weight" not in tensors:
+            state[p + "qkv_proj.weight"] = torch.cat([tensors[p + s + ".weight"] for s in "qkv"])
         if cfg.attention_bias:
             state[p + "qkv_proj.bias"] = torch.cat([tensors[p + s + ".bias"] for s in "qkv"])
-        state[p + "gate_up_proj.weight"] = torch.cat([tensors[p + "gate.weight"],
-                                                      tensors[p + "up.weight"]])
+        if p + "gate_up_proj.weight" not in tensors:
+            state[p + "gate_up_proj.weight"] = torch.cat([tensors[p + "gate.weight"],
+                                                          tensors[p + "up.weight"]])
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device=device)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()},
                                                 strict=False)
-    missing = [m for m in missing if not m.startswith("rope.")]
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing={missing} "
-                         f"unexpected={unexpected}")
-    model.rope = type(model.rope)(cfg.head_dim, cfg.max_position, cfg.rope_theta).to(device)
+        raise UnsupportedModelError(f"{cfg.architecture} checkpoint does not match the model: "
+                                    f"missing={missing} unexpected={unexpected}")
+    model.init_buffers()
     return model.to(dtype).eval().requires_grad_(False)
 
 
@@ -124,8 +135,14 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
     arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama family only)")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (GGUF: "
+                                    f"{', '.join(_GGUF_ARCHITECTURES)}; other families: load "
+                                    f"their HF safetensors folder)")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise UnsupportedModelError(f"GGUF RoPE scaling ({scaling}, or a rope_freqs tensor) is "
+                                    f"not supported; load the model's HF safetensors folder")
     n_head = int(meta[f"{arch}.attention.head_count"])
     n_kv = int(meta[f"{arch}.attention.head_count_kv"])
     hidden = int(meta[f"{arch}.embedding_length"])
@@ -137,22 +154,23 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
         num_layers=int(meta[f"{arch}.block_count"]), num_heads=n_head, num_kv_heads=n_kv,
         head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_head),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope=RopeConfig(float(meta.get(f"{arch}.rope.freq_base", 10000.0))),
         rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
         max_position=int(meta[f"{arch}.context_length"]),
         tie_word_embeddings="output.weight" not in names,
+        architecture=_GGUF_ARCHITECTURES[arch],
+        family=FamilyOptions(qk_norm=arch == "qwen3"),
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),))
-    by_gguf = {g: n for n, (g, _) in _LAYER_TENSORS.items()}
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False):
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         if t.name.startswith("blk."):
             _, idx, leaf = t.name.split(".", 2)
-            name = f"layers.{idx}.{by_gguf[leaf]}"
+            name = f"layers.{idx}.{_GGUF_LAYER[leaf]}"
         else:
-            name = next(n for n, (g, _) in _GLOBAL_TENSORS.items() if g == t.name)
+            name = _GGUF_GLOBAL[t.name]
         if arch == "llama" and leaf_is(name, "q"):
             w = _unpermute(w, n_head)
         elif arch == "llama" and leaf_is(name, "k"):
@@ -172,38 +190,34 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hf_model_config(path: Path) -> ModelConfig:
+    """config.json through transformers' AutoConfig -> ModelConfig (UnsupportedModelError for an
+    architecture or feature we do not serve)."""
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError):              # a model_type transformers does not know
+        raw = json.loads((path / "config.json").read_text())
+        check_architecture(raw.get("architectures"), raw.get("model_type"))
+        raise
+    return model_config(hf)
+
+
 def _read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    hf = json.loads((path / "config.json").read_text())
-    if hf.get("rope_scaling"):
-        raise NotImplementedError(f"rope_scaling {hf['rope_scaling']} is not supported yet")
-    eos = hf.get("eos_token_id")
-    n_head = hf["num_attention_heads"]
-    cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=n_head,
-        num_kv_heads=hf.get("num_key_value_heads", n_head),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
-    raw: dict[str, torch.Tensor] = {}
-    for file in tqdm(sorted(path.glob("*.safetensors")), desc=f"loading {path.name}", leave=False):
-        raw.update(load_file(str(file)))
-    by_hf = {h: n for n, (_, h) in _LAYER_TENSORS.items()}
-    tensors = {}
-    for name, t in raw.items():
-        if name.startswith("model.layers."):
-            _, _, idx, leaf = name.split(".", 3)
-            tensors[f"layers.{idx}.{by_hf[leaf]}"] = t.float()
-        else:
-            match = [n for n, (_, h) in _GLOBAL_TENSORS.items() if h == name]
-            if match and not (cfg.tie_word_embeddings and match[0] == "lm_head.weight"):
-                tensors[match[0]] = t.float()
+    cfg = hf_model_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{path}: no *.safetensors weights (other weight formats "
+                                    f"are not read)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in tqdm(files, desc=f"loading {path.name}", leave=False):
+        for name, t in load_file(str(file)).items():
+            if name.endswith("rotary_emb.inv_freq"):       # a buffer some old exports saved
+                continue
+            ours = hf_tensor_name(cfg, name)
+            if ours is not None:
+                tensors[ours] = t.float()
     return cfg, tensors

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.metadata import PagedAttentionMetadata
+from specserve.kernels.metadata import LayerAttention, PagedAttentionMetadata
 from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import LlamaModel
@@ -19,17 +19,20 @@ from specserve.spec_phases.sampler import Sampler
 
 
 class PagedAttention:
-    """Per-step attention over the paged cache: write the new K/V at their slots, then attend."""
+    """Per-step attention over the paged cache: write the new K/V at their slots, then attend
+    (with each layer's sliding window and the family's score soft-cap, `LayerAttention`)."""
 
     def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata,
-                 slot_mapping: torch.Tensor, scale: float):
-        self.storage, self.meta, self.slot_mapping, self.scale = storage, meta, slot_mapping, scale
+                 slot_mapping: torch.Tensor, layers: LayerAttention):
+        self.storage, self.meta, self.slot_mapping = storage, meta, slot_mapping
+        self.layers = layers
         self.op = get_op("paged_attention", str(storage.k.device))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         self.storage.write(layer, self.slot_mapping, k, v)
-        return self.op(q, self.storage.k[layer], self.storage.v[layer], self.meta, self.scale)
+        return self.op(q, self.storage.k[layer], self.storage.v[layer], self.meta,
+                       **self.layers.options(layer))
 
 
 class ModelRunner:
@@ -39,7 +42,7 @@ class ModelRunner:
         self.model, self.storage = model, storage
         self.device = model.embed_tokens.weight.device
         self.block_size = storage.block_size
-        self.scale = model.config.head_dim ** -0.5
+        self.layers = model.config.attention()
 
     @torch.inference_mode()
     def forward(self, token_lists: list[tuple[int, ...]], starts: list[int],
@@ -72,10 +75,10 @@ class ModelRunner:
         slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
         if isinstance(self.storage, HostKVPool):
             attn = StagedPagedAttention(self.storage, query_start, seq_lens, block_tables,
-                                        slot_mapping.to(dev), self.scale, dev)
+                                        slot_mapping.to(dev), self.layers, dev)
         else:
             meta = PagedAttentionMetadata(query_start, seq_lens, block_tables, bs, dev)
-            attn = PagedAttention(self.storage, meta, slot_mapping.to(dev), self.scale)
+            attn = PagedAttention(self.storage, meta, slot_mapping.to(dev), self.layers)
         return torch.tensor(token_ids, device=dev), positions.to(dev), attn
 
     @torch.inference_mode()

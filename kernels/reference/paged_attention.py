@@ -11,6 +11,11 @@ shape) and runs SDPA:
 - each longer prefill chunk runs alone, so padding never multiplies a long chunk's cost.
 Gather indices and masks depend only on the step, so `PagedAttentionMetadata` builds them once and
 every layer reuses them.
+
+Two options of some families (Mistral, Gemma, Phi-3): `window` > 0 lets a query see only the last
+`window` keys (its own included: key position > query position - window; transformers'
+sliding-window mask), and `softcap` > 0 soft-caps the scores, cap * tanh(scores / cap), before the
+mask and softmax (Gemma 2); SDPA has no soft-cap, so those layers spell the same math out.
 """
 from __future__ import annotations
 
@@ -24,10 +29,10 @@ from specserve.kernels.metadata import PagedAttentionMetadata
 SHORT_QUERY = 16
 
 
-def chunk_groups(meta: PagedAttentionMetadata) -> list[tuple]:
+def chunk_groups(meta: PagedAttentionMetadata, window: int = 0) -> list[tuple]:
     """The long prefill chunks, one group each: (query slice, block ids [1, n], mask [1, 1, Q,
-    n * block_size] or None), built once per step."""
-    return meta.memo("reference_chunks", lambda: _chunk_groups(meta))
+    n * block_size] or None: causal from the top left), built once per step and window."""
+    return meta.memo(f"reference_chunks_{window}", lambda: _chunk_groups(meta, window))
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,25 @@ class ShortBatch:
     groups: tuple[ShortGroup, ...]
 
 
-def short_batch(meta: PagedAttentionMetadata) -> ShortBatch | None:
+def short_batch(meta: PagedAttentionMetadata, window: int = 0) -> ShortBatch | None:
     """Decodes and verify rows (q_len <= SHORT_QUERY), batched by exact shape (query rows,
     context blocks), never padded to a neighbour's: padding a row's keys or queries changes SDPA's
     rounding, and with it greedy and seeded output (a verify row must compute what the decode it
-    replaces would). Built once per step."""
-    return meta.memo("reference_short", lambda: _short_batch(meta))
+    replaces would). Built once per step and window."""
+    return meta.memo(f"reference_short_{window}", lambda: _short_batch(meta, window))
 
 
 def _blocks(block_table: list[int], seq_len: int, block_size: int) -> list[int]:
     return block_table[:-(-seq_len // block_size)]
 
 
-def _chunk_groups(meta: PagedAttentionMetadata) -> list[tuple]:
+def _visible(kpos: torch.Tensor, qpos: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., Q, L] bool: key at kpos visible to the query at qpos (causal, within the window)."""
+    visible = kpos <= qpos
+    return visible & (kpos > qpos - window) if window else visible
+
+
+def _chunk_groups(meta: PagedAttentionMetadata, window: int) -> list[tuple]:
     dev, bs = meta.device, meta.block_size
     groups = []
     for b, seq_len in enumerate(meta.seq_lens):
@@ -73,15 +84,15 @@ def _chunk_groups(meta: PagedAttentionMetadata) -> list[tuple]:
                               device=dev)
         # causal from the top left: right for a whole prompt, padding included
         mask = None
-        if seq_len != q_len:         # a chunk after earlier context: causal with an offset
+        if seq_len != q_len or window:   # after earlier context (causal with an offset), a window
             qpos = torch.arange(seq_len - q_len, seq_len, device=dev)
-            mask = (torch.arange(blocks.numel() * bs, device=dev)[None, :] <= qpos[:, None])[None,
-                                                                                             None]
+            kpos = torch.arange(blocks.numel() * bs, device=dev)
+            mask = _visible(kpos[None, :], qpos[:, None], window)[None, None]
         groups.append((slice(q_start, q_end), blocks[None], mask))
     return groups
 
 
-def _short_batch(meta: PagedAttentionMetadata) -> ShortBatch | None:
+def _short_batch(meta: PagedAttentionMetadata, window: int) -> ShortBatch | None:
     bs = meta.block_size
     shapes: dict[tuple[int, int], list[int]] = {}          # (q_len, blocks) -> requests
     for b, seq_len in enumerate(meta.seq_lens):
@@ -100,7 +111,8 @@ def _short_batch(meta: PagedAttentionMetadata) -> ShortBatch | None:
             blocks.extend(meta.block_tables[b][:num_blocks])
         seq_lens = torch.tensor([meta.seq_lens[b] for b in members])
         qpos = seq_lens[:, None] - q_len + torch.arange(q_len)[None, :]           # [B, Q]
-        mask = torch.arange(num_blocks * bs)[None, None, :] <= qpos[:, :, None]    # [B, Q, L]
+        mask = _visible(torch.arange(num_blocks * bs)[None, None, :], qpos[:, :, None],
+                        window)                                                   # [B, Q, L]
         groups.append(ShortGroup(len(members), q_len, num_blocks, slice(row0, len(rows)),
                                  slice(block0, len(blocks)), mask.to(meta.device)))
     as_tensor = lambda ids: torch.tensor(ids, dtype=torch.int64, device=meta.device)  # noqa: E731
@@ -126,36 +138,59 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
                     head_dim).transpose(1, 2)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float, softcap: float = 0.0, gqa: bool = False) -> torch.Tensor:
+    """SDPA (mask None: causal from the top left); with `softcap` the same math spelled out, the
+    scores soft-capped before the mask (SDPA has no soft-cap). q [B, H, Q, D]; k, v [B, H_kv, L,
+    D] (H_kv < H only with `gqa`)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=gqa)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     blocks: torch.Tensor,
-                    mask: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
+                    mask: torch.Tensor | None, scale: float, block_size: int,
+                    softcap: float = 0.0) -> torch.Tensor:
     """One request's prefill chunk q [Q, num_heads, D] over its context's blocks [1, n] (causal;
-    `mask` when the chunk follows earlier context). -> [Q, num_heads, D]."""
+    `mask` when the chunk follows earlier context or has a window). -> [Q, num_heads, D]."""
     # [1, num_kv_heads, n * block_size, D]
     k = gather_blocks(k_cache, blocks, block_size)
     v = gather_blocks(v_cache, blocks, block_size)
     qb = q.transpose(0, 1)[None]                                # [1, num_heads, Q, head_dim]
-    o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                       is_causal=mask is None, scale=scale, enable_gqa=True)
+    o = attend(qb, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, gqa=True)
     return o[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
-    (one layer). Returns [num_tokens, num_heads, head_dim]."""
+    (one layer). `window`, `softcap`: 0 = off (module docstring). Returns [num_tokens, num_heads,
+    head_dim]."""
     out = torch.empty_like(q)
-    for where, blocks, mask in chunk_groups(meta):              # prefill chunks, one by one
+    for where, blocks, mask in chunk_groups(meta, window):      # prefill chunks, one by one
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
-                                     meta.block_size)
-    batch = short_batch(meta)
+                                     meta.block_size, softcap)
+    batch = short_batch(meta, window)
     if batch is not None:
-        out[batch.rows] = short_attention(q[batch.rows], k_cache, v_cache, batch, meta, scale)
+        out[batch.rows] = short_attention(q[batch.rows], k_cache, v_cache, batch, meta, scale,
+                                          window, softcap)
     return out
 
 
 def short_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    batch: ShortBatch, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                    batch: ShortBatch, meta: PagedAttentionMetadata, scale: float,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: the short rows [R, num_heads, D], group by group. Every group's blocks come from one
     gather per cache; query head h reads kv head h // group, so a kv head's group x Q query rows go
     in as one [group * Q] block (no K/V repeat for GQA)."""
@@ -171,9 +206,10 @@ def short_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = v_all[g.blocks].view(shape).transpose(1, 2)
         qg = q[g.rows].view(g.num_reqs, g.q_len, num_kv_heads, group, head_dim)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(g.num_reqs, num_kv_heads, group * g.q_len, head_dim)
-        mask = meta.memo(f"reference_short_mask_{group}_{i}", lambda: g.mask[:, None, None].expand(
-            -1, -1, group, -1, -1).reshape(g.num_reqs, 1, group * g.q_len, g.mask.shape[-1]))
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        mask = meta.memo(f"reference_short_mask_{window}_{group}_{i}",
+                         lambda: g.mask[:, None, None].expand(-1, -1, group, -1, -1).reshape(
+                             g.num_reqs, 1, group * g.q_len, g.mask.shape[-1]))
+        o = attend(qg, k, v, mask, scale, softcap)
         o = o.view(g.num_reqs, num_kv_heads, group, g.q_len, head_dim).permute(0, 3, 1, 2, 4)
         out[g.rows] = o.reshape(g.num_reqs * g.q_len, num_heads, head_dim)
     return out

@@ -29,8 +29,9 @@ FAILURES = (CompilationError, OutOfResources)   # the kernel cannot run here: th
 @triton.jit
 def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qlen_ptr, seqlen_ptr,
                   tables_ptr,
-                  table_width, NUM_HEADS, GROUP, SPLIT, sm_scale, q_stride, kv_stride,
-                  D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
+                  table_width, NUM_HEADS, GROUP, SPLIT, sm_scale, q_stride, kv_stride, WINDOW,
+                  SOFTCAP, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                  QB: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     i = tl.program_id(0)                        # i-th short-query request
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,7 +63,11 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
         k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale               # [QB, BN]
-        s = tl.where((t[None, :] <= qpos[:, None]) & valid[None, :], s, float("-inf"))
+        if HAS_SOFTCAP:                       # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
+            s = SOFTCAP * (2 * tl.sigmoid(2 * s / SOFTCAP) - 1)
+        seen = (t[None, :] <= qpos[:, None]) & valid[None, :]
+        seen = seen & ((WINDOW == 0) | (t[None, :] > qpos[:, None] - WINDOW))       # sliding window
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)                 # rows with no key yet
         alpha = tl.exp(m - m_use)
@@ -108,22 +113,26 @@ def _build_short(meta: PagedAttentionMetadata, device) -> tuple | None:
             torch.tensor(rows).to(device), max(lens))
 
 
-def supports(q: torch.Tensor, *args, **kwargs) -> bool:
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: PagedAttentionMetadata, scale: float, window: int = 0,
+             softcap: float = 0.0) -> bool:
     """Head sizes the kernel can tile: a power of two, at least 16 (others go to the reference)."""
     head_dim = q.shape[2]
     return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Same contract as kernels/reference/paged_attention.py (dispatch falls back to it for
-    unsupported head sizes and when the kernel cannot run here)."""
+    unsupported head sizes and when the kernel cannot run here). A sliding window is masked (its
+    keys are still walked); the soft-cap is applied to the scores before the mask."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
-    for where, blocks, mask in chunk_groups(meta):               # long prefill chunks
+    for where, blocks, mask in chunk_groups(meta, window):       # long prefill chunks
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
-                                     meta.block_size)
+                                     meta.block_size, softcap)
     short = _short_requests(meta, q.device)
     if short is not None:
         reqs, firsts, qlens, lens, tables, rows, max_ctx = short
@@ -140,6 +149,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qc, k_cache, v_cache, part_out, part_lse, reqs, firsts, qlens, lens, tables,
             tables.shape[1],
             num_heads, num_heads // num_kv_heads, split, scale, qc.stride(0), k_cache.stride(0),
-            D=head_dim, BS=meta.block_size, BN=BN, QB=SHORT_QUERY)
+            window, float(softcap), D=head_dim, BS=meta.block_size, BN=BN, QB=SHORT_QUERY,
+            HAS_SOFTCAP=bool(softcap))
         out[rows] = combine_splits(part_out[rows], part_lse[rows])[0].to(q.dtype)
     return out

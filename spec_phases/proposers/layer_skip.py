@@ -62,13 +62,13 @@ def layer_influence(model, ids: torch.Tensor, pos: torch.Tensor
     """One full forward over ids: per layer, how much it turns the residual stream (1 - the mean
     cosine between the stream before and after it; ShortGPT's block influence), and the full
     model's greedy predictions [n]. Small influence = cheap to skip."""
-    attn = DenseCache(model.config.num_layers)
-    x, delta = model.embed_tokens(ids), None
-    rope = model.rope.table(pos)
+    attn = DenseCache(model.config.attention())
+    x, delta = model.embed(ids), None
+    ropes = model.rope_tables(pos)
     influence = []
     for layer in model.layers:
         before = x if delta is None else x + delta
-        x, delta = layer(x, delta, rope, attn)
+        x, delta = layer(x, delta, ropes, attn)
         after = x + delta
         influence.append(1 - float(F.cosine_similarity(before.float(), after.float(), -1).mean()))
     hidden = model.norm.add_forward(x, delta)[1]
@@ -93,7 +93,8 @@ def calibrate(model, token_ids: list[int], k: int = 4) -> tuple[tuple[int, ...],
     for num_skip in range(1, len(order) + 1):
         skip = set(order[:num_skip])
         layers = [i for i in range(n) if i not in skip]
-        agree = model.compute_logits(model(ids, pos, DenseCache(n), layers)).argmax(-1) == ref
+        hidden = model(ids, pos, DenseCache(model.config.attention()), layers)
+        agree = model.compute_logits(hidden).argmax(-1) == ref
         a = min(float(agree.float().mean()), 0.999)
         c = (n - num_skip) / n
         speedup = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))

@@ -39,11 +39,17 @@ for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for 
     q = torch.randn(query_start[-1], heads + kv_heads, dim).to(dtype)[:, :heads]   # a strided view, as in the model
     lens = [s[0] for s in shapes]
     several |= splits.plan_splits(max(lens), len(shapes) * heads, 64)[0] > 1
-    want = ref(q, k_cache, v_cache, PagedAttentionMetadata(query_start, lens, tables, block_size), dim ** -0.5)
-    got = fast(q, k_cache, v_cache, PagedAttentionMetadata(query_start, lens, tables, block_size), dim ** -0.5)
-    assert got.dtype == q.dtype and got.shape == q.shape
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # plain; a sliding window (Mistral, Gemma) with a soft-cap (Gemma 2), applied to the scores
+    for window, softcap in [(0, 0.0), (7, 0.0), (20, 1.5)] if min_split == 64 else [(0, 0.0)]:
+        meta = lambda: PagedAttentionMetadata(query_start, lens, tables, block_size)  # noqa: E731
+        want = ref(q, k_cache, v_cache, meta(), dim ** -0.5, window, softcap)
+        got = fast(q, k_cache, v_cache, meta(), dim ** -0.5, window, softcap)
+        assert got.dtype == q.dtype and got.shape == q.shape
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        if window:
+            plain = ref(q, k_cache, v_cache, meta(), dim ** -0.5)
+            assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
 assert several                                   # the merge of several splits was exercised
 print("ok paged")
 '''

@@ -15,6 +15,9 @@ def causal(layer, q, k, v):
     return o.transpose(0, 1)
 
 
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def export_hf(model, cfg: ModelConfig, folder, model_type="llama"):
     """Write our model in HF Llama/Qwen2 layout: un-fuse qkv and gate_up, HF tensor names."""
     sd, t = {}, model.state_dict()
@@ -37,10 +40,10 @@ def export_hf(model, cfg: ModelConfig, folder, model_type="llama"):
                        h + "self_attn.v_proj.bias": bv})
     save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({
-        "model_type": model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "model_type": model_type, "architectures": [ARCHS[model_type]], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta, "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position, "tie_word_embeddings": True,
         "bos_token_id": 1, "eos_token_id": [2, 0]}))
 

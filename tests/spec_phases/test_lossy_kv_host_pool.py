@@ -26,7 +26,7 @@ def test_staged_verify_forward_matches_the_device_resident_cache():
     want = model(ids, positions, paged)
     meta = paged.meta
     staged = StagedPagedAttention(pool, meta.query_start, meta.seq_lens, tables, paged.slot_mapping,
-                                  runner.scale, "cpu")
+                                  runner.layers, "cpu")
     got = model(ids, positions, staged)
     assert torch.equal(got, want)
     used = sorted({b for t in tables for b in t})

@@ -1,0 +1,91 @@
+"""GGUF files of the Llama, Qwen2 and Qwen3 layouts, written from the tiny transformers checkpoints
+with llama.cpp's conventions (tensor names; Llama's Q/K rows permuted for interleaved RoPE): our
+engine decodes transformers' greedy ids from them, and transformers' own GGUF reader reads them back
+to the original weights (so the files really follow the convention, not just our reader's view of
+it). Gemma and Phi-3 GGUFs are refused in one line."""
+import numpy as np
+import pytest
+import torch
+
+from specserve.spec_phases.families import UnsupportedModelError
+from specserve.spec_phases.loader import load_model
+
+from test_families import PROMPTS, engine_greedy, hf_greedy
+
+LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+         "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+         "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.weight": "attn_output.weight",
+         "self_attn.q_norm.weight": "attn_q_norm.weight",
+         "self_attn.k_norm.weight": "attn_k_norm.weight",
+         "post_attention_layernorm.weight": "ffn_norm.weight",
+         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+         "mlp.down_proj.weight": "ffn_down.weight"}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
+          "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert-time Q/K row order for Llama (RoPE halves -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_gguf(model, path, arch: str) -> None:
+    import gguf
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = t.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, idx, leaf = name.split(".", 3)
+            if arch == "llama" and leaf == "self_attn.q_proj.weight":
+                data = permute(data, cfg.num_attention_heads)
+            elif arch == "llama" and leaf == "self_attn.k_proj.weight":
+                data = permute(data, cfg.num_key_value_heads)
+            name = f"blk.{idx}.{LAYER[leaf]}"
+        else:
+            name = GLOBAL[name]
+        w.add_tensor(name, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name,arch", [("llama-gguf", "llama"), ("qwen2-gguf", "qwen2"),
+                                       ("qwen3-gguf", "qwen3")])
+def test_gguf_decodes_transformers_ids(engines, checkpoints, tmp_path, name, arch):
+    from transformers import AutoModelForCausalLM
+    _, _, hf = checkpoints(name)
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(hf, path, arch)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                  dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(theirs(ids).logits, hf(ids).logits, rtol=1e-3, atol=1e-4)
+    assert load_model(str(path)).config.architecture == hf.config.architectures[0]
+    assert engine_greedy(engines, path) == [hf_greedy(hf, p) for p in PROMPTS]
+
+
+def test_gguf_of_another_family_is_refused(checkpoints, tmp_path):
+    path = tmp_path / "gemma.gguf"
+    write_gguf(checkpoints("gemma")[2], path, "gemma")
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gemma' is not supported"):
+        load_model(str(path))
