@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,8 @@ class ServingContext:
         self.token_text = make_token_text(self.tokenizer)
         self.max_prompt_chars = self.model_info.max_model_len * max_token_chars(self.tokenizer)
         self.template_sandbox = TemplateSandbox(self.tokenizer, max_chars=self.max_prompt_chars)
+        if self.settings.trust_request_chat_template:      # its start-up not paid while serving
+            threading.Thread(target=self.template_sandbox.start, daemon=True).start()
 
     @property
     def model_info(self) -> ModelInfo:

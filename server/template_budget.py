@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import resource
 import threading
 from typing import Any
@@ -40,6 +41,12 @@ class TemplateSandbox:
         self._lock = threading.Lock()
         self._process: Any = None
         self._conn: Any = None
+
+    def start(self) -> None:
+        """Start the child now (the server does at start-up when request templates are trusted),
+        so its start is not paid while serving."""
+        with self._lock:
+            self._start()
 
     def render(self, conversation: list[dict], template: str, **kwargs: Any) -> str:
         """`tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
@@ -77,9 +84,14 @@ class TemplateSandbox:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_child_main,
-                                    args=(self.tokenizer, child, self.memory_cap),
+                                    args=(pickle.dumps(self.tokenizer), child, self.memory_cap),
                                     name="specserve-template", daemon=True)
-        self._process.start()
+        # started from a thread at the lowest priority, which the child inherits from its first
+        # instruction on (Linux priorities are per thread): its imports and renders yield the CPU
+        # to the engine's steps
+        launcher = threading.Thread(target=_start_niced, args=(self._process,))
+        launcher.start()
+        launcher.join()
         child.close()
         if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != "ready":
             self._kill()
@@ -93,10 +105,15 @@ class TemplateSandbox:
         self._process = self._conn = None
 
 
-def _child_main(tokenizer: Any, conn: Any, memory_cap: int) -> None:
+def _start_niced(process: Any) -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    process.start()
+
+
+def _child_main(tokenizer_bytes: bytes, conn: Any, memory_cap: int) -> None:
     import jinja2  # noqa: F401  (imported before the cap: the render itself must fit under it)
 
-    os.nice(19)          # a looping template must not take CPU from the engine's step meanwhile
+    tokenizer = pickle.loads(tokenizer_bytes)
 
     with open("/proc/self/statm") as statm:              # Linux: pages mapped now
         mapped = int(statm.read().split()[0]) * resource.getpagesize()

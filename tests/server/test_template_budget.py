@@ -1,4 +1,6 @@
 """Request chat templates render in a child process under a time, memory and size budget."""
+import os
+
 import pytest
 
 from specserve.server.template_budget import (TemplateBudgetError, TemplateRenderError,
@@ -22,6 +24,8 @@ def test_a_request_template_renders_as_the_tokenizer_would(sandbox, tokenizer):
     assert got == tokenizer.apply_chat_template(MESSAGES, chat_template=SIMPLE, tokenize=False,
                                                 add_generation_prompt=True)
     assert got == "<user>Hello there"
+    # the child yields the CPU to the engine: lowest priority, inherited from its start
+    assert os.getpriority(os.PRIO_PROCESS, sandbox._process.pid) == 19
 
 
 def test_a_looping_template_is_stopped_and_the_next_render_works(sandbox):
