@@ -1,8 +1,9 @@
 """VeriCache on the real embedded model (SmolLM2-135M): greedy output with the lossy_kv drafter is
-token-identical to plain decoding for 8 prompts of 1K to 4K tokens batched together, for every
+token-identical to plain decoding for 4 prompts of 1K to 4K tokens batched together, for every
 compressor, and each compressor gets drafts accepted on real text.
 
-12 new tokens, 8 drafts per round (the CI budget: 2 shared cores). The compressors run with a 32-token
+12 new tokens, 8 drafts per round (the CI budget: 2 shared cores; the suite runs this at one torch
+thread, where 8 prompts took ~17 minutes on an AVX2 host). The compressors run with a 32-token
 dense window and 64-token pages, so nearly all of each context sits in compressed pages while drafting."""
 import pytest
 from specserve.kv_cache.compress.spherical_calib import local_texts
@@ -13,7 +14,7 @@ from specserve.spec_phases.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-CONTEXTS, NEW_TOKENS = [1024 + 439 * i for i in range(8)], 12          # 1024 ... 4097 tokens
+CONTEXTS, NEW_TOKENS = [1024 * (i + 1) for i in range(4)], 12          # 1024 ... 4096 tokens
 LAYOUT = {"num_sink": 4, "window": 32, "page_size": 64}
 COMPRESSORS = {
     "window": {},
