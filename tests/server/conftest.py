@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import httpx
 import uvicorn
 
 from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, ModelInfo, RequestOutput,
@@ -197,3 +198,21 @@ def make_server(tokenizer):
 @pytest.fixture
 def server(make_server, fake_engine):
     return make_server(fake_engine)
+
+
+@pytest.fixture
+def wait_healthy():
+    """Wait until a `specserve serve` subprocess answers /health with 200 (it must stay alive;
+    its log is the failure message)."""
+    def wait(proc, url: str, log) -> None:
+        deadline = time.monotonic() + 240              # a hang guard, not a timing assertion
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+    return wait

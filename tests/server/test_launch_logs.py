@@ -6,7 +6,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import types
 
 import httpx
@@ -58,7 +57,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_a_real_start_logs_with_timestamps_and_serves_docs_offline(tmp_path):
+def test_a_real_start_logs_with_timestamps_and_serves_docs_offline(tmp_path, wait_healthy):
     """`specserve serve tiny-random`: every server line has a timestamp, the banner is there, and
     /docs references only assets served by the server itself."""
     port = free_port()
@@ -72,16 +71,7 @@ def test_a_real_start_logs_with_timestamps_and_serves_docs_offline(tmp_path):
             stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240              # a hang guard, not a timing assertion
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+        wait_healthy(proc, url, log)
         page = httpx.get(url + "/docs").text
         sources = re.findall(r'(?:src|href)="([^"]+)"', page) + re.findall(r"url: '([^']+)'", page)
         assert sources and all(s.startswith("/") for s in sources), sources

@@ -152,7 +152,7 @@ def test_a_refusal_in_the_engine_process_keeps_its_kind(tmp_path):
                     warm_up=False)
 
 
-def test_serve_a_hub_id_from_the_cache_end_to_end(tmp_path, tokenizer):
+def test_serve_a_hub_id_from_the_cache_end_to_end(tmp_path, tokenizer, wait_healthy):
     """`specserve serve org/name` with HF_HOME pointing at a cache that holds a tiny Llama written
     by transformers: it starts offline, serves under the Hub id, and applies the snapshot's
     generation_config.json."""
@@ -187,16 +187,7 @@ def test_serve_a_hub_id_from_the_cache_end_to_end(tmp_path, tokenizer):
              "--kv-cache-memory-gb", "0.01"], stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240              # a hang guard, not a timing assertion
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+        wait_healthy(proc, url, log)
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny-org/served"
         reply = httpx.post(url + "/v1/completions", json={
             "model": "tiny-org/served", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
