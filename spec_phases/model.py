@@ -100,9 +100,11 @@ class Attention(Protocol):
 
 
 def rms_norm(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight_f32).to(x.dtype)
+    """In float32, as transformers computes it (x * rsqrt(mean(x^2) + eps) * w, then the input's
+    dtype): torch's fused op is bitwise the same and one call instead of eight."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight_f32.shape, weight_f32, eps)
+    return F.rms_norm(x.float(), weight_f32.shape, weight_f32, eps).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight_f32: torch.Tensor, eps: float
@@ -113,9 +115,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight_f32: torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim] -> x rotated (queries and keys go through in one call)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """x [num_tokens, heads, head_dim] -> x rotated (queries and keys go through in one call).
+    cos, sin: [num_tokens, 1, head_dim], each half repeated (`RotaryEmbedding.table`): transformers'
+    x * cos + rotate_half(x) * sin, in float32."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    # two products and a sum, as transformers rounds them (addcmul's fused multiply-add does not)
+    out = (xf * cos).add_(torch.cat((x2.neg(), x1), dim=-1).mul_(sin))
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def gated_mlp_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -174,9 +181,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * attention_factor).float(), persistent=False)
 
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, head_dim/2] for this step's positions: gathered once per
-        forward."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, sin [num_tokens, 1, head_dim] (each half repeated, as `apply_rope` reads them) for
+        this step's positions: gathered once per forward."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)

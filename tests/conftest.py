@@ -63,6 +63,17 @@ if os.environ.get("SPECSERVE_TEST_DTYPE"):
         os.environ["SPECSERVE_TEST_DTYPE"] if dtype == "auto" else dtype, device)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """Restore torch's intra-op thread count after each test: an engine built with
+    `num_threads=1` sets it for the whole process, and would slow every later test."""
+    import torch
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def engines():
     tracker = Engines()

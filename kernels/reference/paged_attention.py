@@ -52,6 +52,7 @@ class ShortBatch:
     rows: torch.Tensor                   # query rows of every short request, group by group
     blocks: torch.Tensor                 # their blocks, gathered in one call per layer
     groups: tuple[ShortGroup, ...]
+    whole: bool                          # rows are the step's every row, in order (no scatter)
 
 
 def short_batch(meta: PagedAttentionMetadata, window: int = 0) -> ShortBatch | None:
@@ -116,7 +117,8 @@ def _short_batch(meta: PagedAttentionMetadata, window: int) -> ShortBatch | None
         groups.append(ShortGroup(len(members), q_len, num_blocks, slice(row0, len(rows)),
                                  slice(block0, len(blocks)), mask.to(meta.device)))
     as_tensor = lambda ids: torch.tensor(ids, dtype=torch.int64, device=meta.device)  # noqa: E731
-    return ShortBatch(as_tensor(rows), as_tensor(blocks), tuple(groups))
+    whole = len(groups) == 1 and rows == list(range(meta.query_start[-1]))
+    return ShortBatch(as_tensor(rows), as_tensor(blocks), tuple(groups), whole)
 
 
 def gather_flat(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -182,6 +184,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
                                      meta.block_size, softcap)
     batch = short_batch(meta, window)
+    if batch is not None and batch.whole:           # all decodes/verify rows of one shape
+        return short_attention(q, k_cache, v_cache, batch, meta, scale, window, softcap)
     if batch is not None:
         out[batch.rows] = short_attention(q[batch.rows], k_cache, v_cache, batch, meta, scale,
                                           window, softcap)
@@ -197,19 +201,35 @@ def short_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     group, bs = num_heads // num_kv_heads, meta.block_size
-    k_all = gather_flat(k_cache, batch.blocks, bs).to(q.dtype)      # [n_all, bs, kvh, D]
-    v_all = gather_flat(v_cache, batch.blocks, bs).to(q.dtype)
-    out = torch.empty_like(q)
+    k_all = gather_flat(k_cache, batch.blocks, bs)                   # [n_all, bs, kvh, D]
+    v_all = gather_flat(v_cache, batch.blocks, bs)
+    if k_all.dtype != q.dtype:
+        k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
+    out = None if len(batch.groups) == 1 else torch.empty_like(q)
     for i, g in enumerate(batch.groups):
         shape = (g.num_reqs, g.num_blocks * bs, num_kv_heads, head_dim)
         k = k_all[g.blocks].view(shape).transpose(1, 2)             # [B, kvh, L, D]
         v = v_all[g.blocks].view(shape).transpose(1, 2)
         qg = q[g.rows].view(g.num_reqs, g.q_len, num_kv_heads, group, head_dim)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(g.num_reqs, num_kv_heads, group * g.q_len, head_dim)
-        mask = meta.memo(f"reference_short_mask_{window}_{group}_{i}",
-                         lambda: g.mask[:, None, None].expand(-1, -1, group, -1, -1).reshape(
-                             g.num_reqs, 1, group * g.q_len, g.mask.shape[-1]))
+        mask = meta.memo(f"reference_short_mask_{window}_{group}_{i}_{softcap > 0}",
+                         lambda: _group_mask(g, group, q.dtype, additive=not softcap))
         o = attend(qg, k, v, mask, scale, softcap)
         o = o.view(g.num_reqs, num_kv_heads, group, g.q_len, head_dim).permute(0, 3, 1, 2, 4)
-        out[g.rows] = o.reshape(g.num_reqs * g.q_len, num_heads, head_dim)
+        o = o.reshape(g.num_reqs * g.q_len, num_heads, head_dim)
+        if out is None:
+            return o
+        out[g.rows] = o
     return out
+
+
+def _group_mask(g: ShortGroup, group: int, dtype: torch.dtype, additive: bool) -> torch.Tensor:
+    """The group's mask repeated for the `group` query heads of each kv head: [B, 1, group * Q,
+    L]; `additive`: as SDPA turns a boolean mask into one (0 visible, -inf hidden), built once per
+    step instead of once per layer."""
+    mask = g.mask[:, None, None].expand(-1, -1, group, -1, -1).reshape(
+        g.num_reqs, 1, group * g.q_len, g.mask.shape[-1])
+    if not additive:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
+                                                                                float("-inf"))
