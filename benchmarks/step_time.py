@@ -1,0 +1,55 @@
+"""Milliseconds per engine step, in-process, decode at c = 1 and c = 16 on the embedded model (a
+benchmark, not a test): prompts of 100 + 7i random tokens, 6 warm-up steps, then `--steps` timed.
+
+    python benchmarks/step_time.py [--steps 40] [--dtype auto]
+
+To compare two commits on one host, alternate runs of each: check the other commit out in a
+worktree, point a directory's `specserve` symlink at it and put that directory first on
+PYTHONPATH (the editable install's finder comes after sys.path), e.g.
+    git worktree add /tmp/old <rev> && mkdir -p /tmp/oldpkg && ln -s /tmp/old /tmp/oldpkg/specserve
+    PYTHONPATH=/tmp/oldpkg python benchmarks/step_time.py      # prints which tree it ran
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import specserve
+from specserve.scheduler.config import EngineConfig
+from specserve.scheduler.engine import EngineCore
+from specserve.scheduler.messages import EngineRequest
+from specserve.spec_phases.sampling_params import SamplingParams
+
+
+def add_requests(core: EngineCore, num: int, prompt_len: int, max_tokens: int) -> None:
+    g = torch.Generator().manual_seed(num)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i in range(num):
+        ids = torch.randint(100, 40000, (prompt_len + 7 * i,), generator=g).tolist()
+        core.add_request(EngineRequest(f"s{num}-{i}", ids, params))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    core = EngineCore(EngineConfig(dtype=args.dtype))
+    cells = []
+    for conc in (1, 16):
+        add_requests(core, conc, 100, 6 + args.steps)
+        for _ in range(6):                                   # prefill and warm-up
+            core.step()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        cells.append(f"c={conc} {(time.perf_counter() - start) * 1000 / args.steps:.1f}")
+        core.run_until_idle()
+    print(f"{specserve.__path__[0]}: ms per step " + ", ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
