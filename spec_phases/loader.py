@@ -6,6 +6,8 @@ line)."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +17,14 @@ from tqdm.auto import tqdm
 from specserve.spec_phases.families import (UnsupportedModelError, check_architecture,
                                              hf_tensor_name, model_config)
 from specserve.spec_phases.model import FamilyOptions, LlamaModel, ModelConfig
-from specserve.spec_phases.paths import TINY_RANDOM, resolve_model_path
+from specserve.spec_phases.paths import TINY_RANDOM, gguf_cache_file, resolve_model_path
 from specserve.spec_phases.rope import RopeConfig
 
 __all__ = ["UnsupportedModelError", "build_random_model", "load_model", "tiny_config"]
+
+logger = logging.getLogger(__name__)
+# the layout of a dequantized GGUF cache file (`_write_dequantized`); bump when it changes
+GGUF_CACHE_VERSION = 1
 
 # GGUF (llama.cpp) tensor name -> ours; HF names: spec_phases/families.py
 _GGUF_LAYER = {
@@ -129,27 +135,94 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
 
 
 def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The GGUF's config and dequantized tensors, through the dequantized cache when it holds them
+    (`gguf_cache_file`): parsing a GGUF's metadata (its ~100K tokenizer strings) and dequantizing
+    take ~9 s of a start on a slow 2-core host, reading the cache well under one."""
+    from safetensors import SafetensorError
+
+    cached = gguf_cache_file(path)
+    if cached.exists():
+        try:
+            return _read_dequantized(cached)
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:    # damaged or older
+            logger.warning("ignoring the dequantized cache %s (%s)", cached, exc)
+    meta, names, vocab, tensors = _dequantize_gguf(path)
+    cfg = _gguf_config(meta, names, vocab)
+    _write_dequantized(cached, meta, names, vocab, tensors)
+    return cfg, tensors
+
+
+def _read_dequantized(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(file), framework="pt") as f:
+        header = json.loads(f.metadata()["specserve"])
+    if header["version"] != GGUF_CACHE_VERSION:
+        raise ValueError(f"cache version {header['version']}")
+    return (_gguf_config(header["meta"], set(header["names"]), header["vocab"]),
+            load_file(str(file)))
+
+
+def _write_dequantized(file: Path, meta: dict, names: set[str], vocab: int,
+                       tensors: dict[str, torch.Tensor]) -> None:
+    """Written to a temporary name and renamed, so a reader never sees half a file; a cache that
+    cannot be written (read-only, full disk) is skipped with a warning."""
+    from safetensors.torch import save_file
+
+    header = {"version": GGUF_CACHE_VERSION, "meta": meta, "names": sorted(names), "vocab": vocab}
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"specserve": json.dumps(header, default=str)})
+        os.replace(tmp, file)
+    except OSError as exc:
+        logger.warning("could not write the dequantized cache %s (%s)", file, exc)
+        tmp.unlink(missing_ok=True)
+
+
+def _dequantize_gguf(path: Path) -> tuple[dict, set[str], int, dict[str, torch.Tensor]]:
+    """-> (metadata without the tokenizer's arrays, tensor names, vocab size, our tensors)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
     arch = meta["general.architecture"]
+    names = {t.name for t in reader.tensors}
+    vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
+    cfg = _gguf_config(meta, names, vocab)              # refuses what we cannot serve, early
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False):
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if t.name.startswith("blk."):
+            _, idx, leaf = t.name.split(".", 2)
+            name = f"layers.{idx}.{_GGUF_LAYER[leaf]}"
+        else:
+            name = _GGUF_GLOBAL[t.name]
+        if arch == "llama" and leaf_is(name, "q"):
+            w = _unpermute(w, cfg.num_heads)
+        elif arch == "llama" and leaf_is(name, "k"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        usable = w.flags.writeable and w.flags.c_contiguous
+        tensors[name] = torch.from_numpy(w if usable else w.copy())
+    return meta, names, vocab, tensors
+
+
+def _gguf_config(meta: dict, names: set[str], vocab: int) -> ModelConfig:
+    arch = meta["general.architecture"]
     if arch not in _GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (GGUF: "
                                     f"{', '.join(_GGUF_ARCHITECTURES)}; other families: load "
                                     f"their HF safetensors folder)")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
+    if scaling != "none" or "rope_freqs.weight" in names:
         raise UnsupportedModelError(f"GGUF RoPE scaling ({scaling}, or a rope_freqs tensor) is "
                                     f"not supported; load the model's HF safetensors folder")
     n_head = int(meta[f"{arch}.attention.head_count"])
     n_kv = int(meta[f"{arch}.attention.head_count_kv"])
     hidden = int(meta[f"{arch}.embedding_length"])
-    names = {t.name for t in reader.tensors}
-    vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    cfg = ModelConfig(
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
         num_layers=int(meta[f"{arch}.block_count"]), num_heads=n_head, num_kv_heads=n_kv,
@@ -161,23 +234,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         architecture=_GGUF_ARCHITECTURES[arch],
         family=FamilyOptions(qk_norm=arch == "qwen3"),
         attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),))
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False):
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if t.name.startswith("blk."):
-            _, idx, leaf = t.name.split(".", 2)
-            name = f"layers.{idx}.{_GGUF_LAYER[leaf]}"
-        else:
-            name = _GGUF_GLOBAL[t.name]
-        if arch == "llama" and leaf_is(name, "q"):
-            w = _unpermute(w, n_head)
-        elif arch == "llama" and leaf_is(name, "k"):
-            w = _unpermute(w, n_kv)
-        usable = w.flags.writeable and w.flags.c_contiguous
-        tensors[name] = torch.from_numpy(w if usable else w.copy())
-    return cfg, tensors
 
 
 def leaf_is(name: str, kind: str) -> bool:

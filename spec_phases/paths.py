@@ -124,6 +124,18 @@ def cache_dir() -> Path:
     return path
 
 
+def gguf_cache_file(path: Path) -> Path:
+    """Where the loader keeps a GGUF's dequantized tensors (float32 safetensors, the config in its
+    metadata): named by the file's path, size and modification time, so a changed file is read
+    afresh."""
+    import hashlib
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    folder = cache_dir() / "gguf"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{path.stem}-{key[:16]}.safetensors"
+
+
 def describe_model(path: Path) -> str:
     """The architecture a model path declares, for logs: config.json's `architectures` (or
     `model_type`), or a GGUF file's `general.architecture`; "unknown" when neither says."""
@@ -135,6 +147,17 @@ def describe_model(path: Path) -> str:
             return "unknown"
         names = config.get("architectures") or [config.get("model_type") or "unknown"]
         return ",".join(str(n) for n in names)
+    cached = gguf_cache_file(path)
+    if cached.exists():                     # the loader's cache holds the metadata: no parse
+        import json
+
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(cached), framework="pt") as f:
+                meta = json.loads(f.metadata()["specserve"])["meta"]
+            return f"{meta['general.architecture']} (GGUF)"
+        except (OSError, ValueError, KeyError, SafetensorError):
+            pass
     from gguf import GGUFReader
     try:
         field = GGUFReader(str(path)).fields.get("general.architecture")

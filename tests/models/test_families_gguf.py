@@ -89,3 +89,31 @@ def test_gguf_of_another_family_is_refused(checkpoints, tmp_path):
     write_gguf(checkpoints("gemma")[2], path, "gemma")
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gemma' is not supported"):
         load_model(str(path))
+
+
+def test_dequantized_cache_is_read_back_exactly(checkpoints, tmp_path, monkeypatch):
+    """The second load of a GGUF reads the loader's float32 cache (no GGUF parse): the same config
+    and bit-identical weights; a damaged cache file is ignored and written afresh."""
+    from specserve.spec_phases import loader
+    from specserve.spec_phases.paths import gguf_cache_file
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "llama.gguf"
+    write_gguf(checkpoints("llama-gguf")[2], path, "llama")
+    first = load_model(str(path))
+    cached = gguf_cache_file(path)
+    assert cached.exists()
+
+    def no_parse(_path):
+        raise AssertionError("the GGUF was parsed again")
+    monkeypatch.setattr(loader, "_dequantize_gguf", no_parse)
+    second = load_model(str(path))
+    assert second.config == first.config
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cached.write_bytes(b"not a safetensors file")
+    third = load_model(str(path))
+    assert third.config == first.config
+    assert cached.stat().st_size > 1000                  # rewritten
