@@ -14,21 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 import specserve
+from profile_step import requests as add_requests     # the same prompts as the profile's
 from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.engine import EngineCore
-from specserve.scheduler.messages import EngineRequest
-from specserve.spec_phases.sampling_params import SamplingParams
-
-
-def add_requests(core: EngineCore, num: int, prompt_len: int, max_tokens: int) -> None:
-    g = torch.Generator().manual_seed(num)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i in range(num):
-        ids = torch.randint(100, 40000, (prompt_len + 7 * i,), generator=g).tolist()
-        core.add_request(EngineRequest(f"s{num}-{i}", ids, params))
 
 
 def main() -> None:
