@@ -126,7 +126,8 @@ async def _bounded(client: httpx.AsyncClient, base_url: str, model: str, spec: R
                                       max(0.0, deadline - time.perf_counter()))
     except asyncio.TimeoutError:
         result.ok, result.error = False, "cancelled"
-        if not result.usage_reported:       # no running usage (continuous_usage_stats): count chunks
+        # no running usage (continuous_usage_stats): count chunks
+        if not result.usage_reported:
             result.completion_tokens = result.num_chunks
         return result
 

@@ -53,7 +53,8 @@ class Engines:
                 if isinstance(engine, AsyncEngine):
                     engine.shutdown()
 
-# On a GPU machine `device="auto"` picks CUDA and `dtype="auto"` bf16; SPECSERVE_TEST_DTYPE=float32 makes
+# On a GPU machine `device="auto"` picks CUDA and `dtype="auto"` bf16; SPECSERVE_TEST_DTYPE=float32
+# makes
 # "auto" mean float32 there, so the token-identity tests run on CUDA at the precision they assume.
 if os.environ.get("SPECSERVE_TEST_DTYPE"):
     from specserve.spec_phases import worker as _worker

@@ -67,4 +67,5 @@ def test_every_package_folder_is_installed():
     for layer in ALLOWED:
         for init in (ROOT / layer).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT)
-            assert "specserve." + ".".join(rel.parts) in declared, f"{rel} missing from pyproject packages"
+            assert ("specserve." + ".".join(rel.parts)
+                    in declared), f"{rel} missing from pyproject packages"

@@ -28,7 +28,8 @@ def rate(name: str, by: str = "", extra: str = "") -> str:
 
 
 def guarded(expr: str) -> str:
-    """A denominator that is dropped, not divided by, when zero (the panel then shows "No traffic")."""
+    """A denominator that is dropped, not divided by, when zero (the panel then shows "No
+    traffic")."""
     return f"({expr} > 0)"
 
 
@@ -39,7 +40,8 @@ def quantiles(hist: str, legend: str) -> list[tuple[str, str]]:
     return out
 
 
-ACC, DRAFT_TOK, DRAFTS = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+ACC, DRAFT_TOK, DRAFTS = ("vllm:spec_decode_num_accepted_tokens_total",
+                          "vllm:spec_decode_num_draft_tokens_total",
                           "vllm:spec_decode_num_drafts_total")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 OUR = "specserve:spec_decode_num_{}_total"
@@ -60,16 +62,20 @@ def panels_spec_stats() -> list[dict]:
 def panels_acceptance() -> list[dict]:
     return [
         series("Draft acceptance rate by model",
-               [(f"{rate(ACC, 'model_name')} / {guarded(rate(DRAFT_TOK, 'model_name'))}", "{{model_name}}")],
+               [(f"{rate(ACC, 'model_name')} / {guarded(rate(DRAFT_TOK, 'model_name'))}",
+                 "{{model_name}}")],
                "percentunit", max_=1),
         series("Mean acceptance length",
-               [(f"1 + {rate(ACC, 'model_name')} / {guarded(rate(DRAFTS, 'model_name'))}", "{{model_name}}")],
+               [(f"1 + {rate(ACC, 'model_name')} / {guarded(rate(DRAFTS, 'model_name'))}",
+                 "{{model_name}}")],
                "none"),
         series("Acceptance rate by draft position",
-               [(f"{rate(PER_POS, 'position')} / on() group_left() {guarded(rate(DRAFTS))}", "position {{position}}")],
+               [(f"{rate(PER_POS, 'position')} / on() group_left() {guarded(rate(DRAFTS))}",
+                 "position {{position}}")],
                "percentunit", max_=1),
         series("Acceptance rate by engine",
-               [(f"{rate(ACC, 'instance, engine')} / {guarded(rate(DRAFT_TOK, 'instance, engine'))}",
+               [(f"{rate(ACC, 'instance, engine')} "
+                 f"/ {guarded(rate(DRAFT_TOK, 'instance, engine'))}",
                  "{{instance}} engine {{engine}}")], "percentunit", max_=1),
         series("Draft tokens/s: proposed, accepted, rejected",
                [(rate(DRAFT_TOK), "proposed"), (rate(ACC), "accepted"),
@@ -84,7 +90,8 @@ def panels_specserve() -> list[dict]:
     drafted_per_pos = "specserve:spec_decode_num_draft_tokens_per_pos_total"
     return [
         series("Acceptance by drafter and KV compressor",
-               [(f"{rate(OUR.format('accepted_tokens'), by)} / {guarded(rate(OUR.format('draft_tokens'), by))}",
+               [(f"{rate(OUR.format('accepted_tokens'), by)} "
+                 f"/ {guarded(rate(OUR.format('draft_tokens'), by))}",
                  "{{method}} / {{kv_compressor}}")], "percentunit", max_=1),
         series("True per-position acceptance (accepted / drafted at that position)",
                [(f"{rate(PER_POS, 'position')} / {guarded(rate(drafted_per_pos, 'position'))}",
@@ -94,7 +101,8 @@ def panels_specserve() -> list[dict]:
         series("Mean draft length",
                [(f"{rate('specserve:spec_decode_draft_len_sum')} / "
                  f"{guarded(rate('specserve:spec_decode_draft_len_count'))}", "mean k")], "none"),
-        series("KV bytes per token", [(f"max by(pool, kv_compressor)(specserve:kv_bytes_per_token{{{SEL}}})",
+        series("KV bytes per token",
+               [(f"max by(pool, kv_compressor)(specserve:kv_bytes_per_token{{{SEL}}})",
                                        "{{pool}} / {{kv_compressor}}")], "decbytes"),
         series("Preemptions/s", [(rate("vllm:num_preemptions_total"), "preemptions")], "ops"),
         series("Pruned draft tokens/s, frontiers/s, VeriCache swap",
@@ -112,52 +120,64 @@ def panels_serving() -> list[dict]:
         series("Time to first token", quantiles("vllm:time_to_first_token_seconds", "TTFT"), "s"),
         series("E2E request latency", quantiles("vllm:e2e_request_latency_seconds", "E2E"), "s"),
         series("Scheduler state", [(f"sum(vllm:num_requests_running{{{SEL}}})", "running"),
-                                   (f"sum(vllm:num_requests_waiting{{{SEL}}})", "waiting")], "short"),
-        series("KV cache usage", [(f"max(vllm:kv_cache_usage_perc{{{SEL}}})", "KV usage")], "percentunit", max_=1),
+                                   (f"sum(vllm:num_requests_waiting{{{SEL}}})", "waiting")],
+               "short"),
+        series("KV cache usage", [(f"max(vllm:kv_cache_usage_perc{{{SEL}}})", "KV usage")],
+               "percentunit", max_=1),
         series("Prefix cache hit rate",
-               [(f"{rate('vllm:prefix_cache_hits_total')} / {guarded(rate('vllm:prefix_cache_queries_total'))}",
+               [(f"{rate('vllm:prefix_cache_hits_total')} "
+                 f"/ {guarded(rate('vllm:prefix_cache_queries_total'))}",
                  "hit rate")], "percentunit", max_=1),
-        series("Finish reason", [(f"sum by(finished_reason)(increase(vllm:request_success_total{{{SEL}}}[{RI}]))",
+        series("Finish reason",
+               [(f"sum by(finished_reason)(increase(vllm:request_success_total{{{SEL}}}[{RI}]))",
                                   "{{finished_reason}}")], "short"),
         series("Queue, prefill and decode time (mean)",
                [(f"{rate(f'vllm:request_{p}_time_seconds_sum')} / "
-                 f"{guarded(rate(f'vllm:request_{p}_time_seconds_count'))}", p) for p in ("queue", "prefill", "decode")],
+                 f"{guarded(rate(f'vllm:request_{p}_time_seconds_count'))}", p)
+                for p in ("queue", "prefill", "decode")],
                "s"),
     ]
 
 
 # -- panel builders -------------------------------------------------------------------------------
 def targets(exprs: list[tuple[str, str]]) -> list[dict]:
-    return [{"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend, "range": True}
+    return [{"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend,
+             "range": True}
             for i, (expr, legend) in enumerate(exprs)]
 
 
 def stat(title: str, expr: str, unit: str) -> dict:
-    return {"type": "stat", "title": title, "datasource": DS, "targets": targets([(expr, "__auto")]),
-            "fieldConfig": {"defaults": {"unit": unit, "noValue": "No traffic", "decimals": 2}, "overrides": []},
+    return {"type": "stat", "title": title, "datasource": DS,
+            "targets": targets([(expr, "__auto")]),
+            "fieldConfig": {"defaults": {"unit": unit, "noValue": "No traffic", "decimals": 2},
+                            "overrides": []},
             "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
                         "colorMode": "value", "graphMode": "area", "textMode": "auto"}}
 
 
 def series(title: str, exprs: list[tuple[str, str]], unit: str, max_: float | None = None) -> dict:
-    defaults = {"unit": unit, "noValue": "No traffic", "custom": {"lineWidth": 1, "fillOpacity": 10}}
+    defaults = {"unit": unit, "noValue": "No traffic",
+                "custom": {"lineWidth": 1, "fillOpacity": 10}}
     if max_ is not None:
         defaults.update(min=0, max=max_)
     return {"type": "timeseries", "title": title, "datasource": DS, "targets": targets(exprs),
             "fieldConfig": {"defaults": defaults, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}}}
+            "options": {"legend": {"displayMode": "list", "placement": "bottom"},
+                        "tooltip": {"mode": "multi"}}}
 
 
 def heatmap(title: str, expr: str) -> dict:
     panel = series(title, [(expr, "{{le}}")], "short")
     panel["type"] = "heatmap"
     panel["targets"][0]["format"] = "heatmap"
-    panel["options"] = {"calculate": False, "yAxis": {"unit": "short"}, "color": {"scheme": "Oranges"}}
+    panel["options"] = {"calculate": False, "yAxis": {"unit": "short"},
+                        "color": {"scheme": "Oranges"}}
     return panel
 
 
 def variable(name: str, label: str, query: str) -> dict:
-    return {"type": "query", "name": name, "label": label, "datasource": DS, "refresh": 2, "includeAll": True,
+    return {"type": "query", "name": name, "label": label, "datasource": DS, "refresh": 2,
+            "includeAll": True,
             "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
             "definition": query, "query": {"query": query, "refId": name}, "sort": 1}
 
@@ -183,20 +203,27 @@ def layout(rows: list[tuple[str, list[dict]]]) -> list[dict]:
 def dashboard() -> dict:
     label_source = "vllm:num_requests_running"
     return {
-        "uid": "specserve-spec-decode", "title": "specserve / Speculative Decoding", "editable": True,
+        "uid": "specserve-spec-decode", "title": "specserve / Speculative Decoding",
+        "editable": True,
         "tags": ["specserve", "vllm", "speculative-decoding"], "schemaVersion": 39, "version": 1,
         "refresh": "30s", "time": {"from": "now-1h", "to": "now"}, "timezone": "browser",
         "templating": {"list": [
-            {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+            {"type": "datasource", "name": "datasource", "label": "Data source",
+             "query": "prometheus",
              "current": {"text": "Prometheus", "value": "prometheus"}},
             variable("job", "Job", f"label_values({label_source}, job)"),
-            variable("model_name", "Model", f"label_values({label_source}{{job=~\"$job\"}}, model_name)"),
-            variable("instance", "Instance", f"label_values({label_source}{{model_name=~\"$model_name\"}}, instance)"),
-            variable("engine", "Engine", f"label_values({label_source}{{instance=~\"$instance\"}}, engine)"),
+            variable("model_name", "Model",
+                     f"label_values({label_source}{{job=~\"$job\"}}, model_name)"),
+            variable("instance", "Instance",
+                     f"label_values({label_source}{{model_name=~\"$model_name\"}}, instance)"),
+            variable("engine", "Engine",
+                     f"label_values({label_source}{{instance=~\"$instance\"}}, engine)"),
             {"type": "adhoc", "name": "filters", "label": "Filters", "datasource": DS},
         ]},
-        "panels": layout([("Speculative decoding", panels_spec_stats()), ("Acceptance and token flow",
-                          panels_acceptance()), ("specserve: drafters, compressors, KV", panels_specserve()),
+        "panels": layout([("Speculative decoding", panels_spec_stats()),
+                          ("Acceptance and token flow",
+                          panels_acceptance()),
+                          ("specserve: drafters, compressors, KV", panels_specserve()),
                           ("Serving", panels_serving())]),
     }
 

@@ -1,5 +1,5 @@
-"""A real Prometheus scrapes a real `specserve serve` (tiny model, n-gram speculation), and every PromQL
-query of the Grafana dashboard returns data through Prometheus' HTTP API.
+"""A real Prometheus scrapes a real `specserve serve` (tiny model, n-gram speculation), and every
+PromQL query of the Grafana dashboard returns data through Prometheus' HTTP API.
 
 The `prometheus` binary comes from the Debian package, which `.ci/run` installs; without it the test
 fails.
@@ -22,8 +22,11 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 4}'
-WINDOW = "3m"                                     # stands in for $__rate_interval: covers the whole run
+SPEC = (
+    '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": '
+    '4}')
+# stands in for $__rate_interval: covers the whole run
+WINDOW = "3m"
 VARIABLES = {"$job": ".*", "$model_name": ".*", "$instance": ".*", "$engine": ".*"}
 
 
@@ -52,7 +55,8 @@ def wait_for(check, what: str, limit_s: float = 120.0) -> None:
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
-    spec = importlib.util.spec_from_file_location("generate_dashboard", ROOT / "deploy/grafana/generate_dashboard.py")
+    spec = importlib.util.spec_from_file_location("generate_dashboard",
+                                                  ROOT / "deploy/grafana/generate_dashboard.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = []
@@ -68,10 +72,13 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prom")
     api_port, prom_port = free_port(), free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "specserve.server", "serve", "tiny-random", "--host", "127.0.0.1", "--port",
-         str(api_port), "--served-model-name", "tiny", "--speculative-config", SPEC, "--max-model-len", "256",
+        [sys.executable, "-m", "specserve.server", "serve", "tiny-random", "--host", "127.0.0.1",
+         "--port",
+         str(api_port), "--served-model-name", "tiny", "--speculative-config", SPEC,
+         "--max-model-len", "256",
          "--num-kv-blocks", "96", "--num-threads", "1", "--uvicorn-log-level", "warning"],
-        stdout=open(tmp / "specserve.log", "w"), stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        stdout=open(tmp / "specserve.log", "w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     config = (ROOT / "deploy/prometheus.yml").read_text()
     shutil.copy(ROOT / "deploy/alerts.yml", tmp / "alerts.yml")       # rule_files: beside it
     config = config.replace("scrape_interval: 5s", "scrape_interval: 1s")
@@ -79,14 +86,17 @@ def stack(tmp_path_factory):
     config = config.replace('["specserve:8000"]', f'["127.0.0.1:{api_port}"]')
     (tmp / "prometheus.yml").write_text(config)
     prom = subprocess.Popen(
-        [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+        [prometheus, f"--config.file={tmp / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp / 'data'}",
          f"--web.listen-address=127.0.0.1:{prom_port}"],
         stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     api, prom_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{prom_port}"
     try:
-        wait_for(lambda: server.poll() is None and httpx.get(api + "/health").status_code == 200, "specserve")
+        wait_for(lambda: server.poll() is None and httpx.get(api + "/health").status_code == 200,
+                 "specserve")
         wait_for(lambda: prom.poll() is None and any(
-            t["health"] == "up" for t in httpx.get(prom_url + "/api/v1/targets").json()["data"]["activeTargets"]),
+            t["health"] == "up"
+            for t in httpx.get(prom_url + "/api/v1/targets").json()["data"]["activeTargets"]),
             "prometheus to scrape specserve")
         time.sleep(2.5)                               # a few scrapes at zero before the load starts
         drive_load(api)
@@ -103,9 +113,12 @@ def stack(tmp_path_factory):
 
 def drive_load(api: str) -> None:
     """Repetitive prompts (so the n-gram drafter has something to find), streamed and not, n > 1,
-    a shared prefix (prefix cache hits), over a few seconds so several scrapes see the counters move."""
-    bodies = [{"model": "tiny", "prompt": "one two three four one two three four one two three " * (1 + i % 3),
-               "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0, "n": 1 + i % 2}
+    a shared prefix (prefix cache hits), over a few seconds so several scrapes see the counters
+    move."""
+    bodies = [{"model": "tiny",
+               "prompt": "one two three four one two three four one two three " * (1 + i % 3),
+               "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0,
+               "n": 1 + i % 2}
               for i in range(12)]
     errors: list[str] = []
 
@@ -150,12 +163,14 @@ def test_acceptance_numbers_from_prometheus_are_sane(stack):
     _, prom_url = stack
     by_title = dict(dashboard_queries())
     rate = float(query(prom_url, substitute(by_title["Draft acceptance rate [A]"]))[0]["value"][1])
-    length = float(query(prom_url, substitute(by_title["Mean acceptance length [A]"]))[0]["value"][1])
+    length = float(query(prom_url,
+                         substitute(by_title["Mean acceptance length [A]"]))[0]["value"][1])
     assert 0 < rate <= 1 and 1 < length <= 5, (rate, length)
     per_pos = query(prom_url, substitute(by_title["Acceptance rate by draft position [A]"]))
     assert sorted(r["metric"]["position"] for r in per_pos) == ["0", "1", "2", "3"]
     values = [float(r["value"][1]) for r in sorted(per_pos, key=lambda r: r["metric"]["position"])]
-    assert values == sorted(values, reverse=True) and math.isclose(sum(values), length - 1, rel_tol=1e-6)
+    assert (values == sorted(values, reverse=True)
+            and math.isclose(sum(values), length - 1, rel_tol=1e-6))
 
 
 def test_dashboard_variables_resolve_and_alert_rules_load(stack):
@@ -168,18 +183,22 @@ def test_dashboard_variables_resolve_and_alert_rules_load(stack):
         groups = httpx.get(prom_url + "/api/v1/rules").json()["data"]["groups"]
         return [r for g in groups for r in g["rules"]]
 
-    # a rule reads "unknown" until its group's first evaluation: wait for that, then every one must be ok
-    wait_for(lambda: rules() and all(r["health"] != "unknown" for r in rules()), "alert rules evaluated", 60)
+    # a rule reads "unknown" until its group's first evaluation: wait for that, then every one must
+    # be ok
+    wait_for(lambda: rules() and all(r["health"] != "unknown" for r in rules()),
+             "alert rules evaluated", 60)
     rules = rules()
     assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
 
 
 def test_vllm_bench_reads_these_counters(stack):
-    """What `vllm bench serve` scrapes for its Speculative Decoding block, straight from /metrics."""
+    """What `vllm bench serve` scrapes for its Speculative Decoding block, straight from
+    /metrics."""
     api, _ = stack
     text = httpx.get(api + "/metrics").text
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total",
-                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="3"}'):
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",p'
+                 'osition="3"}'):
         assert name in text
     assert json.loads(httpx.get(api + "/v1/models").text)["data"][0]["id"] == "tiny"

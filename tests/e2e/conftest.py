@@ -20,13 +20,15 @@ NAME = "tiny"
 class RealServer:
     def __init__(self, engine, tokenizer, **settings):
         self.engine = engine
-        self.app = build_app(engine, tokenizer, ServerSettings(served_model_names=(NAME,), sse_keepalive_s=0,
+        self.app = build_app(engine, tokenizer,
+                             ServerSettings(served_model_names=(NAME,), sse_keepalive_s=0,
                                                                **settings))
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
 
     def start(self) -> RealServer:
         self.thread.start()
@@ -46,7 +48,8 @@ class RealServer:
         while self.app.state.serving.client.in_flight:
             assert time.monotonic() < deadline, "the server did not finish its requests"
             time.sleep(0.02)
-        assert self.engine.wait_idle(max(deadline - time.monotonic(), 1.0)), "engine did not go idle"
+        assert self.engine.wait_idle(max(deadline - time.monotonic(),
+                                         1.0)), "engine did not go idle"
         self.engine.check_integrity()
 
 

@@ -2,8 +2,8 @@
 preemption and a token budget small enough to force chunked prefill, is token-identical to HF
 transformers' greedy `generate` on the same dequantized weights for 32 new tokens.
 
-Tie rule: where the two diverge and HF's top-2 logit margin at that position is < 1e-3, fp32 numerics
-decide a true tie; that is reported explicitly and allowed at most once in the set."""
+Tie rule: where the two diverge and HF's top-2 logit margin at that position is < 1e-3, fp32
+numerics decide a true tie; that is reported explicitly and allowed at most once in the set."""
 import pytest
 import torch
 
@@ -46,7 +46,8 @@ def engine_greedy(engines, prompts, **cfg):
 def hf_greedy(prompts):
     from transformers import AutoModelForCausalLM
     path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
     results = []
     with torch.inference_mode():
         for ids in prompts:
@@ -71,7 +72,8 @@ def test_greedy_matches_hf_with_preemption_and_chunked_prefill(engines, tokenize
         if mine == theirs:
             continue
         k = next(j for j in range(min(len(mine), len(theirs))) if mine[j] != theirs[j])
-        assert margins[k] < 1e-3, f"prompt {i} diverges at token {k} with HF margin {margins[k]:.4g}"
+        assert (margins[k]
+                < 1e-3), f"prompt {i} diverges at token {k} with HF margin {margins[k]:.4g}"
         ties.append((i, k, margins[k]))
     if ties:
         print(f"fp32 true ties (top-2 margin < 1e-3) at (prompt, token, margin): {ties}")

@@ -21,17 +21,20 @@ TEXTS = [
 ]
 CAPS = [None, 0, 1, 2, 3, 4, None, 2]
 METHODS = {
-    "ngram": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    "ngram": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4,
+              "prompt_lookup_max": 3},
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 4},
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
 }
 
 
 def greedy(tokenizer, spec=None):
-    core = EngineCore(EngineConfig(kv_cache_memory_gb=0.25, speculative=SpeculativeConfig.from_json(spec)))
+    core = EngineCore(EngineConfig(kv_cache_memory_gb=0.25,
+                                   speculative=SpeculativeConfig.from_json(spec)))
     for i, (text, cap) in enumerate(zip(TEXTS, CAPS)):
         core.add_request(EngineRequest(f"s{i}", tokenizer.encode(text),
-                                       SamplingParams(max_tokens=32, temperature=0, num_speculative_tokens=cap)))
+                                       SamplingParams(max_tokens=32, temperature=0,
+                                                      num_speculative_tokens=cap)))
     outs, accepted = {f"s{i}": [] for i in range(len(TEXTS))}, 0
     while core.has_unfinished():
         step = core.step()

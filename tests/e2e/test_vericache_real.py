@@ -4,7 +4,8 @@ compressor, and each compressor gets drafts accepted on real text.
 
 12 new tokens, 8 drafts per round (the CI budget: 2 shared cores; the suite runs this at one torch
 thread, where 8 prompts took ~17 minutes on an AVX2 host). The compressors run with a 32-token
-dense window and 64-token pages, so nearly all of each context sits in compressed pages while drafting."""
+dense window and 64-token pages, so nearly all of each context sits in compressed pages while
+drafting."""
 import pytest
 from specserve.kv_cache.compress.spherical_calib import local_texts
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
@@ -33,9 +34,11 @@ def prompts(tokenizer):
 
 
 def greedy(prompts, spec=None):
-    core = EngineCore(EngineConfig(kv_cache_memory_gb=1.25, max_num_batched_tokens=4096, speculative=spec))
+    core = EngineCore(EngineConfig(kv_cache_memory_gb=1.25, max_num_batched_tokens=4096,
+                                   speculative=spec))
     for i, ids in enumerate(prompts):
-        core.add_request(EngineRequest(f"s{i}", ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+        core.add_request(EngineRequest(f"s{i}", ids,
+                                       SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
                                                                    ignore_eos=True)))
     outs, drafted, accepted = {f"s{i}": [] for i in range(len(prompts))}, 0, 0
     while core.has_unfinished():

@@ -40,7 +40,8 @@ def _ops(name):
 def case_spherical_encode():
     import torch
     fast, ref = _ops("spherical_encode")
-    for h, t, d, g, k, page in [(2, 128, 64, 16, 64, 64), (1, 64, 64, 32, 8, 32), (3, 32, 128, 16, 16, 16)]:
+    for h, t, d, g, k, page in [(2, 128, 64, 16, 64, 64), (1, 64, 64, 32, 8, 32),
+                                (3, 32, 128, 16, 16, 16)]:
         torch.manual_seed(t + d)
         cb = torch.nn.functional.normalize(torch.randn(h, d // g, k, g), dim=-1)
         keys = torch.randn(h, t, d) * torch.rand(h, t, 1) * 5
@@ -83,7 +84,8 @@ def case_mustafar_attention():
     import torch
     from specserve.kernels.reference.mustafar_encode import mustafar_encode
     fast, ref = _ops("mustafar_attention")
-    for nq, hq, h, nb, d, density in [(2, 6, 2, 2, 64, 0.3), (1, 2, 1, 1, 128, 1.0), (3, 3, 3, 1, 64, 0.05)]:
+    for nq, hq, h, nb, d, density in [(2, 6, 2, 2, 64, 0.3), (1, 2, 1, 1, 128, 1.0),
+                                      (3, 3, 3, 1, 64, 0.05)]:
         torch.manual_seed(nb * d)
         t = nb * 64
         keys, vals = torch.randn(h, t, d), torch.randn(h, t, d)

@@ -22,7 +22,8 @@ def test_mixed_batch_matches_dense_attention_per_request():
     k_cache = torch.randn(num_blocks * block_size, num_kv, dim)
     v_cache = torch.randn(num_blocks * block_size, num_kv, dim)
     # (context length, new queries): a decode, verify rows, a first prefill chunk, a later chunk,
-    # a length on a block boundary and one just past it, a whole prompt ending mid-block (its last block's
+    # a length on a block boundary and one just past it, a whole prompt ending mid-block (its last
+    # block's
     # unused slots are gathered too and must stay invisible)
     shapes = [(9, 1), (13, 4), (20, 20), (37, 17), (16, 1), (17, 3), (22, 22)]
     perm = torch.randperm(num_blocks).tolist()
@@ -37,7 +38,8 @@ def test_mixed_batch_matches_dense_attention_per_request():
     meta = PagedAttentionMetadata(query_start, [s[0] for s in shapes], tables, block_size)
     out = get_op("paged_attention")(q, k_cache, v_cache, meta, dim ** -0.5)
     for b, (length, num_q) in enumerate(shapes):
-        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(length)])
+        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size
+                              for p in range(length)])
         want = dense_attention(q_parts[b], k_cache[slots], v_cache[slots], dim ** -0.5)
         got = out[query_start[b]:query_start[b + 1]]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""The Triton paged attention == the reference on a mixed batch, under TRITON_INTERPRET=1 (in a child
-interpreter, so the interpreter flag never leaks into other tests)."""
+"""The Triton paged attention == the reference on a mixed batch, under TRITON_INTERPRET=1 (in a
+child interpreter, so the interpreter flag never leaks into other tests)."""
 from __future__ import annotations
 
 import os
@@ -58,8 +58,10 @@ print("ok paged")
 def test_triton_paged_attention_matches_reference():
     import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
     env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_KERNELS="triton", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "ok paged" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert (proc.returncode == 0
+            and "ok paged" in proc.stdout), proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def _mixed_batch(head_dim: int):
@@ -68,7 +70,8 @@ def _mixed_batch(head_dim: int):
     from specserve.kernels.metadata import PagedAttentionMetadata
     torch.manual_seed(head_dim)
     k_cache, v_cache = torch.randn(64, 2, head_dim), torch.randn(64, 2, head_dim)
-    q = torch.randn(1 + 3 + 20, 4, head_dim)                       # a decode, verify rows, a prefill chunk
+    # a decode, verify rows, a prefill chunk
+    q = torch.randn(1 + 3 + 20, 4, head_dim)
     tables = [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10, 11]]
 
     def meta():
@@ -77,8 +80,8 @@ def _mixed_batch(head_dim: int):
 
 
 def test_the_reference_serves_when_the_kernel_cannot(monkeypatch):
-    """A kernel that fails to compile or fit on this GPU, or a head size it cannot tile, must not stop
-    serving: dispatch falls back to the reference (and remembers a failure)."""
+    """A kernel that fails to compile or fit on this GPU, or a head size it cannot tile, must not
+    stop serving: dispatch falls back to the reference (and remembers a failure)."""
     from triton.runtime.errors import OutOfResources
 
     from specserve.kernels import dispatch
@@ -102,6 +105,7 @@ def test_the_reference_serves_when_the_kernel_cannot(monkeypatch):
     op(q, k, v, meta(), 0.25)                                      # remembered: no second attempt
     assert Failing.calls == 1
     op = dispatch.Kernel("paged_attention", tpa)
-    q, k, v, meta = _mixed_batch(48)                               # not a power of two: never launched
+    # not a power of two: never launched
+    q, k, v, meta = _mixed_batch(48)
     assert (op(q, k, v, meta(), 0.25) == ref(q, k, v, meta(), 0.25)).all()
     assert Failing.calls == 1 and op.unusable is None

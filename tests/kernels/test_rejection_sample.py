@@ -34,8 +34,10 @@ CASES = {
     "one-hot draft, likely token": (torch.tensor([0.5, 0.3, 0.2]), 0, None),
     "one-hot draft, unlikely token": (torch.tensor([0.5, 0.3, 0.2]), 2, None),
     "one-hot draft outside the support": (torch.tensor([0.7, 0.3, 0.0, 0.0]), 3, None),
-    "close draft distribution": (torch.tensor([0.4, 0.3, 0.2, 0.1]), None, torch.tensor([0.35, 0.3, 0.25, 0.1])),
-    "badly disagreeing draft": (torch.tensor([0.05, 0.05, 0.1, 0.8]), None, torch.tensor([0.8, 0.1, 0.05, 0.05])),
+    "close draft distribution": (torch.tensor([0.4, 0.3, 0.2, 0.1]), None,
+                                 torch.tensor([0.35, 0.3, 0.25, 0.1])),
+    "badly disagreeing draft": (torch.tensor([0.05, 0.05, 0.1, 0.8]), None,
+                                torch.tensor([0.8, 0.1, 0.05, 0.05])),
 }
 
 
@@ -74,5 +76,6 @@ def test_padding_rows_and_zero_drafts():
     target = torch.zeros(2, 3, 4)
     target[:, :, 2] = 1.0                                        # the target always says 2
     drafts = torch.tensor([[2, 1], [0, 0]])
-    out, acc = rejection_sample(target, drafts, torch.tensor([2, 0]), None, torch.ones(2, 2), torch.ones(2, 4))
+    out, acc = rejection_sample(target, drafts, torch.tensor([2, 0]), None, torch.ones(2, 2),
+                                torch.ones(2, 4))
     assert out.tolist() == [[2, 2, -1], [2, -1, -1]] and acc.tolist() == [1, 0]

@@ -12,7 +12,8 @@ def test_plan_splits_covers_the_context_with_non_empty_block_multiples():
             n, split = plan_splits(tokens, pairs, 64)
             assert split % 64 == 0 and n >= 1
             assert (n - 1) * split < tokens <= n * split          # the last split is non-empty
-            assert n == 1 or split >= 1024                        # short splits cost more than they save
+            # short splits cost more than they save
+            assert n == 1 or split >= 1024
             if pairs >= 1024 or tokens < 2048:
                 assert n == 1
     assert plan_splits(65536, 9, 64)[0] >= 50                     # a long decode fills the GPU

@@ -76,7 +76,8 @@ def test_prefix_hit_always_leaves_a_token_to_compute(length):
     kv.cache_full_blocks("a", tokens, length)
     kv.free("a")
     hit = kv.match_prefix("b", tokens)
-    assert hit == 4 if length == 8 else hit == 8      # length % bs == 0: the last block is recomputed
+    # length % bs == 0: the last block is recomputed
+    assert hit == 4 if length == 8 else hit == 8
     assert hit < length
     kv.free("b")
     kv.check_integrity()

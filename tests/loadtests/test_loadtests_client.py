@@ -33,7 +33,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/v1/models":
-            self._send(200, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}))
+            self._send(200,
+                       json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}))
         elif self.path == "/metrics":
             self._send(200, METRICS, "text/plain; version=0.0.4")
         else:
@@ -54,7 +55,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         n = body["max_tokens"]
         for i in range(0, n, per_chunk):
             write({"id": "c", "object": "text_completion",
-                   "choices": [{"index": 0, "text": "t" * min(per_chunk, n - i), "finish_reason": None}]})
+                   "choices": [{"index": 0, "text": "t" * min(per_chunk, n - i),
+                                "finish_reason": None}]})
             self.wfile.flush()
             if prompt == "stall" and i == 1:
                 time.sleep(3.0)                      # long past the client's hard deadline
@@ -83,7 +85,8 @@ def base_url():
 def _one(base_url, prompt, max_tokens=5, extra_body=None):
     async def go():
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-            return await stream_completion(client, base_url, "fake", RequestSpec(prompt, max_tokens),
+            return await stream_completion(client, base_url, "fake",
+                                           RequestSpec(prompt, max_tokens),
                                            extra_body)
     return asyncio.run(go())
 

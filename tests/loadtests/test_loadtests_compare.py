@@ -5,7 +5,8 @@ from specserve.loadtests import compare
 def test_workloads_a_and_b_have_the_issue_shapes():
     loads = compare.workloads(seed=0, num_requests=32)
     assert [len(loads["A"]), len(loads["B"])] == [32, 32]
-    assert {r.max_tokens for r in loads["A"]} == {64} and {r.max_tokens for r in loads["B"]} == {128}
+    assert ({r.max_tokens for r in loads["A"]} == {64}
+            and {r.max_tokens for r in loads["B"]} == {128})
     assert len({r.prompt for r in loads["B"]}) > 16                  # distinct questions
 
 

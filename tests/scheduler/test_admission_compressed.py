@@ -1,6 +1,6 @@
-"""VeriCache scheduling: with the full cache in the host pool, requests are admitted and preempted by
-the compressed (device) bytes of their drafting caches, so more sequences run at once than the same
-device budget would hold as full KV; preemption and aborts keep the output identical and every
+"""VeriCache scheduling: with the full cache in the host pool, requests are admitted and preempted
+by the compressed (device) bytes of their drafting caches, so more sequences run at once than the
+same device budget would hold as full KV; preemption and aborts keep the output identical and every
 reservation balanced (`check_integrity` after every step)."""
 from dataclasses import replace
 
@@ -15,11 +15,13 @@ from specserve.scheduler.scheduler import Scheduler
 from specserve.spec_phases.sampling_params import SamplingParams
 
 SPEC = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=4, kv_compressor="quant",
-                         kv_compressor_config={"num_sink": 4, "window": 8, "page_size": 8, "key_bits": 4,
+                         kv_compressor_config={"num_sink": 4, "window": 8, "page_size": 8,
+                                               "key_bits": 4,
                                                "value_bits": 2},
                          full_kv_in_host=True)
 PROMPT_LEN, MAX_TOKENS = 60, 12
-HOST_GB = 0.01                                    # ~20K tokens of the tiny model: never the limit here
+# ~20K tokens of the tiny model: never the limit here
+HOST_GB = 0.01
 GB = 2**30
 
 
@@ -74,7 +76,8 @@ def probe(make_engine):
 
 def test_more_sequences_run_than_full_kv_would_allow(make_engine, probe):
     final = PROMPT_LEN + MAX_TOKENS
-    budget = 2 * full_bytes(probe, final)                        # the device holds 2 sequences of full KV
+    # the device holds 2 sequences of full KV
+    budget = 2 * full_bytes(probe, final)
     assert 8 * peak(probe, final) < budget                      # ...but 8 compressed ones
     plain, plain_running, _ = run(make_engine(kv_cache_memory_gb=budget / GB, num_threads=1), 8)
     assert plain_running == 2
@@ -82,13 +85,15 @@ def test_more_sequences_run_than_full_kv_would_allow(make_engine, probe):
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=budget / GB,
                        host_kv_cache_memory_gb=HOST_GB)
     assert core.kv.draft_budget.capacity == int(budget / GB * GB)
-    assert core.worker.num_blocks * core.config.block_size * core.worker.storage.bytes_per_token > 5 * budget
+    assert (core.worker.num_blocks * core.config.block_size * core.worker.storage.bytes_per_token
+            > 5 * budget)
     peak_full = []
     out, running, preemptions = run(core, 8, on_step=lambda c, s: peak_full.append(
         sum(full_bytes(c, r.num_computed_tokens) for r in c.scheduler.running)))
     assert out == plain
     assert running == 8 and preemptions == 0
-    assert max(peak_full) > 3 * budget                           # full KV of the running set: far over budget
+    # full KV of the running set: far over budget
+    assert max(peak_full) > 3 * budget
 
 
 def test_preemption_when_compressed_bytes_run_out_is_lossless(make_engine, probe):
@@ -100,7 +105,8 @@ def test_preemption_when_compressed_bytes_run_out_is_lossless(make_engine, probe
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=capacity / GB,
                        host_kv_cache_memory_gb=HOST_GB)
     reserved = []
-    out, running, preemptions = run(core, 5, on_step=lambda c, s: reserved.append(c.kv.draft_budget.reserved_total))
+    out, running, preemptions = run(core, 5, on_step=lambda c,
+                                    s: reserved.append(c.kv.draft_budget.reserved_total))
     assert out == plain
     assert preemptions > 0 and running == 3
     assert max(reserved) <= core.kv.draft_budget.capacity
@@ -171,12 +177,14 @@ def test_admission_stops_where_the_compressed_bytes_run_out():
         add(sched, f"s{i}", 100)                               # 1000 bytes each at admission
     plan = sched.schedule()
     assert [r.request_id for r in plan.requests] == ["s0", "s1"]
-    assert sched.kv.draft_budget.reserved == {"s0": 1000, "s1": 1000} and sched.kv.draft_budget.reserved_total == 2000
+    assert (sched.kv.draft_budget.reserved == {"s0": 1000, "s1": 1000}
+            and sched.kv.draft_budget.reserved_total == 2000)
     assert [r.request_id for r in sched.waiting] == ["s2", "s3"]
     assert sched.kv.block_ids("s2") == []                      # refused before any block was taken
     sched.kv.check_integrity()
     sched.abort("s0")
-    assert sched.kv.draft_budget.reserved == {"s1": 1000} and sched.kv.draft_budget.reserved_total == 1000
+    assert (sched.kv.draft_budget.reserved == {"s1": 1000}
+            and sched.kv.draft_budget.reserved_total == 1000)
     sched.kv.check_integrity()
     sched.kv.draft_budget.reserved_total += 1                                 # a leak is caught
     with pytest.raises(AssertionError, match="reserved total"):
@@ -189,14 +197,17 @@ def test_growth_past_the_capacity_preempts_the_newest():
         add(sched, rid, 100)
     sched.schedule()
     assert sched.kv.draft_budget.reserved_total == 3000
-    for rid in "abc":                                          # as if the prompts were computed and sampled
+    # as if the prompts were computed and sampled
+    for rid in "abc":
         req = sched.requests[rid]
         req.num_computed_tokens = 100
         req.append(7)
-    plan = sched.schedule()                                    # a needs 1010: c (newest) is preempted
+    # a needs 1010: c (newest) is preempted
+    plan = sched.schedule()
     assert [r.request_id for r in plan.requests] == ["a", "b"]
     assert plan.preempted_ids == ("c",)
-    assert sched.kv.draft_budget.reserved == {"a": 1010, "b": 1010} and sched.requests["c"].num_computed_tokens == 0
+    assert (sched.kv.draft_budget.reserved == {"a": 1010, "b": 1010}
+            and sched.requests["c"].num_computed_tokens == 0)
     assert sched.kv.block_ids("c") == [] and [r.request_id for r in sched.waiting] == ["c"]
     sched.kv.check_integrity()
 
@@ -224,8 +235,10 @@ def test_max_draft_len_uses_the_peak_up_to_each_length():
 
 
 # -- configuration ---------------------------------------------------------------------------
-def test_the_host_budget_sizes_the_full_pool_and_the_device_budget_the_compressed_caches(make_engine):
-    core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=0.001, host_kv_cache_memory_gb=0.004)
+def test_the_host_budget_sizes_the_full_pool_and_the_device_budget_the_compressed_caches(
+    make_engine):
+    core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=0.001,
+                       host_kv_cache_memory_gb=0.004)
     bpt, bs = core.worker.storage.bytes_per_token, core.config.block_size
     assert core.worker.num_blocks == int(0.004 * GB) // (bpt * bs)
     assert core.kv.draft_budget.capacity == int(0.001 * GB)
@@ -241,7 +254,8 @@ def test_the_host_budget_sizes_the_full_pool_and_the_device_budget_the_compresse
 
 @pytest.mark.parametrize("kwargs", [
     {"host_kv_cache_memory_gb": 1.0},
-    {"host_kv_cache_memory_gb": 1.0, "speculative": SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4)},
+    {"host_kv_cache_memory_gb": 1.0,
+     "speculative": SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4)},
     {"host_kv_cache_memory_gb": 1.0, "speculative": replace(SPEC, full_kv_in_host=False)},
     {"host_kv_cache_memory_gb": 0.0, "speculative": SPEC},
 ])
@@ -284,8 +298,10 @@ def test_swap_bytes_per_step_add_up_to_the_pool_counters_and_reach_the_metric(ma
     run(core, 3, on_step=lambda c, s: (steps.append(s), metrics.steps.record(s)))
     pool, prop = core.worker.storage, core.worker.draft_pool
     h2d, d2h = sum(s.swap_bytes_h2d for s in steps), sum(s.swap_bytes_d2h for s in steps)
-    assert d2h == pool.bytes_d2h > 0                               # write-back of every computed token
-    assert h2d == pool.bytes_h2d + prop.num_encoded_tokens * pool.bytes_per_token > pool.bytes_h2d > 0
+    # write-back of every computed token
+    assert d2h == pool.bytes_d2h > 0
+    assert (h2d == pool.bytes_h2d + prop.num_encoded_tokens * pool.bytes_per_token > pool.bytes_h2d
+            > 0)
     assert all(s.swap_bytes_h2d > 0 for s in steps if s.num_generation_tokens)
     found = {(m.name, s.name): s.value for m in metrics.registry.collect() for s in m.samples}
     assert found[("specserve:full_kv_swap_bytes", "specserve:full_kv_swap_bytes_total")] == h2d

@@ -30,7 +30,8 @@ def test_concurrent_requests_stream_to_completion(engine):
     async def main():
         return await asyncio.gather(*(collect(engine, req(f"c{i}", n=5 + i)) for i in range(5)))
     results = asyncio.run(main())
-    assert all(len(t) == 10 and last.finished and last.finish_reason == "length" for t, last in results)
+    assert all(len(t) == 10 and last.finished and last.finish_reason == "length" for t,
+               last in results)
 
 
 def test_consumer_leaving_early_aborts_and_frees(engine):

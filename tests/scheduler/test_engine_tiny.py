@@ -89,15 +89,19 @@ def test_prefix_cache_hit_reuses_blocks_and_keeps_output(make_engine):
 def test_stop_conditions(make_engine):
     core = make_engine()
     prompt = prompts(1)[0]
-    free_run, _ = run(core, [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), "x")
+    free_run, _ = run(core, [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                      "x")
     stop_tok = free_run[0][4]
     first_idx = free_run[0].index(stop_tok)
-    out, finish = run(core, [prompt], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_tok]), "s")
+    out, finish = run(core, [prompt],
+                      SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_tok]), "s")
     assert out[0] == free_run[0][:first_idx + 1] and finish["s0"] == "stop"
-    out, finish = run(core, [prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "l")
+    out, finish = run(core, [prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                      "l")
     assert len(out[0]) == 3 and finish["l0"] == "length"
     # min_tokens masks the stop token until enough tokens exist
-    out, _ = run(core, [prompt], SamplingParams(max_tokens=10, temperature=0, min_tokens=first_idx + 2,
+    out, _ = run(core, [prompt],
+                 SamplingParams(max_tokens=10, temperature=0, min_tokens=first_idx + 2,
                                                 stop_token_ids=[stop_tok]), "m")
     assert stop_tok not in out[0][:first_idx + 2]
 
@@ -118,7 +122,8 @@ def test_abort_frees_blocks_mid_generation(make_engine):
 def test_step_failure_fails_only_its_requests(make_engine, monkeypatch):
     core = make_engine()
     core.add_request(EngineRequest("f0", prompts(1)[0], GREEDY))
-    monkeypatch.setattr(core.worker, "execute", lambda plan: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(core.worker, "execute",
+                        lambda plan: (_ for _ in ()).throw(RuntimeError("boom")))
     step = core.step()
     outs = step.outputs
     assert [(o.request_id, o.finish_reason) for o in outs] == [("f0", "error")]
@@ -140,7 +145,8 @@ def test_bad_input_is_refused_before_it_reaches_the_queue(make_engine):
     assert e.value.param == "input_tokens"
     with pytest.raises(ParamError) as e:
         core.add_request(EngineRequest("e", [5] * 60, SamplingParams(max_tokens=5)))
-    assert e.value.param == "max_tokens" and "maximum context length is 64 tokens" in e.value.message
+    assert (e.value.param == "max_tokens"
+            and "maximum context length is 64 tokens" in e.value.message)
     with pytest.raises(ParamError):
         SamplingParams(max_tokens=0)
     assert not core.has_unfinished()

@@ -69,8 +69,9 @@ def test_cost_model_recovers_a_linear_step_time():
 
 
 def test_collinear_batch_one_samples_do_not_inflate_the_token_price():
-    """Batch 1, n-gram drafts: tokens = 1 + max_k in every sample. The fit must stay non-negative and
-    predictive (a clamped unconstrained split once priced a draft token 30x too high: k fell to 0)."""
+    """Batch 1, n-gram drafts: tokens = 1 + max_k in every sample. The fit must stay non-negative
+    and predictive (a clamped unconstrained split once priced a draft token 30x too high: k fell to
+    0)."""
     model = CostModel(c2=0.001)
     rng = np.random.default_rng(1)
     for _ in range(64):
@@ -87,7 +88,8 @@ def test_a_request_held_at_zero_is_probed_and_recovers():
     ctl = controller(c0=0.02, c1=0.004)
     teach(ctl, "r", 0.0)
     ks = [ctl.choose(["r"], [8], 1)[0] for _ in range(3 * ctl.probe_every)]
-    assert ks.count(1) == 3 and ks.count(0) == len(ks) - 3        # one probe every probe_every steps
+    # one probe every probe_every steps
+    assert ks.count(1) == 3 and ks.count(0) == len(ks) - 3
     for _ in range(20):                                           # the text turned repetitive
         k = max(ctl.choose(["r"], [8], 1)[0], 0)
         ctl.observe("r", k, k)
@@ -97,7 +99,8 @@ def test_a_request_held_at_zero_is_probed_and_recovers():
 def test_unreached_positions_read_as_the_deepest_observed_one():
     ctl = controller()
     for _ in range(10):
-        ctl.observe("r", 1, 1)                                    # only ever drafted one, always accepted
+        # only ever drafted one, always accepted
+        ctl.observe("r", 1, 1)
     assert ctl.probs("r")[1:].min() > 0.9
     assert ctl.choose(["r"], [8], 1)[0] >= 4
 
@@ -108,7 +111,8 @@ def test_swap_bytes_are_priced_and_make_drafts_worth_more():
     model = CostModel()
     rng = np.random.default_rng(2)
     for _ in range(96):
-        tokens, k, swap = int(rng.integers(1, 64)), int(rng.integers(0, 8)), int(rng.integers(0, 50_000_000))
+        tokens, k, swap = (int(rng.integers(1, 64)), int(rng.integers(0, 8)),
+                           int(rng.integers(0, 50_000_000)))
         model.observe(tokens, k, 0.004 + 0.002 * tokens + 1e-9 * swap, swap_bytes=swap)
     assert np.allclose(model.coef, [0.004, 0.002, 0.0, 1e-9, 0.0], rtol=1e-3, atol=1e-9)
     ctl = DraftLengthController(8, cost=model)
@@ -120,8 +124,8 @@ def test_swap_bytes_are_priced_and_make_drafts_worth_more():
 
 def test_a_draft_pass_cost_is_shared_across_the_batch():
     """A drafter whose every draft position costs a forward (c2): the batch's first draft alone does
-    not pay for that pass, but one draft for every request does; a one-at-a-time greedy would stop at
-    k = 0 for all. Brute force over uniform k confirms the controller's choice beats k = 0."""
+    not pay for that pass, but one draft for every request does; a one-at-a-time greedy would stop
+    at k = 0 for all. Brute force over uniform k confirms the controller's choice beats k = 0."""
     ctl = controller(c0=0.3, c1=0.003, c2=0.05)        # a long-context step, a cheap draft pass
     ids = [f"r{i}" for i in range(8)]
     for i, r in enumerate(ids):
@@ -147,17 +151,18 @@ def test_a_dear_draft_pass_still_gives_zero_to_bad_acceptors():
 
 
 def test_a_draft_row_of_a_model_drafter_is_priced_apart_from_a_plain_row():
-    """lossy_kv / layer_skip: each draft is a row in a draft pass besides its verify row. Steps where
-    many requests decode and few draft must not teach the controller that a draft costs a plain row:
-    the fit recovers the draft row's own price, and a batch that accepts 80% at a plain row's price
-    but not at the true one gets k = 0."""
+    """lossy_kv / layer_skip: each draft is a row in a draft pass besides its verify row. Steps
+    where many requests decode and few draft must not teach the controller that a draft costs a
+    plain row: the fit recovers the draft row's own price, and a batch that accepts 80% at a plain
+    row's price but not at the true one gets k = 0."""
     model = CostModel()
     rng = np.random.default_rng(3)
     for _ in range(96):
         batch = int(rng.integers(1, 32))
         ks = rng.integers(0, 5, size=batch) * (rng.random(batch) < 0.3)
         drafts = int(ks.sum())
-        model.observe(batch + drafts, int(ks.max()), 0.02 + 0.001 * (batch + drafts) + 0.004 * drafts,
+        model.observe(batch + drafts, int(ks.max()),
+                      0.02 + 0.001 * (batch + drafts) + 0.004 * drafts,
                       draft_tokens=drafts)
     assert np.allclose(model.coef, [0.02, 0.001, 0.0, 0.0, 0.004], rtol=1e-3, atol=1e-9)
     ids = [f"r{i}" for i in range(24)]
@@ -168,13 +173,15 @@ def test_a_draft_row_of_a_model_drafter_is_priced_apart_from_a_plain_row():
     plain_row = DraftLengthController(8, cost=CostModel(0.02, 0.001))
     for i, r in enumerate(ids):
         teach(plain_row, r, 0.8, seed=i)
-    assert sum(plain_row.choose(ids, [8] * 24, num_other_tokens=24)) > 0     # what the old fit would do
+    # what the old fit would do
+    assert sum(plain_row.choose(ids, [8] * 24, num_other_tokens=24)) > 0
 
 
 def test_probes_share_draft_passes():
-    """Requests held at k = 0 arrive one per step (staggered idle counters). A drafter whose pass costs
-    a forward would pay one on nearly every step for staggered probes; grouped, the probes fall into
-    step: one pass per probe interval, and every request is still probed at least that often."""
+    """Requests held at k = 0 arrive one per step (staggered idle counters). A drafter whose pass
+    costs a forward would pay one on nearly every step for staggered probes; grouped, the probes
+    fall into step: one pass per probe interval, and every request is still probed at least that
+    often."""
     ctl = controller(c0=0.1, c1=0.004, c2=0.01)       # a pass a certain draft would pay for
     ids = [f"r{i}" for i in range(8)]
     for r in ids:
@@ -236,22 +243,25 @@ def test_vectorised_allocation_equals_the_plain_greedy():
     rng = np.random.default_rng(4)
     for _ in range(500):
         n = int(rng.integers(1, 33))
-        coef = [rng.uniform(0.001, 0.3), rng.uniform(0, 0.01), rng.choice([0.0, rng.uniform(0, 0.1)]),
+        coef = [rng.uniform(0.001, 0.3), rng.uniform(0, 0.01),
+                rng.choice([0.0, rng.uniform(0, 0.1)]),
                 rng.choice([0.0, 1e-9]), rng.choice([0.0, rng.uniform(0, 0.01)])]
         ctl = DraftLengthController(8, cost=CostModel(*coef))
         ids = [f"r{i}" for i in range(n)]
         for r in ids:
-            ctl.accept[r] = np.clip(rng.uniform() + rng.normal(0, 0.1, 8), 0, 1) * (rng.random() > 0.1)
+            ctl.accept[r] = np.clip(rng.uniform() + rng.normal(0, 0.1, 8), 0,
+                                    1) * (rng.random() > 0.1)
         caps = [int(c) for c in rng.integers(0, 9, n)]
         other, swap = int(rng.integers(n, 3 * n)), int(rng.integers(0, 10**8))
-        assert ctl._allocate(ids, caps, other, swap) == _greedy_allocation(ctl, ids, caps, other, swap)
+        assert (ctl._allocate(ids, caps, other, swap)
+                == _greedy_allocation(ctl, ids, caps, other, swap))
 
 
 def test_measured_draft_passes_price_passes_apart_from_the_rest_of_the_step():
-    """Every request drafts the same k (max_k and drafts move together) and one huge prefill step sits
-    among the samples: the step-level fit cannot tell a pass's fixed cost from its per-row cost, but
-    passes reported as (rows, seconds) can. Truth: a pass costs 30 ms + 2 ms per row, the rest of a step
-    50 ms + 1 ms per token (the prefill took 40 s for 32K tokens)."""
+    """Every request drafts the same k (max_k and drafts move together) and one huge prefill step
+    sits among the samples: the step-level fit cannot tell a pass's fixed cost from its per-row
+    cost, but passes reported as (rows, seconds) can. Truth: a pass costs 30 ms + 2 ms per row, the
+    rest of a step 50 ms + 1 ms per token (the prefill took 40 s for 32K tokens)."""
     model = CostModel()
     rng = np.random.default_rng(5)
     model.observe(32768, 0, 40.0)
@@ -263,11 +273,13 @@ def test_measured_draft_passes_price_passes_apart_from_the_rest_of_the_step():
                       draft_passes=passes)
     assert abs(model.coef[2] - 0.030) < 1e-3 and abs(model.coef[4] - 0.002) < 2e-4
     # a single request drafting 8: eight 1-row passes, 8 * 32 ms, not a share of the batch's passes
-    assert abs(model.predict(9, 8, draft_tokens=8) - model.predict(1, 0) - 8 * 0.032 - 8 * model.coef[1]) < 1e-3
+    assert abs(model.predict(9, 8, draft_tokens=8) - model.predict(1, 0)
+               - 8 * 0.032 - 8 * model.coef[1]) < 1e-3
 
 
 def test_pass_fit_stays_non_negative():
     model = CostModel()
-    for rows, secs in [(1, 0.05), (2, 0.04), (4, 0.03), (8, 0.02)] * 2:     # faster with more rows: noise
+    # faster with more rows: noise
+    for rows, secs in [(1, 0.05), (2, 0.04), (4, 0.03), (8, 0.02)] * 2:
         model.observe(rows * 2, 1, secs + 0.01, draft_tokens=rows, draft_passes=[(rows, secs)])
     assert model.coef[2] > 0 and model.coef[4] == 0.0

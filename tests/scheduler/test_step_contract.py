@@ -58,7 +58,8 @@ def test_plan_and_result_round_trip_through_pickle():
     assert pickle.loads(pickle.dumps(res)) == res
     outputs, stats = sched.commit(copy, pickle.loads(pickle.dumps(res)))
     assert outputs[0].new_token_ids == [41, 42]
-    assert stats.swap_bytes_h2d == 10 and stats.num_frontiers == 2 and stats.num_accepted_tokens == 1
+    assert (stats.swap_bytes_h2d == 10 and stats.num_frontiers == 2
+            and stats.num_accepted_tokens == 1)
 
 
 def test_plain_decoding_plans_carry_no_history():

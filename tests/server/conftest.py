@@ -1,10 +1,10 @@
 """A deterministic fake engine and a real uvicorn server on 127.0.0.1 around it.
 
-The fake speaks the engine boundary exactly (scheduler/messages.py): `submit` returns an async iterator
-of `RequestOutput` deltas, `abort` is idempotent. It "generates" the tokens of SCRIPT in a cycle (from
-a seed-chosen start when a seed is given, from 0 when greedy), ends with EOS after the script's last
-token (unless ignore_eos), and honours max_tokens, min_tokens, stop_token_ids and logprobs. It records
-every request so tests can assert that none is left holding blocks.
+The fake speaks the engine boundary exactly (scheduler/messages.py): `submit` returns an async
+iterator of `RequestOutput` deltas, `abort` is idempotent. It "generates" the tokens of SCRIPT in a
+cycle (from a seed-chosen start when a seed is given, from 0 when greedy), ends with EOS after the
+script's last token (unless ignore_eos), and honours max_tokens, min_tokens, stop_token_ids and
+logprobs. It records every request so tests can assert that none is left holding blocks.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import pytest
 import httpx
 import uvicorn
 
-from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, ModelInfo, RequestOutput,
+from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, ModelInfo,
+                                          RequestOutput,
                                           TokenLogprob)
 from specserve.server.app import build_app
 from specserve.server.settings import ServerSettings
@@ -34,7 +35,8 @@ class FakeEngine:
                  max_waiting: int = 10_000, tokens_per_step: int = 1):
         self.script_ids = tokenizer.encode(SCRIPT, add_special_tokens=False)
         self.model_info = ModelInfo(name=MODEL, path="/models/fake.gguf", vocab_size=len(tokenizer),
-                                    max_model_len=max_model_len, eos_token_ids=(EOS,), bos_token_id=1)
+                                    max_model_len=max_model_len, eos_token_ids=(EOS,),
+                                    bos_token_id=1)
         self.step_delay = step_delay
         self.max_waiting = max_waiting
         self.tokens_per_step = tokens_per_step
@@ -140,9 +142,11 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
@@ -183,7 +187,8 @@ def make_server(tokenizer):
 
     def make(engine=None, routers=(), **overrides):
         engine = engine or FakeEngine(tokenizer)
-        settings = ServerSettings(**{"served_model_names": (MODEL, "fake-alias"), "sse_keepalive_s": 0,
+        settings = ServerSettings(**{"served_model_names": (MODEL, "fake-alias"),
+                                     "sse_keepalive_s": 0,
                                      **overrides})
         server = LiveServer(build_app(engine, tokenizer, settings, routers=routers)).__enter__()
         server.engine = engine

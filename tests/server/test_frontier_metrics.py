@@ -1,5 +1,5 @@
-"""FASER early pruning at the edges: `frontier_size` in `--speculative-config`, and the pruned-token and
-frontier counters from StepStats to Prometheus."""
+"""FASER early pruning at the edges: `frontier_size` in `--speculative-config`, and the pruned-token
+and frontier counters from StepStats to Prometheus."""
 from __future__ import annotations
 
 import types
@@ -16,7 +16,8 @@ from specserve.server.metrics import ServerMetrics
 from specserve.server.settings import ServerSettings
 
 LABELS = {"model_name": "tiny", "engine": "0", "method": "ngram", "kv_compressor": "none"}
-PRUNED, FRONTIERS = "specserve:spec_decode_pruned_tokens_total", "specserve:spec_decode_frontiers_total"
+PRUNED, FRONTIERS = ("specserve:spec_decode_pruned_tokens_total",
+                     "specserve:spec_decode_frontiers_total")
 
 
 @pytest.fixture
@@ -46,7 +47,9 @@ def samples(metrics: ServerMetrics) -> dict[str, float]:
 
 def test_cli_frontier_size_flows_into_the_engine(engines):
     args = build_parser().parse_args(["serve", "tiny-random", "--speculative-config",
-                                      '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 6, "frontier_size": 2}'])
+                                      '{"method": "ngram", "prompt_lookup_min": 1, '
+                                      '"prompt_lookup_max": 4, "num_speculative_tokens": 6, '
+                                      '"frontier_size": 2}'])
     config = engine_config(args)
     assert config.speculative.frontier_size == 2
     core = engines.core(model="tiny-random", num_kv_blocks=32, speculative=config.speculative)
@@ -65,28 +68,35 @@ def test_cli_refuses_bad_frontier_sizes_with_a_clear_message(value):
     with pytest.raises(SystemExit) as exc:
         engine_config(args)
     message = str(exc.value)
-    assert message.startswith("specserve: bad --speculative-config: frontier_size must be an integer in [0, 32]")
+    assert message.startswith(
+        "specserve: bad --speculative-config: frontier_size must be an integer in [0, 32]")
     with pytest.raises(ValueError, match="frontier_size"):
         SpeculativeConfig(method="ngram", frontier_size=-2)
 
 
 def test_recorder_adds_pruned_tokens_and_frontiers_of_spec_steps(core_with):
-    metrics = metrics_for(core_with(SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=4, frontier_size=2)))
+    metrics = metrics_for(core_with(SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                                      prompt_lookup_max=4, num_speculative_tokens=4,
+                                                      frontier_size=2)))
     assert samples(metrics) == {PRUNED: 0, FRONTIERS: 0}  # exported from the first scrape
     # the worked example: 4 drafted, the third rejected, seen after the first frontier
     metrics.steps.record(StepStats(num_drafts=1, num_draft_tokens=4, num_accepted_tokens=2,
-                                   accepted_per_pos=[1, 1], draft_lens=[4], num_pruned_tokens=2, num_frontiers=1))
+                                   accepted_per_pos=[1, 1], draft_lens=[4], num_pruned_tokens=2,
+                                   num_frontiers=1))
     assert samples(metrics) == {PRUNED: 2, FRONTIERS: 1}
     metrics.steps.record(StepStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5,
-                                   accepted_per_pos=[2, 1, 1, 1], draft_lens=[4, 4], num_pruned_tokens=0,
+                                   accepted_per_pos=[2, 1, 1, 1], draft_lens=[4, 4],
+                                   num_pruned_tokens=0,
                                    num_frontiers=2))
     assert samples(metrics) == {PRUNED: 2, FRONTIERS: 3}
-    metrics.steps.record(StepStats(num_generation_tokens=3, num_frontiers=1))   # a step without drafts
+    # a step without drafts
+    metrics.steps.record(StepStats(num_generation_tokens=3, num_frontiers=1))
     assert samples(metrics) == {PRUNED: 2, FRONTIERS: 3}
 
 
 def test_counters_from_real_steps_match_the_step_stats(core_with):
-    core = core_with(SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=5, frontier_size=1))
+    core = core_with(SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4,
+                                       num_speculative_tokens=5, frontier_size=1))
     metrics = metrics_for(core)
     for i, prompt in enumerate([[5, 6, 7, 8] * 6, [9, 10, 11] * 7, [3, 4] * 9]):
         core.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0,
@@ -101,7 +111,8 @@ def test_counters_from_real_steps_match_the_step_stats(core_with):
             pruned += stats.num_pruned_tokens
             frontiers += stats.num_frontiers
             drafted += stats.num_draft_tokens
-            assert 1 <= stats.num_frontiers <= max(stats.draft_lens)     # frontier_size 1: one per draft
+            # frontier_size 1: one per draft
+            assert 1 <= stats.num_frontiers <= max(stats.draft_lens)
             assert stats.num_pruned_tokens <= stats.num_draft_tokens - stats.num_accepted_tokens
     assert spec_steps > 0 and drafted > 0
     assert samples(metrics) == {PRUNED: pruned, FRONTIERS: frontiers}
@@ -111,5 +122,6 @@ def test_counters_from_real_steps_match_the_step_stats(core_with):
 def test_no_frontier_series_without_speculation(core_with):
     metrics = metrics_for(core_with(None))
     names = {f.name for f in text_string_to_metric_families(metrics.expose().decode())}
-    assert "specserve:spec_decode_pruned_tokens" not in names and "specserve:spec_decode_frontiers" not in names
+    assert ("specserve:spec_decode_pruned_tokens" not in names
+            and "specserve:spec_decode_frontiers" not in names)
     assert "vllm:num_requests_running" in names

@@ -1,6 +1,6 @@
 """Our JSON and SSE against the recorded vLLM 0.32-shaped examples in `recorded/` (see its README:
-reconstructed from openai-api.md, not live captures). Compared: key order, value types, event order and
-SSE framing; never the generated text."""
+reconstructed from openai-api.md, not live captures). Compared: key order, value types, event order
+and SSE framing; never the generated text."""
 from __future__ import annotations
 
 import json
@@ -61,7 +61,8 @@ def event_shapes(events: list) -> list:
 ])
 def test_json_shapes(server, recorded, path, body):
     expected = json.loads((RECORDED / recorded).read_text())
-    ours = httpx.post(server.url + path, json={"model": "fake-model", "temperature": 0, **body}, timeout=30).json()
+    ours = httpx.post(server.url + path, json={"model": "fake-model", "temperature": 0, **body},
+                      timeout=30).json()
     assert shape(ours) == shape(expected)
 
 
@@ -72,7 +73,8 @@ def test_json_shapes(server, recorded, path, body):
 def test_sse_shapes_and_order(server, recorded, path, body):
     expected = sse_events((RECORDED / recorded).read_text())
     r = httpx.post(server.url + path, timeout=30, json={
-        "model": "fake-model", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+        "model": "fake-model", "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True},
         "temperature": 0, **body})
     assert r.headers["content-type"].startswith("text/event-stream")
     ours = sse_events(r.text)

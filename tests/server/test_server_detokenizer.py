@@ -44,9 +44,12 @@ def test_stop_matcher_release_on_flush_and_include():
 
 
 def test_cli_maps_flags_onto_engine_config():
-    args = build_parser().parse_args(["serve", "tiny-random", "--max-model-len", "128", "--block-size", "32",
+    args = build_parser().parse_args(["serve", "tiny-random", "--max-model-len", "128",
+                                      "--block-size", "32",
                                       "--no-enable-prefix-caching", "--kv-cache-memory-gb", "0.5",
-                                      "--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 3}',
+                                      "--speculative-config",
+                                      '{"method": "ngram", "prompt_lookup_min": 1, '
+                                      '"prompt_lookup_max": 4, "num_speculative_tokens": 3}',
                                       "--served-model-name", "a", "b", "--api-key", "k"])
     config = engine_config(args)
     assert (config.model, config.max_model_len, config.block_size) == ("tiny-random", 128, 32)

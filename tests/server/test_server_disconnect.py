@@ -1,4 +1,5 @@
-"""Clients that go away (streaming or not) abort their engine requests: nothing stays held once idle."""
+"""Clients that go away (streaming or not) abort their engine requests: nothing stays held once
+idle."""
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,8 @@ def test_200_streams_cut_midway_leave_nothing_held(make_server, tokenizer):
                     if line.startswith("data: {"):
                         seen += 1
                         if seen >= cut_after[i]:
-                            break                 # leaving the block closes the connection mid-stream
+                            # leaving the block closes the connection mid-stream
+                            break
                 return seen
 
     async def run():
@@ -74,7 +76,8 @@ def test_non_streaming_client_gone_aborts(make_server, tokenizer):
 
 def test_finished_streams_are_not_aborted(server):
     for stream in (True, False):
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": stream,
+        r = httpx.post(server.url + "/v1/completions",
+                       json={"prompt": "x", "max_tokens": 3, "stream": stream,
                                                              "n": 2}, timeout=30)
         assert r.status_code == 200
     wait_until(lambda: idle_and_clean(server), "requests to finish")

@@ -52,24 +52,30 @@ def test_context_length_rule(server):
     err = error_of(r)
     assert err["param"] == "max_tokens" and err["message"] == (
         "This model's maximum context length is 512 tokens. However, you requested 516 tokens "
-        "(500 in the messages, 16 in the completion). Please reduce the length of the messages or completion.")
+        "(500 in the messages, 16 in the completion). Please reduce the length of the messages or "
+        "completion.")
     r = post(server, "/v1/completions", {"prompt": list(range(100, 612)), "max_tokens": 1})
     assert error_of(r)["param"] == "input_tokens"
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]})
+    r = post(server, "/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "hi " * 600}]})
     assert r.status_code == 400 and error_of(r)["param"] == "input_tokens"
-    assert post(server, "/v1/completions", {"prompt": long_prompt, "max_tokens": 12}).status_code == 200
+    assert (post(server, "/v1/completions", {"prompt": long_prompt, "max_tokens": 12}).status_code
+            == 200)
 
 
 def test_bad_json_wrong_content_type_unknown_fields(server):
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ',
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and error_of(r)["type"] == "BadRequestError"
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x"}',
+                   headers={"content-type": "text/plain"})
     assert r.status_code == 400
     assert error_of(r)["message"] == "Unsupported Media Type: Only 'application/json' is allowed"
     # curl -d (form content type) with a JSON body is read as JSON (the README's curl line)
     # (greedy, so the fake engine starts at the script's first words: a sampled start may land
     # inside a multi-byte character whose two tokens decode to no text yet)
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2, "temperature": 0}',
+    r = httpx.post(server.url + "/v1/completions",
+                   content=b'{"prompt": "x", "max_tokens": 2, "temperature": 0}',
                    headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "frobnicate": 3})
@@ -81,9 +87,11 @@ def test_routes_models_and_methods(server):
     assert r.status_code == 404 and error_of(r)["type"] == "NotFoundError"
     r = httpx.get(server.url + "/v1/completions")
     assert r.status_code == 405 and error_of(r)["type"] == "MethodNotAllowed"
-    r = post(server, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    r = post(server, "/v1/chat/completions",
+             {"model": "nope", "messages": [{"role": "user", "content": "x"}]})
     err = error_of(r)
-    assert r.status_code == 404 and err["param"] == "model" and err["message"] == "The model `nope` does not exist."
+    assert (r.status_code == 404 and err["param"] == "model"
+            and err["message"] == "The model `nope` does not exist.")
 
 
 def test_chat_specific_refusals(server):
@@ -146,7 +154,8 @@ def test_body_size_limit_refused_before_parsing(make_server):
     s = make_server(max_body_bytes=1000)
     r = post(s, "/v1/completions", {"prompt": "x" * 2000})
     assert r.status_code == 413 and error_of(r)["code"] == 413
-    chunked = httpx.post(s.url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * 1500, b'"}']),
+    chunked = httpx.post(s.url + "/v1/completions",
+                         content=iter([b'{"prompt": "', b"y" * 1500, b'"}']),
                          headers={"content-type": "application/json"})
     assert chunked.status_code == 413
     assert s.engine.submitted == []
@@ -159,7 +168,8 @@ def test_overload_and_dead_engine(make_server, tokenizer):
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert error_of(r)["type"] == "ServiceUnavailableError"
     lazy = FakeEngine(tokenizer)
-    lazy.raise_on_first_step = EngineOverloadedError("full")      # raised from the iterator, not submit
+    # raised from the iterator, not submit
+    lazy.raise_on_first_step = EngineOverloadedError("full")
     r = post(make_server(lazy), "/v1/completions", {"prompt": "x", "stream": True})
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     dead_engine = FakeEngine(tokenizer)
@@ -185,14 +195,17 @@ def test_error_after_stream_started_is_an_sse_event_then_done(make_server, token
     assert engine.held() == set()
     r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 10, "temperature": 0})
     assert r.status_code == 500 and error_of(r)["type"] == "InternalServerError"
-    assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200   # still up
+    # still up
+    assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_request_id_header_echoed_and_used(server):
-    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "abc123"})
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1},
+             headers={"X-Request-Id": "abc123"})
     assert r.headers["x-request-id"] == "abc123" and r.json()["id"] == "cmpl-abc123"
     assert server.engine.submitted[-1].request_id.startswith("abc123-0-")
-    r2 = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "abc123"})
+    r2 = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1},
+              headers={"X-Request-Id": "abc123"})
     assert server.engine.submitted[-1].request_id != server.engine.submitted[-2].request_id
     assert r2.json()["id"] == "cmpl-abc123"
     r3 = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
@@ -206,6 +219,7 @@ def test_tokenize_detokenize_version(server, tokenizer):
     assert body["max_model_len"] == 512 and body["token_strs"][1] == "Ġcapital"
     chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert tokenizer.decode(chat["tokens"]).endswith("<|im_start|>assistant\n")
-    assert post(server, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "The capital of France is"}
+    assert (post(server, "/detokenize", {"tokens": body["tokens"]}).json()
+            == {"prompt": "The capital of France is"})
     assert post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
     assert httpx.get(server.url + "/version").json() == {"version": "0.1.0"}

@@ -1,4 +1,5 @@
-"""/metrics: vLLM's names, labels and counter arithmetic, fed by the real engine on the tiny model."""
+"""/metrics: vLLM's names, labels and counter arithmetic, fed by the real engine on the tiny
+model."""
 from __future__ import annotations
 
 import logging
@@ -17,12 +18,14 @@ from specserve.spec_phases.sampling_params import SamplingParams
 from specserve.scheduler.messages import StepStats
 from specserve.server.app import build_app
 from specserve.server.metrics import ServerMetrics, make_router
-from specserve.server.metrics_catalog import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
+from specserve.server.metrics_catalog import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS,
+                                              buckets_1_2_5)
 from specserve.server.metrics_recorders import RequestTracker
 from specserve.server.settings import ServerSettings
 from specserve.server.tokenizer import load_tokenizer
 
-NGRAM = SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=4)
+NGRAM = SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4,
+                          num_speculative_tokens=4)
 LABELS = {"model_name": "tiny", "engine": "0"}
 
 
@@ -60,30 +63,39 @@ def test_idle_exposition_has_vllm_names_types_labels_and_buckets(tiny_core):
     core = tiny_core()
     metrics = ServerMetrics(stand_in(core), ServerSettings(served_model_names=("tiny",)))
     found, kinds = samples(metrics), families(metrics)
-    assert value(found, "vllm:num_requests_running") == 0 and value(found, "vllm:num_requests_waiting") == 0
-    for name, kind in [("vllm:num_requests_running", "gauge"), ("vllm:kv_cache_usage_perc", "gauge"),
-                       ("vllm:gpu_cache_usage_perc", "gauge"), ("vllm:gpu_prefix_cache_hit_rate", "gauge"),
+    assert (value(found, "vllm:num_requests_running") == 0
+            and value(found, "vllm:num_requests_waiting") == 0)
+    for name, kind in [("vllm:num_requests_running", "gauge"),
+                       ("vllm:kv_cache_usage_perc", "gauge"),
+                       ("vllm:gpu_cache_usage_perc", "gauge"),
+                       ("vllm:gpu_prefix_cache_hit_rate", "gauge"),
                        ("vllm:prompt_tokens", "counter"), ("vllm:generation_tokens", "counter"),
                        ("vllm:request_success", "counter"), ("vllm:num_preemptions", "counter"),
-                       ("vllm:prefix_cache_queries", "counter"), ("vllm:gpu_prefix_cache_hits", "counter"),
+                       ("vllm:prefix_cache_queries", "counter"),
+                       ("vllm:gpu_prefix_cache_hits", "counter"),
                        ("vllm:spec_decode_num_drafts", "counter"),
                        ("vllm:spec_decode_num_accepted_tokens_per_pos", "counter"),
                        ("vllm:time_to_first_token_seconds", "histogram"),
                        ("vllm:inter_token_latency_seconds", "histogram"),
                        ("vllm:e2e_request_latency_seconds", "histogram"),
                        ("vllm:request_queue_time_seconds", "histogram"),
-                       ("vllm:iteration_tokens_total", "histogram"), ("vllm:cache_config_info", "gauge"),
+                       ("vllm:iteration_tokens_total", "histogram"),
+                       ("vllm:cache_config_info", "gauge"),
                        ("specserve:spec_decode_draft_len", "histogram"),
-                       ("specserve:kv_bytes_per_token", "gauge"), ("specserve:full_kv_swap_bytes", "counter")]:
+                       ("specserve:kv_bytes_per_token", "gauge"),
+                       ("specserve:full_kv_swap_bytes", "counter")]:
         assert kinds.get(name) == kind, (name, kinds.get(name))
     for reason in ("stop", "length", "abort", "error", "repetition"):
         assert value(found, "vllm:request_success_total", finished_reason=reason) == 0
     for pos in "0123":
         assert value(found, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=pos) == 0
-        assert value(found, "specserve:spec_decode_num_draft_tokens_per_pos_total", position=pos) == 0
-    edges = sorted(float(dict(k[1])["le"]) for k in found if k[0] == "vllm:time_to_first_token_seconds_bucket")
+        assert (value(found, "specserve:spec_decode_num_draft_tokens_per_pos_total", position=pos)
+                == 0)
+    edges = sorted(float(dict(k[1])["le"]) for k in found
+                   if k[0] == "vllm:time_to_first_token_seconds_bucket")
     assert edges[:-1] == list(TTFT_BUCKETS) and edges[-1] == float("inf")
-    edges = sorted(float(dict(k[1])["le"]) for k in found if k[0] == "vllm:request_prompt_tokens_bucket")
+    edges = sorted(float(dict(k[1])["le"]) for k in found
+                   if k[0] == "vllm:request_prompt_tokens_bucket")
     assert edges[:-1] == [1, 2, 5, 10, 20, 50, 100, 200] == buckets_1_2_5(256)
     assert ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80 and REQUEST_LATENCY_BUCKETS[-1] == 7680
     bpt = core.worker.model_config.kv_bytes_per_token(core.worker.dtype)
@@ -95,7 +107,8 @@ def test_idle_exposition_has_vllm_names_types_labels_and_buckets(tiny_core):
 
 def test_worked_example_four_drafted_two_accepted(tiny_core):
     metrics = ServerMetrics(stand_in(tiny_core()), ServerSettings(served_model_names=("tiny",)))
-    metrics.steps.record(StepStats(num_running=1, num_generation_tokens=3, num_drafts=1, num_draft_tokens=4,
+    metrics.steps.record(StepStats(num_running=1, num_generation_tokens=3, num_drafts=1,
+                                   num_draft_tokens=4,
                                    num_accepted_tokens=2, accepted_per_pos=[1, 1], draft_lens=[4]))
     found = samples(metrics)
     assert value(found, "vllm:spec_decode_num_drafts_total") == 1
@@ -112,7 +125,8 @@ def test_worked_example_four_drafted_two_accepted(tiny_core):
     assert value(found, "specserve:spec_decode_draft_len_bucket", le="4.0", **by) == 1
     # a second step: three requests drafting 4, 2 and 4 (accepting 3, 0, 1)
     metrics.steps.record(StepStats(num_drafts=3, num_draft_tokens=10, num_accepted_tokens=4,
-                                   accepted_per_pos=[2, 1, 1], draft_lens=[4, 2, 4], num_preemptions=2,
+                                   accepted_per_pos=[2, 1, 1], draft_lens=[4, 2, 4],
+                                   num_preemptions=2,
                                    prefix_cache_queries=32, prefix_cache_hits=16))
     found = samples(metrics)
     assert value(found, "vllm:spec_decode_num_drafts_total") == 4
@@ -122,7 +136,8 @@ def test_worked_example_four_drafted_two_accepted(tiny_core):
             for p in "0123"] == [4, 4, 3, 3]
     assert value(found, "vllm:num_preemptions_total") == 2
     assert value(found, "specserve:preemptions_total", mode="recompute") == 2
-    assert value(found, "vllm:gpu_prefix_cache_hits_total") == value(found, "vllm:prefix_cache_hits_total") == 16
+    assert (value(found, "vllm:gpu_prefix_cache_hits_total")
+            == value(found, "vllm:prefix_cache_hits_total") == 16)
     assert value(found, "vllm:gpu_prefix_cache_hit_rate") == 0.5
 
 
@@ -145,11 +160,14 @@ def test_counters_from_real_steps_agree_with_per_request_spec_stats(tiny_core):
     assert specs, "the n-gram drafter proposed nothing on a repetitive prompt"
     found = samples(metrics)
     assert value(found, "vllm:spec_decode_num_drafts_total") == sum(s.num_drafts for s in specs)
-    assert value(found, "vllm:spec_decode_num_draft_tokens_total") == sum(s.num_draft_tokens for s in specs)
-    assert value(found, "vllm:spec_decode_num_accepted_tokens_total") == sum(s.num_accepted_tokens for s in specs)
+    assert (value(found, "vllm:spec_decode_num_draft_tokens_total")
+            == sum(s.num_draft_tokens for s in specs))
+    assert (value(found, "vllm:spec_decode_num_accepted_tokens_total")
+            == sum(s.num_accepted_tokens for s in specs))
     for pos in range(4):
         want = sum(s.accepted_per_pos[pos] for s in specs if len(s.accepted_per_pos) > pos)
-        assert value(found, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == want
+        assert value(found, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                     position=str(pos)) == want
     assert value(found, "vllm:generation_tokens_total") == generated == 72
     assert value(found, "vllm:num_requests_running") == 0
 
@@ -174,7 +192,9 @@ def test_request_tracker_timings_reasons_and_groups(tiny_core):
     clock.now = 101.25
     tracker.output(0, RequestOutput("q0", [8, 9], num_prompt_tokens=3))
     clock.now = 102.0
-    tracker.output(0, RequestOutput("q0", [10], finished=True, finish_reason="length", num_prompt_tokens=3))
+    tracker.output(0,
+                   RequestOutput("q0", [10], finished=True, finish_reason="length",
+                                 num_prompt_tokens=3))
     tracker.output(1, RequestOutput("q1", [7], num_prompt_tokens=3))
     tracker.stopped(1)                             # a stop string matched: "stop", not "abort"
     tracker.failed(2)
@@ -186,14 +206,16 @@ def test_request_tracker_timings_reasons_and_groups(tiny_core):
     assert value(found, "vllm:inter_token_latency_seconds_count") == 2
     assert value(found, "vllm:inter_token_latency_seconds_sum") == 1.0
     assert value(found, "vllm:e2e_request_latency_seconds_count") == 4
-    assert value(found, "vllm:request_queue_time_seconds_sum") == 0.5 + 2.0    # q1: no step seen, time 0
+    # q1: no step seen, time 0
+    assert value(found, "vllm:request_queue_time_seconds_sum") == 0.5 + 2.0
     assert value(found, "vllm:request_prefill_time_seconds_sum") == 0.5
     assert value(found, "vllm:request_decode_time_seconds_sum") == 1.0
     assert value(found, "vllm:request_time_per_output_token_seconds_sum") == 1.0 / 3
     assert value(found, "vllm:prompt_tokens_total") == 6
     assert value(found, "vllm:prompt_tokens_cached_total") == 1
     assert value(found, "vllm:prompt_tokens_by_source_total", source="local_compute") == 5
-    assert value(found, "vllm:request_params_n_count") == 2 and value(found, "vllm:request_params_n_sum") == 4
+    assert (value(found, "vllm:request_params_n_count") == 2
+            and value(found, "vllm:request_params_n_sum") == 4)
     assert value(found, "vllm:request_max_num_generation_tokens_sum") == 4 + 0
     assert value(found, "vllm:request_generation_tokens_sum") == 5
     assert "q0" not in metrics.steps.first_scheduled
@@ -201,7 +223,8 @@ def test_request_tracker_timings_reasons_and_groups(tiny_core):
 
 def test_disable_log_stats_leaves_only_process_and_http_series(tiny_core):
     engine = stand_in(tiny_core())
-    metrics = ServerMetrics(engine, ServerSettings(served_model_names=("tiny",), disable_log_stats=True))
+    metrics = ServerMetrics(engine,
+                            ServerSettings(served_model_names=("tiny",), disable_log_stats=True))
     names = families(metrics)
     assert not [n for n in names if n.startswith(("vllm:", "specserve:"))]
     assert "process_cpu_seconds" in names and "http_requests" in names
@@ -223,11 +246,14 @@ def test_periodic_log_line_has_vllm_fields(caplog, tiny_core):
     with caplog.at_level(logging.INFO, logger="specserve.metrics"):
         steps.record(StepStats(num_running=2, num_waiting=1, kv_usage=0.25))
     engine_line, spec_line = [r.getMessage() for r in caplog.records]
-    assert engine_line == ("Engine 000: Avg prompt throughput: 5.0 tokens/s, Avg generation throughput: "
+    assert engine_line == (
+        "Engine 000: Avg prompt throughput: 5.0 tokens/s, Avg generation throughput: "
                            "3.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
                            "Prefix cache hit rate: 25.0%")
-    assert spec_line == ("SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 2.00 "
-                         "tokens/s, Drafted throughput: 4.00 tokens/s, Accepted: 20 tokens, Drafted: 40 "
+    assert spec_line == (
+        "SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 2.00 "
+                         "tokens/s, Drafted throughput: 4.00 tokens/s, Accepted: 20 tokens, "
+                         "Drafted: 40 "
                          "tokens, Per-position acceptance rate: 0.800, 0.600, 0.400, 0.200, "
                          "Avg Draft acceptance rate: 50.0%")
 
@@ -273,7 +299,8 @@ def test_http_requests_feed_request_and_http_metrics(metrics_client):
     http = found[("http_requests_total", (("handler", "/v1/completions"), ("method", "POST"),
                                           ("status", "2xx")))]
     assert http >= 2
-    assert not [k for k in found if k[0] == "http_requests_total" and dict(k[1])["handler"] == "/metrics"]
+    assert not [k for k in found
+                if k[0] == "http_requests_total" and dict(k[1])["handler"] == "/metrics"]
     assert value(found, "vllm:num_requests_running") == 0
 
 

@@ -1,4 +1,5 @@
-"""The official `openai` client (sync, async, streaming) against a real uvicorn around the fake engine."""
+"""The official `openai` client (sync, async, streaming) against a real uvicorn around the fake
+engine."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,8 @@ from conftest import MODEL, SCRIPT
 
 
 def client(server, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "unused"),
+                         max_retries=0, **kw)
 
 
 def test_completion_sync_greedy_text_and_usage(server):
@@ -17,12 +19,14 @@ def test_completion_sync_greedy_text_and_usage(server):
     assert out.object == "text_completion" and out.id.startswith("cmpl-") and out.model == MODEL
     assert out.choices[0].text == " The quick brown fox"
     assert out.choices[0].finish_reason == "length"
-    assert out.usage.prompt_tokens == 1 and out.usage.completion_tokens == 4 and out.usage.total_tokens == 5
+    assert (out.usage.prompt_tokens == 1 and out.usage.completion_tokens == 4
+            and out.usage.total_tokens == 5)
     assert out.system_fingerprint == "specserve-0.1.0"
 
 
 def test_completion_runs_to_eos_with_stop_finish_and_whole_utf8(server):
-    out = client(server).completions.create(model=MODEL, prompt="Say", max_tokens=100, temperature=0)
+    out = client(server).completions.create(model=MODEL, prompt="Say", max_tokens=100,
+                                            temperature=0)
     assert out.choices[0].text == SCRIPT                     # EOS text is not shown
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].model_extra["stop_reason"] is None                  # EOS: no stop_reason
@@ -36,13 +40,15 @@ def test_alias_is_echoed_and_default_model_works(server):
 
 
 def test_n_times_several_prompts_indexing(server):
-    out = client(server).completions.create(model=MODEL, prompt=["a", "b b", "c c c"], n=2, max_tokens=3,
+    out = client(server).completions.create(model=MODEL, prompt=["a", "b b", "c c c"], n=2,
+                                            max_tokens=3,
                                             temperature=0)
     assert sorted(c.index for c in out.choices) == list(range(6))
     assert all(c.text == " The quick brown" for c in out.choices)
     assert out.usage.prompt_tokens == 1 + 2 + 3 and out.usage.completion_tokens == 18
     prompts_seen = [r.prompt_token_ids for r in server.engine.submitted]
-    assert prompts_seen[0] == prompts_seen[1] and prompts_seen[2] == prompts_seen[3] != prompts_seen[0]
+    assert (prompts_seen[0] == prompts_seen[1]
+            and prompts_seen[2] == prompts_seen[3] != prompts_seen[0])
 
 
 def test_token_id_prompts_and_return_token_ids(server):
@@ -54,7 +60,8 @@ def test_token_id_prompts_and_return_token_ids(server):
 
 
 def test_logprobs_with_echo(server, tokenizer):
-    out = client(server).completions.create(model=MODEL, prompt="The capital", max_tokens=3, temperature=0,
+    out = client(server).completions.create(model=MODEL, prompt="The capital", max_tokens=3,
+                                            temperature=0,
                                             logprobs=2, echo=True)
     choice = out.choices[0]
     prompt_ids = tokenizer.encode("The capital")
@@ -63,31 +70,36 @@ def test_logprobs_with_echo(server, tokenizer):
     assert len(lp.tokens) == len(prompt_ids) + 3
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None     # first prompt token
     assert all(v == -0.25 for v in lp.token_logprobs[1:])
-    assert all(len(top) == 2 for top in lp.top_logprobs[1:])                # sampled already in top-2
+    # sampled already in top-2
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
     assert lp.text_offset[0] == 0
     assert all(choice.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
 
 
 def test_logprobs_zero_gives_only_the_sampled_token(server):
-    out = client(server).completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0, logprobs=0)
+    out = client(server).completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0,
+                                            logprobs=0)
     assert [list(t) for t in out.choices[0].logprobs.top_logprobs] == [[" The"], [" quick"]]
 
 
 def test_stop_string_split_across_tokens_is_trimmed(server):
     c = client(server)
-    out = c.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0, stop=["ick bro"])
+    out = c.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0,
+                               stop=["ick bro"])
     assert out.choices[0].text == " The qu"
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].model_extra["stop_reason"] == "ick bro"
     assert out.usage.completion_tokens == 3
-    kept = c.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0, stop="ick bro",
+    kept = c.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0,
+                                stop="ick bro",
                                 extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text == " The quick bro"
     assert server.engine.aborted                      # the engine request was stopped early
 
 
 def test_stop_string_streaming_never_leaks_a_partial_stop(server):
-    stream = client(server).completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0,
+    stream = client(server).completions.create(model=MODEL, prompt="x", max_tokens=20,
+                                               temperature=0,
                                                stop=["fox jumps"], stream=True)
     texts = [chunk.choices[0].text for chunk in stream if chunk.choices]
     assert "".join(texts) == " The quick brown "
@@ -99,7 +111,8 @@ def test_stop_token_ids(server):
     out = client(server).completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0,
                                             extra_body={"stop_token_ids": [fox]})
     assert out.choices[0].text == " The quick brown"
-    assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == fox
+    assert (out.choices[0].finish_reason == "stop"
+            and out.choices[0].model_extra["stop_reason"] == fox)
 
 
 def test_seed_reproducible_and_n_children_differ(server):
@@ -158,13 +171,15 @@ def test_chat_sync_async_stream(server):
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == " The quick brown"
-    stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, n=2,
+    stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                       n=2,
                                        stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     firsts = {}
     for chunk in chunks[:-1]:
         firsts.setdefault(chunk.choices[0].index, chunk.choices[0].delta)
-    assert all(d.role == "assistant" and d.content == "" for d in firsts.values()) and len(firsts) == 2
+    assert (all(d.role == "assistant" and d.content == "" for d in firsts.values())
+            and len(firsts) == 2)
     assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
 
     async def run_async():
@@ -182,14 +197,16 @@ def test_chat_template_applied_and_logprobs_shape(server, tokenizer):
         model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
         max_tokens=2, temperature=0, logprobs=True, top_logprobs=3)
     sent = tokenizer.decode(server.engine.submitted[-1].prompt_token_ids)
-    assert "<|im_start|>user\nHi there<|im_end|>" in sent and sent.endswith("<|im_start|>assistant\n")
+    assert ("<|im_start|>user\nHi there<|im_end|>" in sent
+            and sent.endswith("<|im_start|>assistant\n"))
     content = out.choices[0].logprobs.content
     assert [e.token for e in content] == [" The", " quick"]
     assert content[0].bytes == list(b" The") and len(content[0].top_logprobs) == 3
 
 
 def test_chat_without_limit_uses_rest_of_context(server):
-    client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    client(server).chat.completions.create(model=MODEL,
+                                           messages=[{"role": "user", "content": "Hi"}])
     request = server.engine.submitted[-1]
     assert request.sampling_params.max_tokens == 512 - len(request.prompt_token_ids)
 
@@ -223,7 +240,8 @@ def test_auth_overload_and_engine_errors_map_to_sdk_exceptions(make_server, toke
     locked = make_server(api_key="sesame")
     with pytest.raises(openai.AuthenticationError):
         client(locked, api_key="wrong").completions.create(model=MODEL, prompt="x")
-    assert client(locked, api_key="sesame").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert client(locked, api_key="sesame").completions.create(model=MODEL, prompt="x",
+                                                               max_tokens=1)
     busy = make_server(FakeEngine(tokenizer, max_waiting=0))
     with pytest.raises(openai.APIStatusError) as info:
         client(busy).completions.create(model=MODEL, prompt="x")

@@ -1,7 +1,7 @@
 """schemathesis over /openapi.json against a real uvicorn: no response ≥ 500 and no hang.
 
-The example budget is bounded (-n) and every request has a timeout, so a hang fails the run instead of
-stalling it. The same command runs against a real server in CI (see the README's test section).
+The example budget is bounded (-n) and every request has a timeout, so a hang fails the run instead
+of stalling it. The same command runs against a real server in CI (see the README's test section).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def schemathesis_command(url: str, report: Path) -> list[str]:
     exe = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
     return [exe, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
             "--max-examples", "15", "--seed", "1", "--request-timeout", "20", "--workers", "1",
-            "--phases", "examples,coverage,fuzzing", "--no-shrink", "--suppress-health-check", "all", "--generation-database", "none",
+            "--phases", "examples,coverage,fuzzing", "--no-shrink", "--suppress-health-check",
+            "all", "--generation-database", "none",
             "--report", "ndjson", "--report-ndjson-path", str(report), "--no-color"]
 
 

@@ -23,14 +23,15 @@ STANDARD = {"prompt_tokens", "completion_tokens", "total_tokens"}
 
 
 class SpeculatingFake(FakeEngine):
-    """After its j-th output a request reports j drafts of 3 tokens with 2 accepted each, the way the
-    engine reports cumulative SpecStats on every output."""
+    """After its j-th output a request reports j drafts of 3 tokens with 2 accepted each, the way
+    the engine reports cumulative SpecStats on every output."""
 
     async def _generate(self, request):
         steps = 0
         async for out in super()._generate(request):
             steps += 1
-            yield dataclasses.replace(out, spec=SpecStats(steps, 3 * steps, 2 * steps, (steps, steps)))
+            yield dataclasses.replace(out,
+                                      spec=SpecStats(steps, 3 * steps, 2 * steps, (steps, steps)))
 
 
 def client(server) -> openai.OpenAI:
@@ -42,13 +43,15 @@ def events(text: str) -> list[dict]:
 
 
 def expected(num_outputs: int) -> dict:
-    return {"num_drafts": num_outputs, "draft_tokens": 3 * num_outputs, "accepted_tokens": 2 * num_outputs,
+    return {"num_drafts": num_outputs, "draft_tokens": 3 * num_outputs,
+            "accepted_tokens": 2 * num_outputs,
             "acceptance_rate": 2 / 3, "mean_draft_length": 3.0}
 
 
 def test_completion_usage_sums_the_choices(make_server, tokenizer):
     server = make_server(SpeculatingFake(tokenizer))
-    out = client(server).completions.create(model=MODEL, prompt=["a", "b b"], n=2, max_tokens=4, temperature=0)
+    out = client(server).completions.create(model=MODEL, prompt=["a", "b b"], n=2, max_tokens=4,
+                                            temperature=0)
     assert out.usage.prompt_tokens == 1 + 2 and out.usage.completion_tokens == 16
     assert out.usage.total_tokens == 19                   # the standard fields parse as before
     spec = out.usage.model_extra["speculative"]
@@ -59,16 +62,19 @@ def test_chat_usage_and_streamed_final_usage_chunk(make_server, tokenizer):
     server = make_server(SpeculatingFake(tokenizer))
     c = client(server)
     messages = [{"role": "user", "content": "Hi"}]
-    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, n=2)
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                     n=2)
     assert chat.usage.completion_tokens == 6
     assert chat.usage.model_extra["speculative"] == pytest.approx(expected(2 * 3))
-    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                            temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     final = chunks[-1]
     assert final.choices == [] and final.usage.completion_tokens == 5
     assert final.usage.model_extra["speculative"] == pytest.approx(expected(5))
     assert all(ch.usage is None for ch in chunks[:-1])    # only the usage chunk carries usage
-    streamed = list(c.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0, stream=True,
+    streamed = list(c.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0,
+                                         stream=True,
                                          stream_options={"include_usage": True}))
     assert streamed[-1].usage.model_extra["speculative"] == pytest.approx(expected(2))
 
@@ -89,16 +95,19 @@ def test_no_extension_without_speculation(make_server, fake_engine):
     c = client(server)
     out = c.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
     assert "speculative" not in (out.usage.model_extra or {})
-    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                     max_tokens=2)
     assert "speculative" not in (chat.usage.model_extra or {})
     chunks = list(c.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
                                        stream_options={"include_usage": True}))
     assert set(chunks[-1].usage.model_dump(exclude_none=True)) == STANDARD
 
 
-# -- the real engine --------------------------------------------------------------------------------
+# -- the real engine
+# --------------------------------------------------------------------------------
 def serve(spec):
-    engine = AsyncEngine(EngineConfig(model="tiny-random", max_model_len=256, num_kv_blocks=64, num_threads=1,
+    engine = AsyncEngine(EngineConfig(model="tiny-random", max_model_len=256, num_kv_blocks=64,
+                                      num_threads=1,
                                       speculative=spec))
     settings = ServerSettings(served_model_names=("tiny",), sse_keepalive_s=0)
     return engine, TestClient(build_app(engine, load_tokenizer("tiny-random"), settings))
@@ -106,7 +115,8 @@ def serve(spec):
 
 @pytest.fixture(scope="module")
 def spec_server():
-    engine, client = serve(SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=4,
+    engine, client = serve(SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                             prompt_lookup_max=4, num_speculative_tokens=4,
                                              frontier_size=2))
     with client:
         yield client, engine
@@ -149,7 +159,8 @@ def test_real_engine_reports_its_own_counters(real_spec):
     # accepted drafts are output tokens the steps did not have to produce one by one
     assert spec["accepted_tokens"] <= usage["completion_tokens"] - 2
     chat = real_spec.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "a b a b a b a b"}], "max_tokens": 6,
+        "model": "tiny", "messages": [{"role": "user", "content": "a b a b a b a b"}],
+        "max_tokens": 6,
         "temperature": 0, "ignore_eos": True}).json()
     assert "speculative" in chat["usage"] and chat["usage"]["completion_tokens"] == 6
     stream = real_spec.post("/v1/completions", json={**BODY, "stream": True,
@@ -159,7 +170,8 @@ def test_real_engine_reports_its_own_counters(real_spec):
 
 
 def test_real_engine_request_without_drafts_still_reports_zeros(real_spec):
-    """Speculation is on: a request that never drafted reports zeros (max_tokens 1: no decode step)."""
+    """Speculation is on: a request that never drafted reports zeros (max_tokens 1: no decode
+    step)."""
     usage = real_spec.post("/v1/completions", json={**BODY, "max_tokens": 1}).json()["usage"]
     assert usage["speculative"] == {"num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                                     "acceptance_rate": 0.0, "mean_draft_length": 0.0}
@@ -167,5 +179,6 @@ def test_real_engine_request_without_drafts_still_reports_zeros(real_spec):
 
 def test_real_engine_without_speculation_has_no_extension(real_spec, real_plain):
     assert set(real_plain.post("/v1/completions", json=BODY).json()["usage"]) == STANDARD
-    off = real_spec.post("/v1/completions", json={**BODY, "num_speculative_tokens": 0}).json()["usage"]
+    off = real_spec.post("/v1/completions",
+                         json={**BODY, "num_speculative_tokens": 0}).json()["usage"]
     assert set(off) == STANDARD                           # this request turned speculation off

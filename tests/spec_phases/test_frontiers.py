@@ -1,5 +1,5 @@
-"""FASER early pruning: verification in frontiers of `frontier_size` draft positions gives exactly the
-tokens of one verify pass (greedy and seeded sampling), prunes the drafts after a rejection, and
+"""FASER early pruning: verification in frontiers of `frontier_size` draft positions gives exactly
+the tokens of one verify pass (greedy and seeded sampling), prunes the drafts after a rejection, and
 leaves the KV cache as a single pass would (conftest checks block integrity after every test)."""
 import math
 
@@ -20,7 +20,8 @@ def prompts():
 
 
 def ngram(frontier_size: int, **kw) -> SpeculativeConfig:
-    return SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=3,
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
+                             prompt_lookup_max=3,
                              frontier_size=frontier_size, **kw)
 
 
@@ -63,9 +64,11 @@ def run(core, params_list, aborts=None, proposer=None, logprobs=False):
         for out in engine_step.outputs:
             tokens[out.request_id].extend(out.new_token_ids)
             if out.new_logprobs:
-                lps[out.request_id].extend((lp.token_id, lp.logprob, lp.top_token_ids) for lp in out.new_logprobs)
+                lps[out.request_id].extend((lp.token_id, lp.logprob,
+                                            lp.top_token_ids) for lp in out.new_logprobs)
         s = engine_step.stats
-        steps.append((s.num_frontiers, s.num_pruned_tokens, list(s.draft_lens), s.num_accepted_tokens))
+        steps.append((s.num_frontiers, s.num_pruned_tokens, list(s.draft_lens),
+                      s.num_accepted_tokens))
         core.kv.check_integrity()                         # after every step, not only at the end
         step += 1
     order = [f"q{i}" for i in range(len(params_list))]
@@ -73,8 +76,10 @@ def run(core, params_list, aborts=None, proposer=None, logprobs=False):
 
 
 def assert_same_logprobs(got, want):
-    """Same tokens and top ids; values up to float noise (other batch shapes, other GEMM blocking)."""
-    assert [[(t, top) for t, _, top in r] for r in got] == [[(t, top) for t, _, top in r] for r in want]
+    """Same tokens and top ids; values up to float noise (other batch shapes, other GEMM
+    blocking)."""
+    assert ([[(t, top) for t, _, top in r] for r in got]
+            == [[(t, top) for t, _, top in r] for r in want])
     for g, w in zip(got, want):
         assert [v for _, v, _ in g] == pytest.approx([v for _, v, _ in w], abs=1e-4)
 
@@ -84,8 +89,10 @@ CAPS = [None, 0, 1, 2, 3, None, 4, 5]                    # ragged: a draft lengt
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_greedy_ngram_frontiers_are_token_identical(make_engine, size):
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=c,
-                             repetition_penalty=1.3 if i == 4 else 1.0, logprobs=2 if i == 6 else None)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             num_speculative_tokens=c,
+                             repetition_penalty=1.3 if i == 4 else 1.0,
+                             logprobs=2 if i == 6 else None)
               for i, c in enumerate(CAPS)]
     plain, _, _ = run(make_engine(), params)
     single, single_lp, single_steps = run(make_engine(speculative=ngram(0)), params)
@@ -103,7 +110,8 @@ def test_greedy_ngram_frontiers_are_token_identical(make_engine, size):
     assert squeezed == plain
 
 
-@pytest.mark.parametrize("size,wrong_at", [(1, 0), (1, 3), (2, 3), (4, 1), (4, 5), (2, None), (5, None),
+@pytest.mark.parametrize("size,wrong_at",
+                         [(1, 0), (1, 3), (2, 3), (4, 1), (4, 5), (2, None), (5, None),
                                            (0, 3)])
 def test_frontier_and_pruned_counts_follow_the_rejection(make_engine, size, wrong_at):
     """One greedy request drafting K = 6 of its own continuation with one wrong draft (or none):
@@ -111,7 +119,8 @@ def test_frontier_and_pruned_counts_follow_the_rejection(make_engine, size, wron
     a rejection at index c is seen once f * max(1, ceil(c / f)) drafts are computed."""
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)]
     plain, _, _ = run(make_engine(), params)
-    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K,
+    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                                     prompt_lookup_max=4, num_speculative_tokens=K,
                                                      frontier_size=size))
     wrong = {} if wrong_at is None else {"q0": wrong_at}
     out, _, steps = run(core, params, proposer=OwnGreedyDrafts(core, wrong))
@@ -131,11 +140,15 @@ def test_frontier_and_pruned_counts_follow_the_rejection(make_engine, size, wron
 
 
 def test_pruned_tokens_counted_when_drafts_fail_early(make_engine):
-    """Every request's drafts go wrong at the first or second position: later frontiers are skipped."""
+    """Every request's drafts go wrong at the first or second position: later frontiers are
+    skipped."""
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for _ in range(4)]
     plain, _, _ = run(make_engine(), params)
-    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K, frontier_size=2))
-    out, _, steps = run(core, params, proposer=OwnGreedyDrafts(core, {"q0": 0, "q1": 1, "q2": 0, "q3": 1}))
+    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                                     prompt_lookup_max=4, num_speculative_tokens=K,
+                                                     frontier_size=2))
+    out, _, steps = run(core, params,
+                        proposer=OwnGreedyDrafts(core, {"q0": 0, "q1": 1, "q2": 0, "q3": 1}))
     assert out == plain
     assert sum(s[1] for s in steps) > 0
     # a first-frontier rejection prunes K - 2 drafts of each request that had all K
@@ -145,17 +158,22 @@ def test_pruned_tokens_counted_when_drafts_fail_early(make_engine):
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_sampling_frontiers_are_identical_for_the_same_seeds(make_engine, size):
-    """Own-greedy drafts under low-temperature sampling: mostly accepted, rejected at varied positions,
-    so requests leave at different frontiers. Seeded and unseeded (engine seed) alike."""
+    """Own-greedy drafts under low-temperature sampling: mostly accepted, rejected at varied
+    positions, so requests leave at different frontiers. Seeded and unseeded (engine seed) alike."""
     params = [SamplingParams(max_tokens=24, temperature=t, top_k=k, seed=seed, ignore_eos=True,
                              num_speculative_tokens=c, presence_penalty=0.5 if i == 2 else 0.0,
                              logprobs=1 if i == 5 else None)
-              for i, (t, k, seed, c) in enumerate([(0.3, 0, 1, None), (0.5, 20, 2, 3), (0.3, 0, None, None),
-                                                   (0, 0, None, 4), (1.0, 0, 5, None), (0.2, 0, 6, 2),
+              for i,
+              (t, k, seed,
+               c) in enumerate([(0.3, 0, 1, None), (0.5, 20, 2, 3), (0.3, 0, None, None),
+                                                   (0, 0, None, 4), (1.0, 0, 5, None),
+                                (0.2, 0, 6, 2),
                                                    (0.7, 50, None, 5), (0.4, 0, 8, 1)])]
 
     def sampled(frontier):
-        core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K,
+        core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                                         prompt_lookup_max=4,
+                                                         num_speculative_tokens=K,
                                                          frontier_size=frontier))
         return run(core, params, proposer=OwnGreedyDrafts(core))
     single, single_lp, single_steps = sampled(0)
@@ -180,15 +198,18 @@ def test_ngram_sampling_frontiers_are_identical(make_engine):
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_aborts_mid_run_with_frontiers(make_engine, size):
-    """Requests aborted while others verify in frontiers: the survivors' tokens and the aborted ones'
-    partial outputs match a single verify pass; blocks balance after every step."""
-    params = [SamplingParams(max_tokens=30, temperature=0 if i % 2 else 0.6, seed=i, ignore_eos=True,
+    """Requests aborted while others verify in frontiers: the survivors' tokens and the aborted
+    ones' partial outputs match a single verify pass; blocks balance after every step."""
+    params = [SamplingParams(max_tokens=30, temperature=0 if i % 2 else 0.6, seed=i,
+                             ignore_eos=True,
                              num_speculative_tokens=CAPS[i]) for i in range(8)]
     aborts = {2: ["q1", "q4"], 3: ["q6"], 5: ["q0"]}
     wrong = {"q0": 4, "q2": 2, "q3": 1, "q5": 3}
 
     def go(frontier):
-        core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=K,
+        core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                                         prompt_lookup_max=4,
+                                                         num_speculative_tokens=K,
                                                          frontier_size=frontier))
         out, _, steps = run(core, params, aborts=aborts, proposer=OwnGreedyDrafts(core, wrong))
         assert not core.has_unfinished() and core.kv.num_requests_holding_blocks() == 0
@@ -197,4 +218,5 @@ def test_aborts_mid_run_with_frontiers(make_engine, size):
     chunked, steps = go(size)
     assert chunked == single
     assert sum(s[0] for s in steps) > len(steps) and sum(s[1] for s in steps) > 0
-    assert all(len(single[i]) < 30 for i in (0, 1, 4, 6)) and all(len(single[i]) == 30 for i in (2, 3, 5, 7))
+    assert (all(len(single[i]) < 30 for i in (0, 1, 4, 6))
+            and all(len(single[i]) == 30 for i in (2, 3, 5, 7)))

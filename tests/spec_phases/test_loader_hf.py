@@ -28,7 +28,8 @@ def export_hf(model, cfg: ModelConfig, folder, model_type="llama"):
         p, h = f"layers.{i}.", f"model.layers.{i}."
         wq, wk, wv = t[p + "qkv_proj.weight"].split([q, kv, kv])
         sd.update({h + "self_attn.q_proj.weight": wq, h + "self_attn.k_proj.weight": wk,
-                   h + "self_attn.v_proj.weight": wv, h + "self_attn.o_proj.weight": t[p + "o_proj.weight"],
+                   h + "self_attn.v_proj.weight": wv,
+                   h + "self_attn.o_proj.weight": t[p + "o_proj.weight"],
                    h + "input_layernorm.weight": t[p + "input_layernorm.weight"],
                    h + "post_attention_layernorm.weight": t[p + "post_attention_layernorm.weight"],
                    h + "mlp.down_proj.weight": t[p + "down_proj.weight"]})
@@ -40,7 +41,8 @@ def export_hf(model, cfg: ModelConfig, folder, model_type="llama"):
                        h + "self_attn.v_proj.bias": bv})
     save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({
-        "model_type": model_type, "architectures": [ARCHS[model_type]], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "model_type": model_type, "architectures": [ARCHS[model_type]],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "rope_theta": cfg.rope.theta, "rms_norm_eps": cfg.rms_norm_eps,
@@ -75,5 +77,6 @@ def test_bfloat16_option_runs(make_engine):
     from specserve.spec_phases.sampling_params import SamplingParams
     core = make_engine(dtype="bfloat16")
     assert core.worker.storage.k.dtype == torch.bfloat16
-    core.add_request(EngineRequest("bf", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+    core.add_request(EngineRequest("bf", [5, 6, 7],
+                                   SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert sum(len(o.new_token_ids) for o in core.run_until_idle()) == 4

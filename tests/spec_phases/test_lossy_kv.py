@@ -17,7 +17,8 @@ SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
 COMPRESSORS = {                                   # name -> (kv_compressor, config, tiny head_dim)
     "window": ("window", SMALL_PAGES, 16),
     "quant": ("quant", {**SMALL_PAGES, "key_bits": 4, "value_bits": 2}, 16),
-    "spherical": ("spherical", {**SMALL_PAGES, "tier": 1, "value_bits": 8, "calib_tokens": 128}, 16),
+    "spherical": ("spherical", {**SMALL_PAGES, "tier": 1, "value_bits": 8, "calib_tokens": 128},
+                  16),
     "mustafar": ("mustafar", {"num_sink": 4, "window": 8, "page_size": 64, "sparsity": 0.7}, 64),
 }
 
@@ -97,7 +98,8 @@ def test_greedy_output_is_identical_for_every_compressor(engine, name):
 def test_preemption_and_tight_pools_stay_lossless(engine, name):
     head_dim = COMPRESSORS[name][2]
     plain, _, _ = generate(engine(head_dim), GREEDY)
-    core = engine(head_dim, speculative=spec(name), num_kv_blocks=40, block_size=8, max_num_batched_tokens=64)
+    core = engine(head_dim, speculative=spec(name), num_kv_blocks=40, block_size=8,
+                  max_num_batched_tokens=64)
     out, drafted, _ = generate(core, GREEDY)
     assert out == plain and drafted > 0
     assert core.total_preemptions > 0
@@ -114,7 +116,8 @@ def test_abort_mid_round_drops_states_and_frees_blocks(engine):
 
 
 def test_seeded_sampling_is_reproducible_and_counts_are_consistent(engine):
-    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(3)]
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=i,
+                             ignore_eos=True) for i in range(3)]
     core = engine(16, speculative=spec("window", k=4))
     out, drafted, accepted = generate(core, params)
     assert all(len(o) == 16 for o in out) and drafted > 0 and accepted <= drafted
@@ -158,7 +161,8 @@ def test_sync_mirrors_the_full_cache_and_rebuilds_after_rollback():
     assert torch.equal(state.layers[1].sink_k, storage.k[1][slots].half())
     tail = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(state.layers[0].tail_start, 30)])
     assert torch.equal(state.layers[0].tail_v, storage.v[0][tail].half())
-    rolled = ask(prop, 12)                                    # preempted, recomputed to a shorter prefix
+    # preempted, recomputed to a shorter prefix
+    rolled = ask(prop, 12)
     assert prop.pool.num_rebuilds == 1 and prop.pool.states["r"].num_tokens == 12
     assert rolled == ask(drafter(), 12)
     prop.pool.release(["r"])

@@ -8,14 +8,16 @@ from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
 
 SPEC = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=4, kv_compressor="quant",
-                         kv_compressor_config={"num_sink": 4, "window": 8, "page_size": 8, "key_bits": 4,
+                         kv_compressor_config={"num_sink": 4, "window": 8, "page_size": 8,
+                                               "key_bits": 4,
                                                "value_bits": 2})
 
 
 def run(core, num=3, max_tokens=10):
     for i in range(num):
         core.add_request(EngineRequest(f"a{i}", [(5 * j + i) % 400 + 3 for j in range(40 + 17 * i)],
-                                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+                                       SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                      ignore_eos=True)))
     seen = []
     while core.has_unfinished():
         core.step()
@@ -35,10 +37,14 @@ def test_used_bytes_equal_the_prediction_and_undercut_the_full_pool(make_engine)
     for usage, predicted in seen:
         assert usage.compressed_bytes == predicted > 0
         assert usage.compressed_bytes < usage.full_bytes
-        assert usage.full_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
-        assert usage.dense_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        # fp32
+        assert (usage.full_bytes_per_token
+                == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4)
+        assert (usage.dense_bytes_per_token
+                == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2)
         assert 0 < usage.compressed_page_bytes_per_token < usage.dense_bytes_per_token
-        assert usage.capacity_bytes is None                 # full cache device-resident: not budgeted
+        # full cache device-resident: not budgeted
+        assert usage.capacity_bytes is None
     # a long request's cache grows by the page rate, not the dense rate
     w = core.worker
     grow = w.draft_pool.bytes_at(1000 + 800) - w.draft_pool.bytes_at(1000)
@@ -48,10 +54,12 @@ def test_used_bytes_equal_the_prediction_and_undercut_the_full_pool(make_engine)
 
 
 def test_capacity_is_the_device_budget_when_the_full_cache_is_in_host_memory(make_engine):
-    core = make_engine(speculative=replace(SPEC, full_kv_in_host=True), num_threads=1, kv_cache_memory_gb=0.03)
+    core = make_engine(speculative=replace(SPEC, full_kv_in_host=True), num_threads=1,
+                       kv_cache_memory_gb=0.03)
     assert core.worker.draft_pool.usage().capacity_bytes == int(0.03 * 2**30)
 
 
 def test_no_drafting_cache_without_lossy_kv(make_engine):
-    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4))
+    core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                                     prompt_lookup_max=4))
     assert core.worker.draft_pool is None and core.kv.draft_budget is None

@@ -17,16 +17,20 @@ SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
 COMPRESSORS = {                                   # name -> (kv_compressor, config, tiny head_dim)
     "window": ("window", SMALL_PAGES, 16),
     "quant": ("quant", {**SMALL_PAGES, "key_bits": 4, "value_bits": 2}, 16),
-    "spherical": ("spherical", {"num_sink": 4, "window": 8, "page_size": 16, "tier": 1, "value_bits": 4,
-                                "calib_tokens": 128}, 16),        # Triton's spherical encode needs pages >= 16
+    "spherical": ("spherical",
+                  {"num_sink": 4, "window": 8, "page_size": 16, "tier": 1, "value_bits": 4,
+                                # Triton's spherical encode needs pages >= 16
+                                "calib_tokens": 128}, 16),
     "mustafar": ("mustafar", {"num_sink": 4, "window": 8, "page_size": 64, "sparsity": 0.7}, 64),
 }
 
 
 def tiny_d64() -> ModelConfig:
     """The tiny model with head_dim 64 (Mustafar's tiles need head_dim % 64 == 0)."""
-    return ModelConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=2,
-                       num_kv_heads=1, head_dim=64, max_position=4096, bos_token_id=1, eos_token_ids=(2,))
+    return ModelConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_layers=2,
+                       num_heads=2,
+                       num_kv_heads=1, head_dim=64, max_position=4096, bos_token_id=1,
+                       eos_token_ids=(2,))
 
 
 class PerRequestAttention:
@@ -46,17 +50,20 @@ class PerRequestAttention:
             sv = v[row:row + 1] if prev is None else torch.cat([prev[1], v[row:row + 1]])
             scratch[layer] = (sk, sv)
             qi = q[row:row + 1]
-            parts = [self.comp.attend(state, layer, qi), dense_attention(qi, sk, sv, self.comp.sm_scale)]
+            parts = [self.comp.attend(state, layer, qi),
+                     dense_attention(qi, sk, sv, self.comp.sm_scale)]
             outs.append(merge_attention(parts)[0])
         return torch.cat(outs).to(q.dtype)
 
 
 def model_for(name):
     head_dim = COMPRESSORS[name][2]
-    return loader.build_random_model(tiny_d64()) if head_dim == 64 else loader.load_model("tiny-random")
+    return (loader.build_random_model(tiny_d64()) if head_dim
+            == 64 else loader.load_model("tiny-random"))
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])   # the GPU path where there is one
+# the GPU path where there is one
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,8 +90,10 @@ def test_batched_attention_equals_the_per_request_reference(name, per_request, d
                         torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=device))
         states.append(state)
     assert [len(s.layers[0].pages) > 0 for s in states] == [True, True, False]
-    rows_per_step = [3, 3, 2, 1]                          # ragged: requests stop drafting one by one
-    new, ref = DraftAttention(comp, states, len(rows_per_step)), PerRequestAttention(comp, states, 4)
+    # ragged: requests stop drafting one by one
+    rows_per_step = [3, 3, 2, 1]
+    new, ref = DraftAttention(comp, states, len(rows_per_step)), PerRequestAttention(comp, states,
+                                                                                     4)
     for step, rows in enumerate(rows_per_step):
         new.step = ref.step = step
         for layer in range(cfg.num_layers):
@@ -112,7 +121,8 @@ def test_propose_drafts_the_same_tokens_as_the_per_request_path(name):
     model = model_for(name)
     cfg = model.config
     bs, num_blocks = 16, 64
-    storage = KVStorage(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    storage = KVStorage(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
+                        torch.float32)
     storage.k.normal_()
     storage.v.normal_()
     sizes = [150, 97, 60, 131]

@@ -30,8 +30,10 @@ def test_staged_verify_forward_matches_the_device_resident_cache():
     got = model(ids, positions, staged)
     assert torch.equal(got, want)
     used = sorted({b for t in tables for b in t})
-    for layer in range(cfg.num_layers):                      # write-back: host == device-resident cache
-        assert torch.equal(pool.k[layer], storage.k[layer]) and torch.equal(pool.v[layer], storage.v[layer])
+    # write-back: host == device-resident cache
+    for layer in range(cfg.num_layers):
+        assert (torch.equal(pool.k[layer], storage.k[layer])
+                and torch.equal(pool.v[layer], storage.v[layer]))
     per_layer = 2 * len(used) * 4 * cfg.num_kv_heads * cfg.head_dim * 4
     assert pool.bytes_h2d == cfg.num_layers * per_layer     # each layer staged exactly once
     assert pool.bytes_d2h == cfg.num_layers * 2 * ids.numel() * cfg.num_kv_heads * cfg.head_dim * 4

@@ -20,7 +20,8 @@ def test_rope_is_relative_and_model_is_deterministic():
     shifted = model.compute_logits(model(ids, torch.arange(6) + 50, causal))
     torch.testing.assert_close(a, shifted, rtol=1e-4, atol=1e-4)
     other_seed = build_random_model(tiny_config(vocab_size=100), seed=4)
-    assert not torch.allclose(a, other_seed.compute_logits(other_seed(ids, torch.arange(6), causal)))
+    assert not torch.allclose(a,
+                              other_seed.compute_logits(other_seed(ids, torch.arange(6), causal)))
 
 
 def test_skipping_layers_changes_the_output():
@@ -34,7 +35,8 @@ def test_cpu_packed_weights_match_dense_and_are_optional():
     dense = build_random_model(tiny_config(vocab_size=100), seed=1)
     packed = build_random_model(tiny_config(vocab_size=100), seed=1)
     assert packed.pack_for_cpu()
-    assert packed.layers[0].gate_up_proj.packed is not None and dense.layers[0].gate_up_proj.packed is None
+    assert (packed.layers[0].gate_up_proj.packed is not None
+            and dense.layers[0].gate_up_proj.packed is None)
     ids = torch.tensor([5, 17, 42, 8, 99, 3])
     a = dense.compute_logits(dense(ids, torch.arange(6), causal))
     b = packed.compute_logits(packed(ids, torch.arange(6), causal))
@@ -68,7 +70,8 @@ def test_engine_greedy_tokens_do_not_depend_on_weight_packing(make_engine):
         engine = make_engine(cpu_weight_packing=packing)
         assert (engine.worker.model.layers[0].qkv_proj.packed is not None) == packing
         for i, ids in enumerate([[1, 5, 9, 200, 31], [7, 7, 7]]):
-            engine.add_request(EngineRequest(f"r{i}", ids, SamplingParams(max_tokens=24, temperature=0,
+            engine.add_request(EngineRequest(f"r{i}", ids,
+                                             SamplingParams(max_tokens=24, temperature=0,
                                                                          ignore_eos=True)))
         tokens: dict[str, list[int]] = {}
         for out in engine.run_until_idle():

@@ -12,12 +12,14 @@ def prompts():
 
 
 def generate(make_engine, overlap: bool, seeded: bool) -> tuple[dict, int]:
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=3,
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1,
+                             prompt_lookup_max=3,
                              frontier_size=2, overlap_draft=overlap)
     core = make_engine(speculative=spec)
     ahead = 0
     for i, p in enumerate(prompts()):
-        params = (SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True) if seeded and i % 2
+        params = (SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i,
+                                 ignore_eos=True) if seeded and i % 2
                   else SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         core.add_request(EngineRequest(f"r{i}", p, params))
     out: dict[str, list[int]] = {}
@@ -40,7 +42,8 @@ def test_overlapped_drafts_give_identical_output(make_engine):
 
 
 def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_engine):
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                             prompt_lookup_max=3,
                              frontier_size=1, overlap_draft=True)
     prompt = [11, 12, 13, 14, 15] * 4
 
@@ -64,14 +67,20 @@ def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_en
 
 def test_the_flag_reaches_the_runner_and_bad_combinations_are_refused(make_engine):
     import pytest
-    spec = SpeculativeConfig.from_json('{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 5, "frontier_size": 2, '
+    spec = SpeculativeConfig.from_json(
+        '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+        '"num_speculative_tokens": 5, "frontier_size": 2, '
                                        '"overlap_draft": true}')
     ahead = make_engine(speculative=spec).worker.draft_ahead
     assert ahead is not None and ahead.max_len == 5
-    assert make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=5,
+    assert make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1,
+                                                     prompt_lookup_max=4, num_speculative_tokens=5,
                                                      frontier_size=2)).worker.draft_ahead is None
-    for bad in ('{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 5, "overlap_draft": true}',
-                '{"method": "layer_skip", "num_speculative_tokens": 3, "frontier_size": 1, "overlap_draft": true}'):
+    for bad in (
+        '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+        '"num_speculative_tokens": 5, "overlap_draft": true}',
+                '{"method": "layer_skip", "num_speculative_tokens": 3, "frontier_size": 1, '
+                '"overlap_draft": true}'):
         with pytest.raises(ValueError, match="overlap_draft"):
             SpeculativeConfig.from_json(bad)
 

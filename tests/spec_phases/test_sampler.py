@@ -46,12 +46,15 @@ def test_penalties_and_bias_and_min_tokens():
     s = sampler()
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0, 0, 0, 0, 0, 3.0]] * 4)
     params = [SamplingParams(repetition_penalty=2.0), SamplingParams(frequency_penalty=1.0),
-              SamplingParams(presence_penalty=1.5, logit_bias={4: 7.0}), SamplingParams(min_tokens=3)]
-    out = s.process(logits.clone(), rows(params, outputs=[[0], [1, 1], [3, 3], [5]], prompt=[[2], [], [], []]))
+              SamplingParams(presence_penalty=1.5, logit_bias={4: 7.0}),
+              SamplingParams(min_tokens=3)]
+    out = s.process(logits.clone(),
+                    rows(params, outputs=[[0], [1, 1], [3, 3], [5]], prompt=[[2], [], [], []]))
     assert out[0, 0] == 1.0 and out[0, 2] == -2.0 and out[0, 1] == 1.0   # output and prompt tokens
     assert out[1, 1] == -1.0 and out[1, 0] == 2.0                         # 1.0 - 2 * 1.0
     assert out[2, 3] == -1.0 and out[2, 4] == 7.0                         # presence once; bias
-    assert out[3, 9] == float("-inf")                                      # EOS masked below min_tokens
+    # EOS masked below min_tokens
+    assert out[3, 9] == float("-inf")
 
 
 def test_seeded_uniforms_depend_on_seed_and_position_only():
@@ -88,7 +91,8 @@ def test_inverse_cdf_draw_skips_zero_probability_tokens():
 def test_greedy_rows_take_the_argmax_after_processing():
     s = sampler()
     logits = torch.tensor([[0.0, 5.0, 4.9] + [0.0] * 7])
-    out = s.sample(s.process(logits.clone(), rows([SamplingParams(temperature=0, logit_bias={2: 1.0})])),
+    out = s.sample(s.process(logits.clone(),
+                             rows([SamplingParams(temperature=0, logit_bias={2: 1.0})])),
                    rows([SamplingParams(temperature=0)]), uniform(1))
     assert int(out[0]) == 2
 

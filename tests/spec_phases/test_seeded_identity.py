@@ -1,13 +1,14 @@
-"""Seeded sampling gives the same text with speculation on or off, for every drafter: each position's
-randomness comes from (seed, position) and a draft is accepted exactly when it equals the token
-plain sampling draws there (spec_phases/verify.py)."""
+"""Seeded sampling gives the same text with speculation on or off, for every drafter: each
+position's randomness comes from (seed, position) and a draft is accepted exactly when it equals the
+token plain sampling draws there (spec_phases/verify.py)."""
 import pytest
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
 
 DRAFTERS = {
-    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
+    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                               prompt_lookup_max=3),
     "token_recycling": SpeculativeConfig(method="token_recycling", num_speculative_tokens=4),
     "layer_skip": SpeculativeConfig(method="layer_skip", num_speculative_tokens=3,
                                     skip_layers=(1,)),

@@ -13,7 +13,8 @@ SPECS = {
     "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
                                prompt_lookup_max=3),
     "token_recycling": SpeculativeConfig(method="token_recycling", num_speculative_tokens=4),
-    "layer_skip": SpeculativeConfig(method="layer_skip", num_speculative_tokens=3, skip_layers=(1,)),
+    "layer_skip": SpeculativeConfig(method="layer_skip", num_speculative_tokens=3,
+                                    skip_layers=(1,)),
 }
 
 
@@ -55,7 +56,8 @@ def test_token_recycling_walks_the_table():
 @pytest.mark.parametrize("method", list(SPECS))
 def test_greedy_output_is_identical_with_speculation(make_engine, method):
     caps = [None, 0, 1, 2, 3, None, 4, 5]                # ragged: a draft length per request
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=c)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             num_speculative_tokens=c)
               for c in caps]
     plain, _ = generate(make_engine(), params)
     spec, drafted = generate(make_engine(speculative=SPECS[method]), params)
@@ -75,14 +77,16 @@ def test_ngram_accepts_on_repetitive_text_and_counts(make_engine):
     spec = outs[-1].spec
     assert spec.num_drafts > 0 and spec.num_draft_tokens >= spec.num_accepted_tokens
     assert sum(len(o.new_token_ids) for o in outs) == 30
-    assert spec.accepted_per_pos[0] >= (spec.accepted_per_pos[1] if len(spec.accepted_per_pos) > 1 else 0)
+    assert (spec.accepted_per_pos[0]
+            >= (spec.accepted_per_pos[1] if len(spec.accepted_per_pos) > 1 else 0))
     # fewer steps than tokens: drafts were accepted
     assert len([o for o in outs if o.new_token_ids]) < 30
 
 
 def test_sampling_with_speculation_runs_and_respects_limits(make_engine):
     core = make_engine(speculative=SPECS["ngram"])
-    params = [SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(8)]
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=i,
+                             ignore_eos=True) for i in range(8)]
     outs, drafted = generate(core, params)
     assert drafted > 0 and all(len(o) == 20 for o in outs)
     again, _ = generate(make_engine(speculative=SPECS["ngram"]), params)
@@ -104,7 +108,8 @@ def test_abort_mid_verification_frees_everything(make_engine):
 def test_adaptive_draft_lengths_stay_lossless(make_engine):
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in range(8)]
     plain, _ = generate(make_engine(), params)
-    adaptive = SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4, num_speculative_tokens=6, adaptive=True)
+    adaptive = SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4,
+                                 num_speculative_tokens=6, adaptive=True)
     core = make_engine(speculative=adaptive)
     spec, drafted = generate(core, params)
     assert spec == plain and drafted > 0
@@ -113,11 +118,12 @@ def test_adaptive_draft_lengths_stay_lossless(make_engine):
 
 @pytest.mark.parametrize("method", ["lossy_kv", "layer_skip"])
 def test_model_drafters_report_their_passes_to_the_cost_model(make_engine, method):
-    """A drafter that runs the model times each draft pass; the controller's cost model prices passes
-    from those (c2 per pass, c4 per row) and output stays that of plain decoding."""
+    """A drafter that runs the model times each draft pass; the controller's cost model prices
+    passes from those (c2 per pass, c4 per row) and output stays that of plain decoding."""
     params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True) for _ in range(4)]
     plain, _ = generate(make_engine(), params)
-    extra = {"kv_compressor": "window", "kv_compressor_config": {"window": 16}} if method == "lossy_kv" \
+    extra = {"kv_compressor": "window",
+             "kv_compressor_config": {"window": 16}} if method == "lossy_kv" \
         else {"skip_layers": [1]}
     spec = SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=True, **extra)
     core = make_engine(speculative=spec)

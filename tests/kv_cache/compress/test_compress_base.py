@@ -71,7 +71,8 @@ def test_merge_of_any_split_equals_whole():
     k, v = _kv(50, h=1, d=8)
     q = torch.randn(2, 3, 8)
     whole = dense_attention(q, k, v, 0.3)
-    parts = [dense_attention(q, k[a:b], v[a:b], 0.3) for a, b in [(0, 7), (7, 7), (7, 31), (31, 50)]]
+    parts = [dense_attention(q, k[a:b], v[a:b], 0.3) for a,
+             b in [(0, 7), (7, 7), (7, 31), (31, 50)]]
     out, lse = merge_attention(parts)
     torch.testing.assert_close(out, whole[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse, whole[1], atol=1e-6, rtol=1e-5)
@@ -79,7 +80,8 @@ def test_merge_of_any_split_equals_whole():
 
 
 def test_query_positions_mask_only_the_tail():
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_sink=2, window=8, page_size=8)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_sink=2, window=8,
+                           page_size=8)
     comp = ExactPages(cfg)
     state = comp.new_state(dtype=torch.float32)
     k, v = _kv(40)
@@ -101,7 +103,8 @@ def test_positions_must_continue():
 
 
 def test_window_keeps_only_sinks_and_recent():
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_sink=4, window=16, page_size=8)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_sink=4, window=16,
+                           page_size=8)
     comp = WindowCompressor(cfg)
     state = comp.new_state(dtype=torch.float32)
     k, v = _kv(100)
@@ -117,7 +120,8 @@ def test_window_keeps_only_sinks_and_recent():
 
 
 @settings(max_examples=50, deadline=None)
-@given(bits=st.sampled_from([2, 4, 8]), rows=st.integers(1, 4), n=st.integers(1, 6), seed=st.integers(0, 99))
+@given(bits=st.sampled_from([2, 4, 8]), rows=st.integers(1, 4), n=st.integers(1, 6),
+       seed=st.integers(0, 99))
 def test_pack_bits_round_trip(bits, rows, n, seed):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (rows, n * 8 // bits * 2), generator=g, dtype=torch.uint8)
@@ -133,7 +137,8 @@ def test_quantize_error_is_half_a_step(bits, dim, scale, seed):
     x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(seed)) * scale
     codes, s, z = quantize(x, bits, dim)
     err = (dequantize(codes, s, z) - x).abs()
-    bound = s.float() * 0.5 + 2e-3 * x.abs().amax(dim, keepdim=True)     # + fp16 rounding of the range
+    # + fp16 rounding of the range
+    bound = s.float() * 0.5 + 2e-3 * x.abs().amax(dim, keepdim=True)
     assert (err <= bound).all()
 
 
@@ -141,18 +146,21 @@ def test_quantize_error_is_half_a_step(bits, dim, scale, seed):
 @given(kbits=st.sampled_from([2, 4, 8]), vbits=st.sampled_from([2, 4, 8]), h=st.integers(1, 3),
        d=st.sampled_from([16, 64]), page=st.sampled_from([8, 32]))
 def test_quant_bytes_per_token_formula_matches_pages(kbits, vbits, h, d, page):
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=d, num_sink=0, window=0, page_size=page)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=d, num_sink=0, window=0,
+                           page_size=page)
     comp = QuantCompressor(cfg, kbits, vbits)
     state = comp.new_state()
     k, v = _kv(3 * page, h=h, d=d)
     comp.encode(state, 0, k, v)
     pages = state.layers[0].pages
     assert len(pages) == 3
-    assert sum(comp.page_bytes(p) for p in pages) == pytest.approx(comp.bytes_per_token() * 3 * page)
+    assert (sum(comp.page_bytes(p) for p in pages)
+            == pytest.approx(comp.bytes_per_token() * 3 * page))
 
 
 def test_quant8_attention_is_close_and_int2_is_worse():
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_sink=2, window=8, page_size=16)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_sink=2, window=8,
+                           page_size=16)
     k, v = _kv(120)
     q = torch.randn(3, 4, 16)
     ref, _ = dense_attention(q, k, v, 0.25)

@@ -51,7 +51,8 @@ def _kv(n, h=2, d=64, seed=0):
 
 
 def test_sparsity_zero_equals_dense_attention():
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_sink=4, window=32, page_size=64)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_sink=4, window=32,
+                           page_size=64)
     comp = MustafarCompressor(cfg, 0.0, 0.0)
     k, v = _kv(300)
     state = comp.new_state()
@@ -65,7 +66,8 @@ def test_sparsity_zero_equals_dense_attention():
 
 
 def test_sparse_attention_equals_dense_attention_over_pruned_cache():
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_sink=0, window=16, page_size=64)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_sink=0, window=16,
+                           page_size=64)
     comp = MustafarCompressor(cfg, 0.7, 0.5)
     k, v = _kv(150)
     state = comp.new_state()
@@ -82,10 +84,12 @@ def test_sparse_attention_equals_dense_attention_over_pruned_cache():
 
 
 @settings(max_examples=20, deadline=None)
-@given(ks=st.sampled_from([0.0, 0.5, 0.7, 0.9]), vs=st.sampled_from([0.0, 0.5, 0.7]), h=st.integers(1, 3),
+@given(ks=st.sampled_from([0.0, 0.5, 0.7, 0.9]), vs=st.sampled_from([0.0, 0.5, 0.7]),
+       h=st.integers(1, 3),
        d=st.sampled_from([64, 128]))
 def test_bytes_per_token_formula(ks, vs, h, d):
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=d, num_sink=0, window=0, page_size=64)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=d, num_sink=0, window=0,
+                           page_size=64)
     comp = MustafarCompressor(cfg, ks, vs)
     state = comp.new_state()
     k, v = _kv(128, h, d)
@@ -95,7 +99,8 @@ def test_bytes_per_token_formula(ks, vs, h, d):
 
 
 def test_bytes_at_paper_setting():
-    """D = 128, s = 0.7: 39 kept per token; (24 + 78) bytes for K and for V per head vs 512 fp16 bytes."""
+    """D = 128, s = 0.7: 39 kept per token; (24 + 78) bytes for K and for V per head vs 512 fp16
+    bytes."""
     cfg = CompressorConfig(num_layers=1, num_kv_heads=1, head_dim=128, page_size=64)
     comp = MustafarCompressor(cfg, 0.7, 0.7)
     assert comp.bytes_per_token() == 204

@@ -1,4 +1,5 @@
-"""Spherical KV: code round trips, logits from codes, tiers' byte formula, RDR budget, calibration."""
+"""Spherical KV: code round trips, logits from codes, tiers' byte formula, RDR budget,
+calibration."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from specserve.kernels.reference.spherical_encode import spherical_decode, spher
 from specserve.kv_cache.compress import rdr
 from specserve.kernels.reference.attention import dense_attention
 from specserve.kv_cache.compress.base import CompressorConfig
-from specserve.kv_cache.compress.spherical import DROP, TIERS, SphericalCompressor, key_bits_per_token
+from specserve.kv_cache.compress.spherical import (DROP, TIERS, SphericalCompressor,
+                                                   key_bits_per_token)
 from specserve.kv_cache.compress.spherical_calib import calibrate, spherical_kmeans
 
 
@@ -57,7 +59,8 @@ def test_attention_from_codes_equals_dense_attention_over_decoded_keys():
 @pytest.mark.parametrize("tier,expected", [(1, 56), (2, 48), (3, 22)])
 def test_tier_bits_scale_with_head_dim(tier, expected):
     assert key_bits_per_token(tier, 64) == expected
-    assert key_bits_per_token(tier, 128) == 2 * expected                      # the paper's 112 / 96 / 44
+    # the paper's 112 / 96 / 44
+    assert key_bits_per_token(tier, 128) == 2 * expected
     assert key_bits_per_token(DROP, 64) == 0
 
 
@@ -65,7 +68,8 @@ def test_tier_bits_scale_with_head_dim(tier, expected):
 @given(tier=st.sampled_from([1, 2, 3]), vbits=st.sampled_from([16, 8, 4]), h=st.integers(1, 3),
        page=st.sampled_from([8, 16]))
 def test_bytes_per_token_matches_stored_pages(tier, vbits, h, page):
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=64, num_sink=0, window=0, page_size=page)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=64, num_sink=0, window=0,
+                           page_size=page)
     comp = SphericalCompressor(cfg, _codebooks(1, h, 64), tier=tier, value_bits=vbits)
     state = comp.new_state()
     comp.encode(state, 0, torch.randn(2 * page, h, 64), torch.randn(2 * page, h, 64))
@@ -78,7 +82,8 @@ def test_bytes_per_token_matches_stored_pages(tier, vbits, h, page):
     code_bits = key_bits_per_token(tier, 64) - 8 * (64 // TIERS[tier].group)
     groups = 64 // TIERS[tier].group
     unpacked_extra = 2 * page * h * groups * (8 - code_bits // groups) / 8
-    assert packed == pytest.approx(stored - unpacked_extra + 2, abs=1e-6)    # + one tier byte per page
+    # + one tier byte per page
+    assert packed == pytest.approx(stored - unpacked_extra + 2, abs=1e-6)
     assert comp.bytes_per_token() * 2 * page == pytest.approx(packed)
 
 
@@ -90,8 +95,10 @@ def test_compressor_attention_is_close_to_full_with_good_codebooks():
     k = (base[torch.randint(0, 4, (400, h))] + 0.2 * torch.randn(400, h, d))
     v = torch.randn(400, h, d)
     books = calibrate(k.permute(1, 0, 2)[None], iters=10)
-    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=d, num_sink=4, window=16, page_size=16)
-    q = k[-3:].repeat_interleave(2, dim=1) * 2                                # queries that attend sharply
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=d, num_sink=4, window=16,
+                           page_size=16)
+    # queries that attend sharply
+    q = k[-3:].repeat_interleave(2, dim=1) * 2
     ref, _ = dense_attention(q, k, v, 1 / 8)
     errs = {}
     for tier in (1, 3):
@@ -109,13 +116,15 @@ def test_rdr_respects_budget_and_downgrades_least_important_first():
     moves = rdr.plan_downgrades(units, budget_bits=330, page_bits=bits.__getitem__)
     final = {i: 1 for i in range(4)} | {i: t for _, i, t in moves}
     assert sum(bits[t] for t in final.values()) <= 330
-    assert final[0] == 1                                                      # heaviest page untouched
+    # heaviest page untouched
+    assert final[0] == 1
     assert final[1] != 1 and final[3] != 1                                    # light pages first
 
 
 def test_rdr_compressor_stays_under_budget_and_keeps_attended_pages():
     h, d = 1, 64
-    cfg = CompressorConfig(num_layers=2, num_kv_heads=h, head_dim=d, num_sink=0, window=0, page_size=8)
+    cfg = CompressorConfig(num_layers=2, num_kv_heads=h, head_dim=d, num_sink=0, window=0,
+                           page_size=8)
     comp = SphericalCompressor(cfg, _codebooks(2, h, d), tier=1, value_bits=4)
     full = comp.bytes_per_token() * 8
     comp.set_retention(budget_bits=0.6 * full)
@@ -148,6 +157,7 @@ def test_spherical_kmeans_recovers_planted_directions():
     centers = torch.nn.functional.normalize(torch.randn(4, 8, generator=g), dim=-1)
     x = centers[torch.randint(0, 4, (500,), generator=g)] + 0.05 * torch.randn(500, 8, generator=g)
     books = spherical_kmeans(x[None], 4, iters=15)[0]
-    cos = (books @ centers.T).max(0).values                                   # best match per centre
+    # best match per centre
+    cos = (books @ centers.T).max(0).values
     assert torch.allclose(books.norm(dim=-1), torch.ones(4), atol=1e-5)
     assert (cos > 0.98).all()

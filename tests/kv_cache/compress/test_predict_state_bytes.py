@@ -24,13 +24,15 @@ def make(name, cfg):
     return {"window": lambda: WindowCompressor(cfg),
             "quant": lambda: QuantCompressor(cfg, key_bits=4, value_bits=2),
             "mustafar": lambda: MustafarCompressor(cfg, 0.7, 0.5),
-            "spherical": lambda: SphericalCompressor(cfg, codebooks(), tier=2, value_bits=4)}[name]()
+            "spherical": lambda: SphericalCompressor(cfg, codebooks(), tier=2,
+                                                     value_bits=4)}[name]()
 
 
 @pytest.mark.parametrize("name", ["window", "quant", "mustafar", "spherical"])
 @pytest.mark.parametrize("num_sink, window", [(4, 16), (0, 0), (3, 70)])
 def test_prediction_matches_encoded_states(name, num_sink, window):
-    cfg = CompressorConfig(num_layers=LAYERS, num_kv_heads=H, head_dim=D, num_sink=num_sink, window=window,
+    cfg = CompressorConfig(num_layers=LAYERS, num_kv_heads=H, head_dim=D, num_sink=num_sink,
+                           window=window,
                            page_size=64)
     comp = make(name, cfg)
     torch.manual_seed(1)

@@ -12,7 +12,8 @@ from specserve.kv_cache.compress.window import WindowCompressor
 
 CLASSES = {"window": WindowCompressor, "quant": QuantCompressor, "spherical": SphericalCompressor,
            "mustafar": MustafarCompressor}
-SHORTHANDS = {"mustafar": {"sparsity"}, "spherical": {"calib_tokens"}}   # expanded by build_compressor
+# expanded by build_compressor
+SHORTHANDS = {"mustafar": {"sparsity"}, "spherical": {"calib_tokens"}}
 
 
 def test_layout_keys_are_the_compressor_config_fields():
@@ -22,7 +23,8 @@ def test_layout_keys_are_the_compressor_config_fields():
 
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_settings_are_the_constructor_keywords(name):
-    params = set(inspect.signature(CLASSES[name].__init__).parameters) - {"self", "config", "codebooks"}
+    params = (set(inspect.signature(CLASSES[name].__init__).parameters)
+              - {"self", "config", "codebooks"})
     assert set(SETTINGS[name]) == params | SHORTHANDS.get(name, set())
 
 
