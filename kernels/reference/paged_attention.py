@@ -179,13 +179,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
     (one layer). `window`, `softcap`: 0 = off (module docstring). Returns [num_tokens, num_heads,
     head_dim]."""
+    batch = short_batch(meta, window)
+    if batch is not None and batch.whole:           # all decodes/verify rows of one shape
+        return short_attention(q, k_cache, v_cache, batch, meta, scale, window, softcap)
     out = torch.empty_like(q)
     for where, blocks, mask in chunk_groups(meta, window):      # prefill chunks, one by one
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
                                      meta.block_size, softcap)
-    batch = short_batch(meta, window)
-    if batch is not None and batch.whole:           # all decodes/verify rows of one shape
-        return short_attention(q, k_cache, v_cache, batch, meta, scale, window, softcap)
     if batch is not None:
         out[batch.rows] = short_attention(q[batch.rows], k_cache, v_cache, batch, meta, scale,
                                           window, softcap)
