@@ -67,7 +67,12 @@ def test_peer_commands_match_the_comparison(monkeypatch, tmp_path):
     spec = json.loads(ngram.cmd[ngram.cmd.index("--speculative-config") + 1])
     assert spec == peers.NGRAM_CONFIG and ngram.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert ngram.cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert "--speculative-config" not in peers.vllm_peer(9002, ngram=False).cmd
+    plain = peers.vllm_peer(9002, ngram=False)
+    assert "--speculative-config" not in plain.cmd
+    assert plain.cmd[plain.cmd.index("--dtype") + 1] == "bfloat16" and plain.name == "vllm-cpu"
+    fp32 = peers.vllm_peer(9005, ngram=True, dtype="float32")
+    assert fp32.cmd[fp32.cmd.index("--dtype") + 1] == "float32"
+    assert fp32.name == "vllm-cpu-fp32-ngram"
     llama = peers.llama_peer(9003)
     assert llama.cmd[llama.cmd.index("--interrupt_requests") + 1] == "False"
     assert "ignore_eos" not in llama.extra_body and llama.extra_body["logit_bias"]

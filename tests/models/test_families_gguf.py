@@ -117,3 +117,32 @@ def test_dequantized_cache_is_read_back_exactly(checkpoints, tmp_path, monkeypat
     third = load_model(str(path))
     assert third.config == first.config
     assert cached.stat().st_size > 1000                  # rewritten
+
+
+def test_model_description_reads_the_cache_and_a_failed_write_is_skipped(checkpoints, tmp_path,
+                                                                           monkeypatch):
+    """Once cached, the HTTP side's model description comes from the cache's metadata (no GGUF
+    parse); a cache that cannot be written leaves no file behind and the model still loads."""
+    import gguf
+    import safetensors.torch
+
+    from specserve.spec_phases.paths import describe_model, gguf_cache_file
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(checkpoints("qwen2-gguf")[2], path, "qwen2")
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    model = load_model(str(path))
+    assert model.config.architecture == "Qwen2ForCausalLM"
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []      # no file, no temporary
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    load_model(str(path))
+    assert gguf_cache_file(path).exists()
+
+    def no_parse(*_args, **_kwargs):
+        raise AssertionError("the GGUF was parsed")
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    assert describe_model(path) == "qwen2 (GGUF)"
