@@ -124,16 +124,21 @@ def cache_dir() -> Path:
     return path
 
 
-def gguf_cache_file(path: Path) -> Path:
-    """Where the loader keeps a GGUF's dequantized tensors (float32 safetensors, the config in its
-    metadata): named by the file's path, size and modification time, so a changed file is read
-    afresh."""
+def file_key(path: Path) -> str:
+    """16 hex digits naming a file by its path, size and modification time: what is cached from a
+    model file is keyed by it, so a changed file is read afresh."""
     import hashlib
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    name = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def gguf_cache_file(path: Path) -> Path:
+    """Where the loader keeps a GGUF's dequantized tensors (float32 safetensors, the config in its
+    metadata)."""
     folder = cache_dir() / "gguf"
     folder.mkdir(exist_ok=True)
-    return folder / f"{path.stem}-{key[:16]}.safetensors"
+    return folder / f"{path.stem}-{file_key(path)}.safetensors"
 
 
 def describe_model(path: Path) -> str:

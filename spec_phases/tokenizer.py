@@ -3,10 +3,9 @@ server encodes and renders chat with it; the worker builds its grammar masks fro
 (`spec_phases/grammar.py`), so both sides agree on every token's text."""
 from __future__ import annotations
 
-import hashlib
 import os
 
-from specserve.spec_phases.paths import cache_dir, resolve_model_path
+from specserve.spec_phases.paths import cache_dir, file_key, resolve_model_path
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):
@@ -21,10 +20,7 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     path = resolve_model_path(None if model is None else str(model))
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path))
-    stat = path.stat()
-    name = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    key = hashlib.sha256(name.encode()).hexdigest()[:16]
-    saved = cache_dir() / "tokenizers" / key
+    saved = cache_dir() / "tokenizers" / file_key(path)
     if (saved / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(saved))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
