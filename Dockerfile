@@ -27,6 +27,9 @@ RUN python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && .venv/b
 
 # ---- cpu: runtime -----------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS cpu
+# a C compiler: the CPU kernels (kernels/cpu/*.c) are built for the CPU they run on, at first use
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 specserve && useradd --uid 10001 --gid 10001 --create-home specserve
 COPY --from=cpu-build --chown=10001:10001 /app /app
 WORKDIR /app

@@ -1,16 +1,17 @@
-"""The single place that chooses between an op's PyTorch reference and its Triton kernel, and that
-falls back from one to the other.
+"""The single place that chooses between an op's PyTorch reference and its kernels (Triton for
+CUDA, C for the CPU), and that falls back from a kernel to the reference.
 
 `OPS` names every op and its module: the function `op` in `kernels/reference/<module>.py` and,
-where a kernel exists, the function `op` with the same signature in `kernels/triton/<module>.py`.
-A Triton module says what it supports: `supports(*args) -> bool` (inputs it cannot take go to the
-reference) and `FAILURES`, the exceptions that mean it cannot run on this machine (then the
-reference serves every later call; logged once).
+where a kernel exists, the function `op` with the same signature in `kernels/triton/<module>.py`
+or `kernels/cpu/<module>.py`. A kernel module says what it supports: `supports(*args) -> bool`
+(inputs it cannot take go to the reference) and `FAILURES`, the exceptions that mean it cannot run
+on this machine (then the reference serves every later call; logged once).
 
 Choice, per call site (`get_op(name, device)`):
 - SPECSERVE_KERNELS=reference forces the reference; SPECSERVE_KERNELS=triton forces Triton.
-- otherwise Triton on CUDA tensors when `triton` imports and the kernel exists, else the reference.
-- on CPU the reference runs, except under TRITON_INTERPRET=1 with SPECSERVE_KERNELS=triton (how CI
+- otherwise Triton on CUDA tensors when `triton` imports and the kernel exists; the C kernel on the
+  CPU where one exists (built on first use, `kernels/cpu/native.py`); else the reference.
+- under TRITON_INTERPRET=1 with SPECSERVE_KERNELS=triton the Triton kernels run on the CPU (how CI
   compares each kernel with its reference).
 """
 from __future__ import annotations
@@ -65,11 +66,12 @@ def reference(name: str) -> Callable:
 
 
 class Kernel:
-    """A Triton kernel with its fallback to the reference: for inputs the kernel does not support,
-    and for good once it failed to compile or fit on this machine."""
+    """A kernel (Triton or C) with its fallback to the reference: for inputs the kernel does not
+    support, and for good once it failed to build, compile or fit on this machine."""
 
-    def __init__(self, name: str, module):
-        self.name, self.kernel, self.fallback = name, getattr(module, name), reference(name)
+    def __init__(self, name: str, module, kind: str = "Triton"):
+        self.name, self.kind = name, kind
+        self.kernel, self.fallback = getattr(module, name), reference(name)
         self.supports = module.supports if "supports" in vars(module) else None
         self.failures: tuple = vars(module).get("FAILURES", ())
         self.unusable: str | None = None               # why, once the kernel failed here
@@ -80,8 +82,8 @@ class Kernel:
                 return self.kernel(*args, **kwargs)
             except self.failures as exc:
                 self.unusable = f"{type(exc).__name__}: {exc}"
-                logger.error("Triton %s unusable here (%s); using the PyTorch reference",
-                             self.name, self.unusable)
+                logger.error("%s %s unusable here (%s); using the PyTorch reference",
+                             self.kind, self.name, self.unusable)
         return self.fallback(*args, **kwargs)
 
 
@@ -89,10 +91,19 @@ class Kernel:
 def triton_kernel(name: str) -> Kernel | None:
     if not _triton_available():
         return None
-    module = _module("triton", name)
+    return _kernel("triton", name)
+
+
+@functools.cache
+def cpu_kernel(name: str) -> Kernel | None:
+    return _kernel("cpu", name)
+
+
+def _kernel(kind: str, name: str) -> Kernel | None:
+    module = _module(kind, name)
     if module is None or name not in vars(module):
         return None
-    return Kernel(name, module)
+    return Kernel(name, module, {"triton": "Triton", "cpu": "C"}[kind])
 
 
 def get_op(name: str, device: str = "cpu") -> Callable:
@@ -104,6 +115,7 @@ def get_op(name: str, device: str = "cpu") -> Callable:
         if kernel is None:
             raise RuntimeError(f"SPECSERVE_KERNELS=triton but op {name!r} has no Triton kernel")
         return kernel
-    if kernel is not None and str(device).startswith("cuda"):
-        return kernel
-    return reference(name)
+    if str(device).startswith("cuda"):
+        return kernel if kernel is not None else reference(name)
+    kernel = cpu_kernel(name)
+    return kernel if kernel is not None else reference(name)

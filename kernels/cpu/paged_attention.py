@@ -1,0 +1,92 @@
+"""Paged attention on the CPU (float32): every short query (decodes and verify rows, q_len <=
+SHORT_QUERY) in one call of the C kernel `paged_attention.c`, which reads K/V from the paged cache
+in place; long prefill chunks as the reference runs them (SDPA over their gathered blocks).
+
+The reference gathers each request's blocks into a copy and batches requests by exact shape (one
+SDPA call per shape); at 16 decodes over ~150-token contexts that was a third of a step on a
+2-core AVX2 host. The kernel's rows are also invariant by construction (see the C source): a
+row's output depends only on its query and the keys it sees.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from specserve.kernels.cpu.native import BuildError, library
+from specserve.kernels.metadata import PagedAttentionMetadata
+from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
+
+FAILURES = (BuildError,)
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _kernel():
+    fn = library("paged_attention").paged_attention_short
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                   _i64, ctypes.c_float, _i64, ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+@dataclass(frozen=True)
+class ShortRequests:
+    """The step's short requests as the kernel reads them."""
+    requests: torch.Tensor          # [n, 3] int64: first query row, q_len, seq_len
+    tables: torch.Tensor            # [n, width] int64 block ids (padded with 0)
+
+
+def short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
+    """Built once per step (every layer reuses it)."""
+    return meta.memo("cpu_short", lambda: _short_requests(meta))
+
+
+def _short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
+    rows, tables = [], []
+    for b, seq_len in enumerate(meta.seq_lens):
+        start, q_len = meta.query_start[b], meta.query_start[b + 1] - meta.query_start[b]
+        if 0 < q_len <= SHORT_QUERY:
+            rows.append((start, q_len, seq_len))
+            tables.append(meta.block_tables[b][:-(-seq_len // meta.block_size)])
+    if not rows:
+        return None
+    width = max(len(t) for t in tables)
+    padded = [list(t) + [0] * (width - len(t)) for t in tables]
+    return ShortRequests(torch.tensor(rows, dtype=torch.int64),
+                         torch.tensor(padded, dtype=torch.int64))
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: PagedAttentionMetadata, scale: float, window: int = 0,
+             softcap: float = 0.0) -> bool:
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """The reference's signature and result: q [num_tokens, num_heads, D]; k_cache, v_cache
+    [num_slots, num_kv_heads, D] (one layer) -> [num_tokens, num_heads, D]."""
+    num_heads, head_dim = q.shape[1:]
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for where, blocks, mask in chunk_groups(meta, window):      # prefill chunks, one by one
+        out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
+                                     meta.block_size, softcap)
+    short = short_requests(meta)
+    if short is None:
+        return out
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    status = _kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                       out.data_ptr(), out.stride(0), short.requests.data_ptr(),
+                       short.tables.data_ptr(), short.tables.shape[1], short.requests.shape[0],
+                       num_heads, k_cache.shape[1], head_dim, meta.block_size, scale, window,
+                       softcap, torch.get_num_threads())
+    if status:
+        raise MemoryError("paged_attention_short: no scratch memory")
+    return out

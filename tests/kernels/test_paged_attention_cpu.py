@@ -1,0 +1,145 @@
+"""The C paged attention (kernels/cpu): the reference's results on mixed batches (decodes, verify
+rows, prefill chunks; GQA, sliding windows, soft-capping, head sizes off the 8-float lanes), rows
+that are bit-identical whatever shares the call, and the dispatch's choice and fallback."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specserve.kernels import dispatch
+from specserve.kernels.cpu import native
+from specserve.kernels.cpu import paged_attention as cpu_paged
+from specserve.kernels.metadata import PagedAttentionMetadata
+from specserve.kernels.reference.paged_attention import paged_attention as reference
+
+
+def make_batch(shapes, block_size, num_heads, num_kv, dim, seed=0, num_blocks=96):
+    """shapes: (context length, new queries) per request; blocks drawn at random from the pool."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks * block_size, num_kv, dim, generator=g)
+    v_cache = torch.randn(num_blocks * block_size, num_kv, dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, query_start, used = [], [0], 0
+    for length, num_q in shapes:
+        nb = -(-length // block_size)
+        tables.append(tuple(perm[used:used + nb]))
+        used += nb
+        query_start.append(query_start[-1] + num_q)
+    q = torch.randn(query_start[-1], num_heads, dim, generator=g)
+    return q, k_cache, v_cache, query_start, tables
+
+
+def meta_of(shapes, query_start, tables, block_size):
+    return PagedAttentionMetadata(list(query_start), [s[0] for s in shapes], list(tables),
+                                  block_size)
+
+
+@pytest.mark.parametrize("num_heads,num_kv,dim", [(9, 3, 64), (4, 4, 20), (8, 2, 16)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (6, 0.0), (0, 5.0), (11, 3.0)])
+def test_matches_reference_on_mixed_batches(num_heads, num_kv, dim, window, softcap):
+    block_size = 4
+    # decodes, verify rows (up to the 16-row short limit), prefill chunks (first and later), a
+    # context on a block boundary and one just past it
+    shapes = [(9, 1), (13, 5), (20, 20), (37, 17), (16, 1), (17, 3), (30, 16), (22, 22), (1, 1)]
+    q, k_cache, v_cache, query_start, tables = make_batch(shapes, block_size, num_heads, num_kv,
+                                                          dim)
+    scale = dim ** -0.5
+    want = reference(q, k_cache, v_cache, meta_of(shapes, query_start, tables, block_size),
+                     scale, window, softcap)
+    assert cpu_paged.supports(q, k_cache, v_cache, None, scale)
+    got = cpu_paged.paged_attention(q, k_cache, v_cache,
+                                    meta_of(shapes, query_start, tables, block_size), scale,
+                                    window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_takes_strided_queries():
+    """q as the model hands it: a view of the q-and-k tensor (rows further apart than the heads)."""
+    shapes = [(12, 1), (7, 3)]
+    qk, k_cache, v_cache, query_start, tables = make_batch(shapes, 4, 6, 2, 8)
+    q = qk[:, :4]
+    assert not q.is_contiguous()
+    meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
+    torch.testing.assert_close(cpu_paged.paged_attention(q, k_cache, v_cache, meta(), 0.3),
+                               reference(q.contiguous(), k_cache, v_cache, meta(), 0.3),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_do_not_depend_on_what_shares_the_call(threads):
+    """A verify row computes bit for bit what the decode at its position computes alone, and a
+    request's rows are the same with or without neighbours (any thread count)."""
+    torch.set_num_threads(threads)
+    block_size, num_heads, num_kv, dim = 16, 9, 3, 64
+    shapes = [(150, 5), (40, 1), (211, 16), (97, 3)]
+    q, k_cache, v_cache, query_start, tables = make_batch(shapes, block_size, num_heads, num_kv,
+                                                          dim, num_blocks=64)
+    scale = dim ** -0.5
+    batch = cpu_paged.paged_attention(q, k_cache, v_cache,
+                                      meta_of(shapes, query_start, tables, block_size), scale)
+    for b, (length, num_q) in enumerate(shapes):
+        for i in range(num_q):
+            row = query_start[b] + i
+            alone = cpu_paged.paged_attention(
+                q[row:row + 1], k_cache, v_cache,
+                meta_of([(length - num_q + i + 1, 1)], [0, 1], [tables[b]], block_size), scale)
+            assert torch.equal(alone[0], batch[row]), (b, i)
+        own = cpu_paged.paged_attention(
+            q[query_start[b]:query_start[b + 1]], k_cache, v_cache,
+            meta_of([shapes[b]], [0, num_q], [tables[b]], block_size), scale)
+        assert torch.equal(own, batch[query_start[b]:query_start[b + 1]])
+
+
+def test_dispatch_picks_the_c_kernel_on_cpu_and_reference_when_forced(monkeypatch):
+    op = dispatch.get_op("paged_attention", "cpu")
+    assert isinstance(op, dispatch.Kernel) and op.kind == "C"
+    monkeypatch.setenv("SPECSERVE_KERNELS", "reference")
+    assert dispatch.get_op("paged_attention", "cpu") is reference
+
+
+def test_bf16_goes_to_the_reference():
+    shapes = [(12, 1), (7, 2)]
+    q, k_cache, v_cache, query_start, tables = make_batch(shapes, 4, 4, 2, 8)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    assert not cpu_paged.supports(q, k_cache, v_cache, None, 0.3)
+    op = dispatch.Kernel("paged_attention", cpu_paged, "C")
+    meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
+    assert torch.equal(op(q, k_cache, v_cache, meta(), 0.3),
+                       reference(q, k_cache, v_cache, meta(), 0.3))
+
+
+def test_without_a_compiler_the_reference_serves(monkeypatch, tmp_path, caplog):
+    """No C compiler (or a failed build): one error in the log, then the reference's results."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native.library.cache_clear()
+    cpu_paged._kernel.cache_clear()
+    try:
+        op = dispatch.Kernel("paged_attention", cpu_paged, "C")
+        shapes = [(12, 1), (7, 3)]
+        q, k_cache, v_cache, query_start, tables = make_batch(shapes, 4, 4, 2, 8)
+        meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
+        with caplog.at_level(logging.ERROR, logger="specserve.kernels.dispatch"):
+            first = op(q, k_cache, v_cache, meta(), 0.3)
+            second = op(q, k_cache, v_cache, meta(), 0.3)
+        assert op.unusable is not None and "BuildError" in op.unusable
+        assert sum("unusable" in r.message for r in caplog.records) == 1
+        want = reference(q, k_cache, v_cache, meta(), 0.3)
+        assert torch.equal(first, want) and torch.equal(second, want)
+        assert not list(tmp_path.glob("kernels/*"))         # nothing half-built left behind
+    finally:
+        native.library.cache_clear()
+        cpu_paged._kernel.cache_clear()
+
+
+def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    (tmp_path / "cc").write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake-cc 1 && exit 0\n"
+                                 "echo 'broken compiler' >&2; exit 1\n")
+    (tmp_path / "cc").chmod(0o755)
+    monkeypatch.setenv("CC", str(tmp_path / "cc"))
+    with pytest.raises(native.BuildError, match="broken compiler"):
+        native.build("paged_attention")
+    assert not list((tmp_path / "kernels").iterdir())
