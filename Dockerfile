@@ -28,6 +28,7 @@ RUN python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && .venv/b
 # ---- cpu: runtime -----------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS cpu
 # a C compiler: the CPU kernels (kernels/cpu/*.c) are built for the CPU they run on, at first use
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 specserve && useradd --uid 10001 --gid 10001 --create-home specserve

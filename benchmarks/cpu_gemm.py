@@ -1,8 +1,8 @@
-"""Why fp32, why prepacked weights, and why verify rows are not free on a CPU: time one
+"""Why fp32, why packed weights, and why verify rows are not free on a CPU: time one
 SmolLM2-sized linear layer (gate_up, 3072 x 576) and the LM head (49152 x 576) at 1, 9 and 16 rows:
-fp32 through F.linear (MKL sgemm), fp32 with the weight prepacked for oneDNN (what the model runs on
-CPU, see `spec_phases/model.py: Linear`), bf16 and fp16 (a benchmark, not a test). Median of
-repeated calls.
+fp32 through F.linear (MKL sgemm), fp32 with the weight prepacked for oneDNN, fp32 through the C
+kernel on its packed panels (what the model runs on CPU, `kernels/cpu/linear.py`), bf16 and fp16
+(a benchmark, not a test). Median of repeated calls.
 Then, for the fp32 kernels, whether a row's result depends on how many rows share the call, and one
 forward of the embedded model (stub attention: linear layers, norms, RoPE, LM head) by rows in the
 step, dense weights vs packed.
@@ -17,7 +17,19 @@ import time
 import torch
 import torch.nn.functional as F
 from specserve.spec_phases.loader import load_model
-from specserve.spec_phases.model import cpu_packing_available, pack_cpu_weight, packed_linear
+from specserve.kernels.cpu import linear as cpu_linear
+
+
+def onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, 16)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def c_linear(x: torch.Tensor, packed: cpu_linear.PackedWeight) -> torch.Tensor:
+    return cpu_linear.linear(x, packed, None)
 
 
 def median_us(fn, repeats: int) -> float:
@@ -36,9 +48,9 @@ def main(repeats: int = 50) -> None:
     print(f"{'layer':>8} {'kernel':>13} {'rows':>4} {'us/call':>8} {'GFLOP/s':>8} {'x 1-row':>8}")
     for name, shape in (("gate_up", (3072, 576)), ("lm_head", (49152, 576))):
         w32 = torch.randn(*shape)
-        kernels = {"fp32 mkl": (w32, F.linear)}
-        if cpu_packing_available(torch.float32):
-            kernels["fp32 packed"] = (pack_cpu_weight(w32), lambda x, w: packed_linear(x, w, None))
+        kernels = {"fp32 mkl": (w32, F.linear), "fp32 onednn": (onednn_pack(w32), onednn_linear)}
+        if cpu_linear.c_kernel_available():
+            kernels["fp32 C"] = (cpu_linear.pack(w32), c_linear)
         kernels["bf16"] = (w32.bfloat16(), F.linear)
         kernels["fp16"] = (w32.half(), F.linear)
         for kernel, (w, fn) in kernels.items():
@@ -50,7 +62,7 @@ def main(repeats: int = 50) -> None:
                 gflops = 2 * shape[0] * shape[1] * rows / us / 1e3
                 print(f"{name:>8} {kernel:>13} {rows:>4} {us:>8.0f} {gflops:>8.1f} "
                       f"{us / one_row:>8.2f}")
-    if cpu_packing_available(torch.float32):
+    if cpu_linear.c_kernel_available():
         row_invariance()
         model_forward()
 
@@ -59,15 +71,17 @@ def row_invariance(counts=(1, 2, 7, 8, 9, 16, 17, 72, 144, 200)) -> None:
     """Are the first m rows of a call bit-identical to the same rows computed in a call of 200
     rows?"""
     torch.manual_seed(0)
-    print(f"{'layer':>16} {'fp32 mkl':>9} {'fp32 packed':>12}   "
+    print(f"{'layer':>16} {'fp32 mkl':>9} {'fp32 onednn':>12} {'fp32 C':>7}   "
           f"(rows bit-identical at {list(counts)} rows)")
     for shape in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
         w, x = torch.randn(*shape), torch.randn(max(counts), shape[1])
-        packed = pack_cpu_weight(w)
-        mkl_full, packed_full = F.linear(x, w), packed_linear(x, packed, None)
-        mkl = all(torch.equal(F.linear(x[:m], w), mkl_full[:m]) for m in counts)
-        pk = all(torch.equal(packed_linear(x[:m], packed, None), packed_full[:m]) for m in counts)
-        print(f"{f'{shape[0]}x{shape[1]}':>16} {str(mkl):>9} {str(pk):>12}")
+        same = []
+        for fn, packed in ((F.linear, w), (onednn_linear, onednn_pack(w)),
+                           (c_linear, cpu_linear.pack(w))):
+            full = fn(x, packed)
+            same.append(all(torch.equal(fn(x[:m], packed), full[:m]) for m in counts))
+        print(f"{f'{shape[0]}x{shape[1]}':>16} {str(same[0]):>9} {str(same[1]):>12} "
+              f"{str(same[2]):>7}")
 
 
 def model_forward(row_counts=(1, 8, 16, 72, 144), repeats: int = 10) -> None:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.cpu import linear as cpu_linear
+from specserve.kernels.cpu.linear import PackedWeight
 from specserve.kernels.metadata import LayerAttention
 from specserve.spec_phases.rope import RopeConfig, frequencies
 
@@ -187,45 +189,24 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def cpu_packing_available(dtype: torch.dtype) -> bool:
-    """oneDNN can run prepacked GEMMs in `dtype` on this CPU (bf16: AVX512-BF16 or AMX)."""
-    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
-    return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 or bf16 [out, in] weight reordered into oneDNN's blocked layout (an opaque mkldnn
-    tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack()`ed, runs oneDNN's GEMM on a prepacked fp32 or bf16 weight (CPU
-    only). At the 1-144 row shapes of decode, drafting and verification a model forward on MKL's
-    sgemm is 1.6-2.4x slower on the benchmark CPU, and its rows depend on how many rows share the
-    call; the packed GEMM's rows mostly do not (`benchmarks/cpu_gemm.py`). Unpacked bf16 F.linear
-    is no faster than fp32; packed bf16 reads half the bytes. The dense weight stays for
-    state_dict and loading."""
-    packed: torch.Tensor | None = None
+    """nn.Linear that, once `pack()`ed, runs on a weight packed once for the CPU
+    (`kernels/cpu/linear.py`: the C kernel for fp32, whose rows do not depend on how many rows
+    share the call; oneDNN's prepacked GEMM for bf16). At the 1-144 row shapes of decode, drafting
+    and verification MKL's sgemm (plain F.linear) is 1.6-2.4x slower, and unpacked bf16 F.linear
+    is no faster than fp32 (`benchmarks/cpu_gemm.py`)."""
+    packed: PackedWeight | None = None
 
     def pack(self) -> None:
         """Pack the weight and drop the dense copy (nothing reads it once packed), so the weights
         are held once."""
-        self.packed = pack_cpu_weight(self.weight)
+        self.packed = cpu_linear.pack(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return packed_linear(x, self.packed, self.bias)
+        return cpu_linear.linear(x, self.packed, self.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -300,7 +281,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size,
                                                                       cfg.vocab_size,
                                                                       bias=False)
-        self._lm_head_packed: torch.Tensor | None = None     # set by pack_for_cpu
+        self._lm_head_packed: PackedWeight | None = None     # set by pack_for_cpu
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -337,7 +318,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._lm_head_packed is not None:
-            logits = packed_linear(hidden, self._lm_head_packed, None).float()
+            logits = cpu_linear.linear(hidden, self._lm_head_packed, None).float()
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()     # [num_rows, vocab]
@@ -350,11 +331,11 @@ class LlamaModel(nn.Module):
         (the embedding keeps its dense one for lookups). Returns False (and changes nothing)
         where unsupported."""
         weight = self.embed_tokens.weight
-        if weight.device.type != "cpu" or not cpu_packing_available(weight.dtype):
+        if weight.device.type != "cpu" or not cpu_linear.packing_available(weight.dtype):
             return False
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         head = weight if self.lm_head is None else self.lm_head.weight
-        self._lm_head_packed = pack_cpu_weight(head)
+        self._lm_head_packed = cpu_linear.pack(head)
         return True

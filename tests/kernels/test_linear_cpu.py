@@ -1,0 +1,71 @@
+"""The CPU linear layers (kernels/cpu/linear.py): the C kernel gives F.linear's products, its rows
+are bit-identical whatever number of rows shares the call (any thread count), and without a C
+compiler float32 weights are packed for oneDNN instead."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels.cpu import linear as cpu_linear
+from specserve.kernels.cpu import native
+
+
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 20), (16, 7), (5, 64)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 33])
+def test_matches_f_linear(out_features, in_features, rows):
+    g = torch.Generator().manual_seed(out_features * 1000 + rows)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    packed = cpu_linear.pack(w)
+    assert not packed.onednn and packed.out_features == out_features
+    torch.testing.assert_close(cpu_linear.linear(x, packed, None), F.linear(x, w),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_linear.linear(x, packed, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_takes_3d_and_strided_inputs():
+    w, x = torch.randn(48, 32), torch.randn(3, 4, 64)[..., ::2]       # rows 2 floats apart
+    got = cpu_linear.linear(x, cpu_linear.pack(w), None)
+    assert got.shape == (3, 4, 48)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_do_not_depend_on_the_row_count(threads):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(1)
+    for shape in ((960, 576), (576, 1536), (3072, 576)):
+        w, x = torch.randn(*shape, generator=g), torch.randn(200, shape[1], generator=g)
+        packed = cpu_linear.pack(w)
+        full = cpu_linear.linear(x, packed, None)
+        for m in (1, 2, 5, 7, 16, 17, 72, 144):
+            assert torch.equal(cpu_linear.linear(x[:m], packed, None), full[:m]), (shape, m)
+        assert torch.equal(cpu_linear.linear(x[100:101], packed, None)[0], full[100])
+
+
+def test_without_a_compiler_float32_goes_to_onednn(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    for cached in (native.library, cpu_linear._lib, cpu_linear.c_kernel_available):
+        cached.cache_clear()
+    try:
+        assert not cpu_linear.c_kernel_available()
+        w, x = torch.randn(40, 24), torch.randn(3, 24)
+        packed = cpu_linear.pack(w)
+        assert packed.onednn and cpu_linear.packing_available(torch.float32)
+        torch.testing.assert_close(cpu_linear.linear(x, packed, None), F.linear(x, w),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        for cached in (native.library, cpu_linear._lib, cpu_linear.c_kernel_available):
+            cached.cache_clear()
+
+
+def test_bf16_packs_for_onednn_exactly_where_it_runs_natively():
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_linear.packing_available(torch.bfloat16) == native_bf16
+    assert not cpu_linear.packing_available(torch.float16)
+    if native_bf16:
+        assert cpu_linear.pack(torch.randn(8, 8).bfloat16()).onednn
