@@ -34,9 +34,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     seed: int = 0
     num_threads: int | None = None      # torch intra-op threads on CPU (None: torch's default)
-    # fp32 on CPU: prepack linear weights for oneDNN (faster GEMMs,
+    # on CPU: pack linear weights once (fp32: the C kernel, bf16: oneDNN; faster GEMMs; the tied
+    # LM head is held a second time)
     cpu_weight_packing: bool = True
-                                        # a second copy of the weights in memory)
     tiny_random_seed: int = 0           # weights of the "tiny-random" model
     speculative: SpeculativeConfig | None = None
 

@@ -91,7 +91,8 @@ class Worker:
         # bytes one forward reads (an LM head tied to the embedding is read once per step)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if config.cpu_weight_packing and self.model.pack_for_cpu():
-            logger.info("linear weights prepacked for oneDNN (%s on CPU)", self.dtype)
+            kind = "oneDNN" if self.model.layers[0].qkv_proj.packed.onednn else "the C kernel"
+            logger.info("linear weights packed for %s (%s on CPU)", kind, self.dtype)
         cfg = self.model_config = self.model.config
         self.device_kv_gb = self._device_kv_budget_gb()
         budget_gb = ((config.host_kv_cache_memory_gb or config.kv_cache_memory_gb) if in_host
