@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 OPS = {
     "paged_attention": "paged_attention",
+    "rms_norm": "rms_norm",
+    "add_rms_norm": "rms_norm",
     "dense_attention": "attention",
     "batched_attention": "attention",
     "merge_attention": "attention",

@@ -22,6 +22,7 @@ from torch import nn
 
 from specserve.kernels.cpu import linear as cpu_linear
 from specserve.kernels.cpu.linear import PackedWeight
+from specserve.kernels.dispatch import get_op
 from specserve.kernels.metadata import LayerAttention
 from specserve.spec_phases.rope import RopeConfig, frequencies
 
@@ -102,18 +103,15 @@ class Attention(Protocol):
 
 
 def rms_norm(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
-    """In float32, as transformers computes it (x * rsqrt(mean(x^2) + eps) * w, then the input's
-    dtype): torch's fused op is bitwise the same and one call instead of eight."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight_f32.shape, weight_f32, eps)
-    return F.rms_norm(x.float(), weight_f32.shape, weight_f32, eps).to(x.dtype)
+    """In float32, as transformers computes it (`kernels/reference/rms_norm.py`; one C call on
+    CPU, `kernels/cpu/rms_norm.py`)."""
+    return get_op("rms_norm", x.device.type)(x, weight_f32, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight_f32: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add, then RMSNorm: -> (x + delta, norm(x + delta))."""
-    x = x + delta
-    return x, rms_norm(x, weight_f32, eps)
+    return get_op("add_rms_norm", x.device.type)(x, delta, weight_f32, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
