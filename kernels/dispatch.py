@@ -8,7 +8,8 @@ or `kernels/cpu/<module>.py`. A kernel module says what it supports: `supports(*
 on this machine (then the reference serves every later call; logged once).
 
 Choice, per call site (`get_op(name, device)`):
-- SPECSERVE_KERNELS=reference forces the reference; SPECSERVE_KERNELS=triton forces Triton.
+- SPECSERVE_KERNELS=reference forces the reference; SPECSERVE_KERNELS=triton forces Triton for
+  every op that has a Triton kernel (the others, e.g. the CPU-only rms_norm, run the reference).
 - otherwise Triton on CUDA tensors when `triton` imports and the kernel exists; the C kernel on the
   CPU where one exists (built on first use, `kernels/cpu/native.py`); else the reference.
 - under TRITON_INTERPRET=1 with SPECSERVE_KERNELS=triton the Triton kernels run on the CPU (how CI
@@ -114,9 +115,9 @@ def get_op(name: str, device: str = "cpu") -> Callable:
         return reference(name)
     kernel = triton_kernel(name)
     if mode == "triton":
-        if kernel is None:
-            raise RuntimeError(f"SPECSERVE_KERNELS=triton but op {name!r} has no Triton kernel")
-        return kernel
+        if not _triton_available():
+            raise RuntimeError("SPECSERVE_KERNELS=triton but triton does not import")
+        return kernel if kernel is not None else reference(name)
     if str(device).startswith("cuda"):
         return kernel if kernel is not None else reference(name)
     kernel = cpu_kernel(name)

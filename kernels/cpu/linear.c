@@ -89,7 +89,8 @@ void linear_pack(const float *w, int64_t N, int64_t K, float *packed) {
 void linear_forward(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
                     const float *bias, float *y, int num_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; p++)
         panel_block(x, M, K, packed + p * K * PANEL, p * PANEL, N, bias, y);
 }

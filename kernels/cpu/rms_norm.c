@@ -33,7 +33,8 @@ static void norm_row(const float *x, const float *delta, const float *w, float *
 /* x, delta (or NULL), sum (written when delta is given), norm: [rows, n] contiguous; w: [n] */
 void rms_norm_rows(const float *x, const float *delta, const float *w, float *sum, float *norm,
                    int64_t rows, int64_t n, float eps, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows >= 64)
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_threads > 1 && rows >= 64)
     for (int64_t r = 0; r < rows; r++)
         norm_row(x + r * n, delta ? delta + r * n : 0, w, sum ? sum + r * n : 0, norm + r * n, n,
                  eps);

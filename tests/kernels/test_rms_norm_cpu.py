@@ -37,6 +37,12 @@ def test_strided_heads_and_row_independence():
     assert torch.equal(cpu_norm.rms_norm(heads[4:5], w, 1e-6), got[4:5])
 
 
+def test_forced_triton_runs_the_reference_where_no_triton_kernel_exists(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_KERNELS", "triton")
+    assert dispatch.get_op("rms_norm", "cpu") is ref_norm.rms_norm
+    assert dispatch.get_op("paged_attention", "cpu").kind == "Triton"
+
+
 def test_dispatch_runs_c_for_float32_and_the_reference_otherwise():
     op = dispatch.get_op("add_rms_norm", "cpu")
     assert isinstance(op, dispatch.Kernel) and op.kind == "C"
