@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    src = torch.empty(128 * 2 ** 20)
+    src = torch.ones(128 * 2 ** 20)      # real pages (an untouched torch.empty reads the zero page)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() * 4 / seconds(lambda: dst.copy_(src)) / 1e9
     print(f"{torch.get_num_threads()} threads; copy bandwidth {copy_gbs:.1f} GB/s")

@@ -280,6 +280,7 @@ class LlamaModel(nn.Module):
                                                                       cfg.vocab_size,
                                                                       bias=False)
         self._lm_head_packed: PackedWeight | None = None     # set by pack_for_cpu
+        self._embedding_in_head = False        # tied, C-packed: lookups read the packed head
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -300,7 +301,10 @@ class LlamaModel(nn.Module):
         return tuple(rope.table(positions) for rope in self.ropes)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        if self._embedding_in_head:
+            x = cpu_linear.weight_rows(self._lm_head_packed, input_ids)
+        else:
+            x = self.embed_tokens(input_ids)
         return x * self.embed_scale.to(x.dtype) if self.config.family.scale_embeddings else x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
@@ -324,10 +328,10 @@ class LlamaModel(nn.Module):
         return softcap(logits, cap) if cap else logits
 
     def pack_for_cpu(self) -> bool:
-        """Prepack every linear layer and the LM head for oneDNN (fp32 or bf16 on CPU; see
-        `Linear`). Linear layers then hold only the packed weight; the LM head is a second copy
-        (the embedding keeps its dense one for lookups). Returns False (and changes nothing)
-        where unsupported."""
+        """Pack every linear layer and the LM head for the CPU (`Linear`: the C kernel for fp32,
+        oneDNN for bf16). Each then holds only its packed weight; a tied embedding reads its rows
+        back from the C-packed head (oneDNN's layout is opaque: there the embedding keeps its
+        dense copy). Returns False (and changes nothing) where unsupported."""
         weight = self.embed_tokens.weight
         if weight.device.type != "cpu" or not cpu_linear.packing_available(weight.dtype):
             return False
@@ -336,4 +340,11 @@ class LlamaModel(nn.Module):
                 module.pack()
         head = weight if self.lm_head is None else self.lm_head.weight
         self._lm_head_packed = cpu_linear.pack(head)
+        if self.lm_head is not None:             # untied: the packed copy is its only reader
+            self.lm_head.weight = nn.Parameter(head.new_empty(0), requires_grad=False)
+        elif not self._lm_head_packed.onednn:
+            # tied: embedding lookups copy rows out of the packed head (exactly), so the vocab x
+            # hidden matrix is held once (113 MB for SmolLM2 in fp32)
+            self._embedding_in_head = True
+            self.embed_tokens.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
         return True

@@ -70,6 +70,12 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, out_features, in_features, onednn=True)
 
 
+def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a C-packed weight, copied exactly: [len(rows), in] (a tied embedding's lookup read
+    from the packed LM head, so the matrix is held once)."""
+    return packed.data[rows // PANEL, :, rows % PANEL]
+
+
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype (the weight's)."""
     if packed.onednn:

@@ -42,6 +42,9 @@ def test_cpu_packed_weights_match_dense_and_are_optional():
     b = packed.compute_logits(packed(ids, torch.arange(6), causal))
     assert b.dtype == torch.float32 and b.shape == a.shape
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # the tied embedding is held once: lookups read the packed head, exactly the dense rows
+    assert packed.embed_tokens.weight.numel() == 0
+    assert torch.equal(packed.embed(ids), dense.embed(ids))
     # an empty step (no rows); fp16 is never packed
     assert packed.compute_logits(packed(ids[:0], torch.arange(0), causal)).shape == (0, 100)
     assert not build_random_model(tiny_config(vocab_size=100), dtype=torch.float16).pack_for_cpu()
