@@ -53,6 +53,20 @@ static inline void prefetch_slot(const float *slot, int64_t slot_floats) {
         __builtin_prefetch(slot + f, 0, 1);
 }
 
+/* key j's slot in `cache`, the slot PREFETCH_AHEAD keys on requested early */
+static inline const float *walk_slot(const float *cache, const int64_t *table, int64_t j,
+                                     int64_t seq_len, int64_t block_size, int64_t slot_floats) {
+    if (j + PREFETCH_AHEAD < seq_len)
+        prefetch_slot(slot_ptr(cache, table, j + PREFETCH_AHEAD, block_size, slot_floats),
+                      slot_floats);
+    return slot_ptr(cache, table, j, block_size, slot_floats);
+}
+
+/* the query at `pos` sees key j: causal, within the sliding window (0: none) */
+static inline int visible(int64_t j, int64_t pos, int64_t window) {
+    return j <= pos && (window <= 0 || j > pos - window);
+}
+
 /* One request: rows r = qi * num_heads + h are query qi of head h (kv head h / group). Keys are
  * walked slot by slot, every kv head of a slot together (one contiguous run of memory). */
 static void attend_request(const float *q, int64_t q_token_stride, const float *k_cache,
@@ -68,13 +82,9 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
         lo_all = 0;
     /* scores[r * seq_len + j]: only the keys row r sees are written and read */
     for (int64_t j = lo_all; j < seq_len; j++) {
-        if (j + PREFETCH_AHEAD < seq_len)
-            prefetch_slot(slot_ptr(k_cache, table, j + PREFETCH_AHEAD, block_size, slot_floats),
-                          slot_floats);
-        const float *kj = slot_ptr(k_cache, table, j, block_size, slot_floats);
+        const float *kj = walk_slot(k_cache, table, j, seq_len, block_size, slot_floats);
         for (int64_t qi = 0; qi < q_len; qi++) {
-            const int64_t pos = first_pos + qi;
-            if (j > pos || (window > 0 && j <= pos - window))
+            if (!visible(j, first_pos + qi, window))
                 continue;
             const float *qrow = q + (q_start + qi) * q_token_stride;
             float *srow = scores + qi * num_heads * seq_len + j;
@@ -104,13 +114,9 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
     }
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t j = lo_all; j < seq_len; j++) {
-        if (j + PREFETCH_AHEAD < seq_len)
-            prefetch_slot(slot_ptr(v_cache, table, j + PREFETCH_AHEAD, block_size, slot_floats),
-                          slot_floats);
-        const float *vj = slot_ptr(v_cache, table, j, block_size, slot_floats);
+        const float *vj = walk_slot(v_cache, table, j, seq_len, block_size, slot_floats);
         for (int64_t qi = 0; qi < q_len; qi++) {
-            const int64_t pos = first_pos + qi;
-            if (j > pos || (window > 0 && j <= pos - window))
+            if (!visible(j, first_pos + qi, window))
                 continue;
             for (int64_t h = 0; h < num_heads; h++) {
                 const int64_t r = qi * num_heads + h;
