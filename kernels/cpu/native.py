@@ -63,13 +63,20 @@ def build(name: str) -> Path:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"{cc} --version failed: {exc}") from exc
-    key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_flags(), platform.machine(),
+    try:
+        text = source.read_text()
+    except OSError as exc:
+        raise BuildError(f"cannot read {source}: {exc}") from exc
+    key = hashlib.sha256("\0".join([text, version, _cpu_flags(), platform.machine(),
                                     " ".join(FLAGS)]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError as exc:
+        raise BuildError(f"cannot write the kernel cache {target.parent}: {exc}") from exc
     os.close(fd)
     try:
         done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True,

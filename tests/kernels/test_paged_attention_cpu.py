@@ -134,6 +134,13 @@ def test_without_a_compiler_the_reference_serves(monkeypatch, tmp_path, caplog):
         cpu_paged._kernel.cache_clear()
 
 
+def test_an_unwritable_cache_is_a_build_error(monkeypatch, tmp_path):
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "not-a-dir"))
+    with pytest.raises(native.BuildError, match="kernel cache"):
+        native.build("paged_attention")
+
+
 def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     (tmp_path / "cc").write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake-cc 1 && exit 0\n"
