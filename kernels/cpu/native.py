@@ -1,7 +1,6 @@
 """Build and load the CPU kernels written in C (`kernels/cpu/*.c`): compiled once per machine with
 the system C compiler (`cc`, or $CC) for this CPU (-march=native, OpenMP), cached under
-`~/.cache/specserve/kernels` (`SPECSERVE_CACHE_DIR`, as `spec_phases/paths.py` reads it; kernels
-import nothing above them) by a key of the source, the compiler's
+`~/.cache/specserve/kernels` (`SPECSERVE_CACHE_DIR`) by a key of the source, the compiler's
 version and the CPU's flags, and loaded with ctypes. A build takes about a second.
 
 The shared library links libgomp.so.1; torch has already loaded its own copy under that name, so
@@ -31,6 +30,8 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
+    """specserve's cache folder, not created (`spec_phases/paths.cache_dir` reads it here too:
+    kernels import nothing above them)."""
     root = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
     return Path(root)
