@@ -113,12 +113,10 @@ def get_op(name: str, device: str = "cpu") -> Callable:
     mode = os.environ.get("SPECSERVE_KERNELS", "auto")
     if mode == "reference":
         return reference(name)
-    kernel = triton_kernel(name)
-    if mode == "triton":
-        if not _triton_available():
+    if mode == "triton" or str(device).startswith("cuda"):
+        if mode == "triton" and not _triton_available():
             raise RuntimeError("SPECSERVE_KERNELS=triton but triton does not import")
+        kernel = triton_kernel(name)
         return kernel if kernel is not None else reference(name)
-    if str(device).startswith("cuda"):
-        return kernel if kernel is not None else reference(name)
-    kernel = cpu_kernel(name)
+    kernel = cpu_kernel(name)          # (triton is never imported on a CPU-only path)
     return kernel if kernel is not None else reference(name)

@@ -23,14 +23,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.scheduler.config import EngineConfig
-from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import (EngineDeadError, EngineInfo, EngineOverloadedError,
                                           EngineRequest, ModelInfo, RequestOutput, StepStats)
 from specserve.scheduler.validation import validate
 
+if TYPE_CHECKING:       # imported where a core is built: with the core in its own process the
+    from specserve.scheduler.engine import EngineCore      # server never loads torch
 logger = logging.getLogger(__name__)
 RATE_WINDOW = 64                   # steps whose rate the drain estimate reads
 MIN_RATE_SECONDS = 0.5             # of step time, before the measured rate replaces the prior
@@ -185,6 +186,7 @@ def _process_main(config: EngineConfig, conn, warm_up: bool) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
+        from specserve.scheduler.engine import EngineCore
         core = EngineCore(config)
         rate = core.warm_up() if warm_up else 0.0
     except BaseException as exc:                          # noqa: BLE001 — reported, then exit
@@ -236,7 +238,10 @@ class AsyncEngine:
         if process:
             self._host: ThreadHost | ProcessHost = ProcessHost(config, self._on_event, warm_up)
         else:
-            self._host = ThreadHost(core or EngineCore(config), self._on_event, warm_up)
+            if core is None:
+                from specserve.scheduler.engine import EngineCore
+                core = EngineCore(config)
+            self._host = ThreadHost(core, self._on_event, warm_up)
         self.decode_rate_prior: float = self._host.decode_rate     # tokens/s; 0: not measured
         self.core = self._host.core
         self.model_info: ModelInfo = self._host.model_info

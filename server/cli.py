@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn
 
@@ -475,14 +476,19 @@ def serve(args: argparse.Namespace) -> None:
     except ImportError as exc:
         raise SystemExit(f"specserve: the engine is not available in this build ({exc})") from None
     logger.info("loading %s", args.model or "the embedded SmolLM2 model")
-    try:
-        tokenizer = load_tokenizer(tokenizer_path or config.model)
-    except (ValueError, OSError) as exc:
-        refuse(f"cannot load the tokenizer of {str(tokenizer_path or path)!r}: {exc}")
-    try:
-        engine = AsyncEngine(config, process=not args.engine_in_thread, warm_up=True)
-    except (ValueError, FileNotFoundError) as exc:       # unsupported model, missing weights
-        refuse(str(exc))
+    # the tokenizer loads on a thread while the engine process starts (the two overlap on a
+    # second core: a few seconds of start-up)
+    with ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer") as pool:
+        tokenizer_job = pool.submit(load_tokenizer, tokenizer_path or config.model)
+        try:
+            engine = AsyncEngine(config, process=not args.engine_in_thread, warm_up=True)
+        except (ValueError, FileNotFoundError) as exc:       # unsupported model, missing weights
+            refuse(str(exc))
+        try:
+            tokenizer = tokenizer_job.result()
+        except (ValueError, OSError) as exc:
+            engine.shutdown()
+            refuse(f"cannot load the tokenizer of {str(tokenizer_path or path)!r}: {exc}")
     try:
         settings = server_settings(args, engine.model_info, defaults)
         log_banner(args, config, path, engine, defaults)

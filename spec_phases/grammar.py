@@ -30,12 +30,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from specserve.spec_phases.sampling_params import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Constraint,
                                                    ParamError)
+
+if TYPE_CHECKING:         # imported where masks are built: the HTTP process validates
+    import torch         # constraints with `check` and never loads torch (start-up, memory)
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,8 @@ def check(constraint: Constraint) -> None:
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's int32 bitmask [rows, words] (bit b of word w: token 32 w + b) -> bool [rows,
     vocab], True where the token is allowed."""
+    import torch
+
     raw = bitmask.contiguous().numpy().view(np.uint8)    # little-endian hosts: bytes in order
     bits = np.unpackbits(raw, axis=1, bitorder="little")[:, :vocab_size]
     return torch.from_numpy(bits).bool()
@@ -226,6 +231,7 @@ class GrammarBook:
                   ) -> tuple[list[int], Constrained]:
         """Cut the drafts at the first token the grammar forbids; one mask per verify row."""
         import llguidance.torch as llt
+        import torch
 
         matcher = self.matcher(request_id, constraint, num_output_tokens, output_token_ids)
         start = time.perf_counter()
@@ -261,6 +267,8 @@ class GrammarBook:
                          matcher.get_error())
 
     def _eos_only(self, rows: int) -> torch.Tensor:
+        import torch
+
         mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool)
         mask[:, list(self.eos_token_ids)] = True
         return mask

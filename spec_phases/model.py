@@ -273,7 +273,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init (the loader builds this on the meta device and assigns the checkpoint's
+        # tensors): normal_ on meta imports torch._dynamo, 3.4 s of a start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size,
@@ -281,13 +284,14 @@ class LlamaModel(nn.Module):
                                                                       bias=False)
         self._lm_head_packed: PackedWeight | None = None     # set by pack_for_cpu
         self._embedding_in_head = False        # tied, C-packed: lookups read the packed head
-        self.init_buffers()
+        # the RoPE tables come with `init_buffers`, once the weights are placed (computing them
+        # on the meta device imports torch._dynamo: 3.4 s of a start)
 
     def init_buffers(self) -> None:
         """(Re)compute what is derived, not loaded: the RoPE tables (global, and the sliding
         layers' own where the family has one) and the embedding scale (Gemma: sqrt(hidden), in
-        the weights' dtype as transformers rounds it). The loader calls this after moving a
-        model built on the meta device."""
+        the weights' dtype as transformers rounds it). The loader calls this once it has assigned
+        the checkpoint's tensors to a model built on the meta device."""
         cfg, device = self.config, self.embed_tokens.weight.device
         ropes = [cfg.rope] if cfg.local_rope is None else [cfg.rope, cfg.local_rope]
         self.ropes = nn.ModuleList(RotaryEmbedding(cfg.head_dim, cfg.max_position, r).to(device)

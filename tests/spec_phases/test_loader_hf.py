@@ -80,3 +80,27 @@ def test_bfloat16_option_runs(make_engine):
     core.add_request(EngineRequest("bf", [5, 6, 7],
                                    SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert sum(len(o.new_token_ids) for o in core.run_until_idle()) == 4
+
+
+
+def test_loaded_model_pins_none_of_the_tensors_safetensors_read(tmp_path, monkeypatch):
+    """The model holds copies (or fused tensors), never a tensor safetensors returned: those live
+    in the file's mapping, which stays resident while any of them does (a norm weight kept alive
+    would pin the whole file after the linear weights were packed and dropped)."""
+    import safetensors.torch
+    cfg = tiny_config(vocab_size=256, max_position=64)
+    export_hf(build_random_model(cfg), cfg, tmp_path)
+    read: list[torch.Tensor] = []
+    real_load_file = safetensors.torch.load_file
+
+    def recording_load_file(*args, **kwargs):
+        tensors = real_load_file(*args, **kwargs)
+        read.extend(tensors.values())
+        return tensors
+    monkeypatch.setattr(safetensors.torch, "load_file", recording_load_file)
+    model = load_model(str(tmp_path))
+    assert read
+    file_storages = {t.untyped_storage().data_ptr() for t in read}
+    for name, p in model.named_parameters():
+        assert p.untyped_storage().data_ptr() not in file_storages, name
+        assert p.device.type == "cpu" and p.is_contiguous(), name
