@@ -29,6 +29,7 @@ OPS = {
     "paged_attention": "paged_attention",
     "rms_norm": "rms_norm",
     "add_rms_norm": "rms_norm",
+    "rope": "rope",
     "dense_attention": "attention",
     "batched_attention": "attention",
     "merge_attention": "attention",

@@ -116,13 +116,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight_f32: torch.Tensor,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, heads, head_dim] -> x rotated (queries and keys go through in one call).
-    cos, sin: [num_tokens, 1, head_dim], each half repeated (`RotaryEmbedding.table`): transformers'
-    x * cos + rotate_half(x) * sin, in float32."""
-    xf = x if x.dtype == torch.float32 else x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    # two products and a sum, as transformers rounds them (addcmul's fused multiply-add does not)
-    out = (xf * cos).add_(torch.cat((x2.neg(), x1), dim=-1).mul_(sin))
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    cos, sin: [num_tokens, 1, head_dim], each half repeated (`RotaryEmbedding.table`):
+    transformers' x * cos + rotate_half(x) * sin, in float32 (`kernels/reference/rope.py`; one C
+    call on CPU, `kernels/cpu/rope.py`)."""
+    return get_op("rope", x.device.type)(x, cos, sin)
 
 
 def gated_mlp_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
