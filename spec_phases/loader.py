@@ -2,7 +2,11 @@
 (safetensors + config.json read through transformers' `AutoConfig`; the families of
 `spec_phases/families.py`), and tiny random-weight models of the same architecture for fast tests.
 Loading shows a progress bar. What we cannot serve exactly raises `UnsupportedModelError` (one
-line)."""
+line).
+
+A GGUF's Q4_1 linear weights are also kept as their raw blocks (`Linear.gguf_q4_1`, float32 on
+CPU only): the C kernel runs on them quantized, bitwise as on the dequantized weights
+(`kernels/cpu/linear.py`)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +28,9 @@ __all__ = ["UnsupportedModelError", "build_random_model", "load_model", "tiny_co
 
 logger = logging.getLogger(__name__)
 # the layout of a dequantized GGUF cache file (`_write_dequantized`); bump when it changes
-GGUF_CACHE_VERSION = 1
+GGUF_CACHE_VERSION = 2
+Q4_1_BLOCKS = ".q4_1"         # suffix of a tensor's raw GGUF Q4_1 blocks [out, in / 32 * 20] uint8
+_LINEARS = {"q", "k", "v", "o_proj", "gate", "up", "down_proj"}
 
 # GGUF (llama.cpp) tensor name -> ours; HF names: spec_phases/families.py
 _GGUF_LAYER = {
@@ -108,11 +114,20 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
     takes the (fused, cast) tensors themselves, so the weights are held about once while loading
     (copying into a pre-allocated model held them up to three times: 1.7 GB for SmolLM2 in
     fp32)."""
+    blocks = {name: tensors.pop(name) for name in list(tensors) if name.endswith(Q4_1_BLOCKS)}
+    keep_blocks = torch.device(device).type == "cpu" and dtype == torch.float32
+    q4_1: dict[str, torch.Tensor] = {}         # module -> its raw Q4_1 blocks, fused like its weight
     state: dict[str, torch.Tensor] = {}
-    fused = {"qkv_proj": "qkv", "gate_up_proj": ("gate", "up")}
+    fused = {"qkv_proj": "qkv", "gate_up_proj": ("gate", "up"), "o_proj": ("o_proj",),
+             "down_proj": ("down_proj",)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         for name, parts in fused.items():
+            split = [f"{p}{part}.weight{Q4_1_BLOCKS}" for part in parts]
+            if keep_blocks and all(s in blocks for s in split):
+                q4_1[p + name] = torch.cat([blocks.pop(s) for s in split])
+            if len(parts) == 1:
+                continue
             for leaf in ("weight", "bias"):
                 split = [f"{p}{part}.{leaf}" for part in parts]
                 if all(s in tensors for s in split):
@@ -128,6 +143,8 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
     if missing or unexpected:
         raise UnsupportedModelError(f"{cfg.architecture} checkpoint does not match the model: "
                                     f"missing={missing} unexpected={unexpected}")
+    for name, raw in q4_1.items():
+        model.get_submodule(name).gguf_q4_1 = raw
     model.init_buffers()
     return model.eval().requires_grad_(False)
 
@@ -197,12 +214,16 @@ def _dequantize_gguf(path: Path) -> tuple[dict, set[str], int, dict[str, torch.T
             name = f"layers.{idx}.{_GGUF_LAYER[leaf]}"
         else:
             name = _GGUF_GLOBAL[t.name]
+        raw = np.asarray(t.data)
         if arch == "llama" and leaf_is(name, "q"):
-            w = _unpermute(w, cfg.num_heads)
+            w, raw = _unpermute(w, cfg.num_heads), _unpermute(raw, cfg.num_heads)
         elif arch == "llama" and leaf_is(name, "k"):
-            w = _unpermute(w, cfg.num_kv_heads)
+            w, raw = _unpermute(w, cfg.num_kv_heads), _unpermute(raw, cfg.num_kv_heads)
         usable = w.flags.writeable and w.flags.c_contiguous
         tensors[name] = torch.from_numpy(w if usable else w.copy())
+        if (t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and name.endswith(".weight")
+                and name.split(".")[-2] in _LINEARS):
+            tensors[name + Q4_1_BLOCKS] = torch.from_numpy(np.ascontiguousarray(raw).copy())
     return meta, names, vocab, tensors
 
 

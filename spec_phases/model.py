@@ -191,11 +191,19 @@ class Linear(nn.Linear):
     and verification MKL's sgemm (plain F.linear) is 1.6-2.4x slower, and unpacked bf16 F.linear
     is no faster than fp32 (`benchmarks/cpu_gemm.py`)."""
     packed: PackedWeight | None = None
+    # the checkpoint's GGUF Q4_1 blocks of this weight (set by the loader, float32 on CPU): packed
+    # as they are where the C kernel runs, bitwise the dequantized weight's results
+    gguf_q4_1: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Pack the weight and drop the dense copy (nothing reads it once packed), so the weights
-        are held once."""
-        self.packed = cpu_linear.pack(self.weight)
+        """Pack the weight (its Q4_1 blocks where it has them and the C kernel runs) and drop the
+        dense copy (nothing reads it once packed), so the weights are held once."""
+        blocks, self.gguf_q4_1 = self.gguf_q4_1, None
+        if (blocks is not None and self.weight.dtype == torch.float32
+                and cpu_linear.c_kernel_available()):
+            self.packed = cpu_linear.pack_q4_1(blocks, self.in_features)
+        else:
+            self.packed = cpu_linear.pack(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,3 +357,24 @@ class LlamaModel(nn.Module):
             self._embedding_in_head = True
             self.embed_tokens.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
         return True
+
+    def drop_gguf_blocks(self) -> None:
+        """Forget the Q4_1 blocks the loader kept (the weights are not packed: nothing reads
+        them)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gguf_q4_1 = None
+
+    def bytes_per_step(self) -> int:
+        """The weight bytes one forward reads: every linear's (packed or dense) and the LM head
+        once (an untied embedding is only looked up, row by row)."""
+        total = 0
+        for name, p in self.named_parameters():
+            if name != "embed_tokens.weight" or self.lm_head is None:
+                total += p.numel() * p.element_size()
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is not None:
+                total += module.packed.data.nbytes
+        if self._lm_head_packed is not None:
+            total += self._lm_head_packed.data.nbytes
+        return total

@@ -88,11 +88,14 @@ class Worker:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
                                 tiny_seed=config.tiny_random_seed)
-        # bytes one forward reads (an LM head tied to the embedding is read once per step)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if config.cpu_weight_packing and self.model.pack_for_cpu():
-            kind = "oneDNN" if self.model.layers[0].qkv_proj.packed.onednn else "the C kernel"
+            layout = self.model.layers[0].qkv_proj.packed.layout
+            kind = {"onednn": "oneDNN", "f32": "the C kernel",
+                    "q4_1": "the C kernel, GGUF Q4_1 blocks kept quantized"}[layout]
             logger.info("linear weights packed for %s (%s on CPU)", kind, self.dtype)
+        else:
+            self.model.drop_gguf_blocks()
+        self.weight_bytes = self.model.bytes_per_step()      # what one forward reads
         cfg = self.model_config = self.model.config
         self.device_kv_gb = self._device_kv_budget_gb()
         budget_gb = ((config.host_kv_cache_memory_gb or config.kv_cache_memory_gb) if in_host

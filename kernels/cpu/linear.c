@@ -8,17 +8,29 @@
  * x[m, k] * W[n, k], one fused multiply-add after another in one vector lane, whatever M is and
  * whichever rows share a register block. A verify row therefore gets bit for bit the logits and
  * activations the decode it replaces would (oneDNN's and MKL's rows depend on the row count).
+ *
+ * GGUF Q4_1 weights (w = d * q + m per block of 32 along k; q in 0..15; d, m per block) can stay
+ * quantized: the same panels hold, per block of 32 k, d and m of the panel's 16 columns (float32)
+ * and the codes (one byte per k holding columns c and c + 8 in its low and high nibble), and the
+ * kernel dequantizes each k as gguf does, (d * q) + m rounded twice (ISO C: no contraction into a
+ * fused multiply-add), before the same fused multiply-adds. The result is bitwise that of the
+ * float32 panels of the dequantized weight, from a fifth of the bytes.
  */
 #include <stdint.h>
 #include <string.h>
 
 #define PANEL 16
 #define ROWS 6
+#define QBLOCK 32                                     /* GGUF's block of k */
+#define Q4_BLOCK_BYTES (2 * PANEL * 4 + QBLOCK * PANEL / 2)  /* d, m; then 32 k of 8 bytes */
 
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__FMA__)
 static inline v8f fma8(v8f a, v8f b, v8f c) {
     return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 }
@@ -48,28 +60,87 @@ static inline void panel_rows(const float *x, int64_t K, const float *panel, int
     }
 }
 
-static inline void panel_block(const float *x, int64_t M, int64_t K, const float *panel,
-                               int64_t n0, int64_t N, const float *bias, float *y) {
+/* the same, on a Q4_1 panel: [K / QBLOCK] blocks of Q4_BLOCK_BYTES */
+static inline void unpack16(const uint8_t *p, v8f *q0, v8f *q1) {
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
+    *q0 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)));
+    *q1 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+#else
+    for (int l = 0; l < 8; l++) {
+        (*q0)[l] = (float)(p[l] & 0x0F);
+        (*q1)[l] = (float)(p[l] >> 4);
+    }
+#endif
+}
+
+static inline void panel_rows_q4(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
+                                 v8f acc[ROWS][2]) {
+    for (int64_t r = 0; r < ROWS; r++)
+        acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const uint8_t *blk = panel + b * Q4_BLOCK_BYTES;
+        v8f d0, d1, m0, m1;
+        memcpy(&d0, blk, 32);
+        memcpy(&d1, blk + 32, 32);
+        memcpy(&m0, blk + 64, 32);
+        memcpy(&m1, blk + 96, 32);
+        const uint8_t *codes = blk + 128;
+        for (int64_t j = 0; j < QBLOCK; j++) {
+            v8f q0, q1;
+            unpack16(codes + j * 8, &q0, &q1);
+            const v8f w0 = d0 * q0 + m0, w1 = d1 * q1 + m1;  /* two roundings each, as gguf */
+            const int64_t k = b * QBLOCK + j;
+            for (int64_t r = 0; r < mr; r++) {
+                const float xv = x[r * K + k];
+                const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+                acc[r][0] = fma8(xb, w0, acc[r][0]);
+                acc[r][1] = fma8(xb, w1, acc[r][1]);
+            }
+        }
+    }
+}
+
+static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t n0, int64_t N,
+                              const float *bias, float *y) {
     const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int64_t r = 0; r < mr; r++) {
+        float out[PANEL];
+        memcpy(out, &acc[r][0], sizeof(float) * 8);
+        memcpy(out + 8, &acc[r][1], sizeof(float) * 8);
+        float *row = y + (m0 + r) * N + n0;
+        for (int64_t c = 0; c < width; c++)
+            row[c] = bias ? out[c] + bias[n0 + c] : out[c];
+    }
+}
+
+/* one panel (float32, or Q4_1 when q4) against every row of x */
+static inline void panel_block(const float *x, int64_t M, int64_t K, const void *panel, int q4,
+                               int64_t n0, int64_t N, const float *bias, float *y) {
     v8f acc[ROWS][2];
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int64_t mr = M - m0 < ROWS ? M - m0 : ROWS;
-        switch (mr) {            /* a constant row count per call: fully unrolled inner loops */
-        case 6: panel_rows(x + m0 * K, K, panel, 6, acc); break;
-        case 5: panel_rows(x + m0 * K, K, panel, 5, acc); break;
-        case 4: panel_rows(x + m0 * K, K, panel, 4, acc); break;
-        case 3: panel_rows(x + m0 * K, K, panel, 3, acc); break;
-        case 2: panel_rows(x + m0 * K, K, panel, 2, acc); break;
-        default: panel_rows(x + m0 * K, K, panel, 1, acc); break;
+        const float *xm = x + m0 * K;
+        if (q4) {
+            switch (mr) {        /* a constant row count per call: fully unrolled inner loops */
+            case 6: panel_rows_q4(xm, K, panel, 6, acc); break;
+            case 5: panel_rows_q4(xm, K, panel, 5, acc); break;
+            case 4: panel_rows_q4(xm, K, panel, 4, acc); break;
+            case 3: panel_rows_q4(xm, K, panel, 3, acc); break;
+            case 2: panel_rows_q4(xm, K, panel, 2, acc); break;
+            default: panel_rows_q4(xm, K, panel, 1, acc); break;
+            }
+        } else {
+            switch (mr) {
+            case 6: panel_rows(xm, K, panel, 6, acc); break;
+            case 5: panel_rows(xm, K, panel, 5, acc); break;
+            case 4: panel_rows(xm, K, panel, 4, acc); break;
+            case 3: panel_rows(xm, K, panel, 3, acc); break;
+            case 2: panel_rows(xm, K, panel, 2, acc); break;
+            default: panel_rows(xm, K, panel, 1, acc); break;
+            }
         }
-        for (int64_t r = 0; r < mr; r++) {
-            float out[PANEL];
-            memcpy(out, &acc[r][0], sizeof(float) * 8);
-            memcpy(out + 8, &acc[r][1], sizeof(float) * 8);
-            float *row = y + (m0 + r) * N + n0;
-            for (int64_t c = 0; c < width; c++)
-                row[c] = bias ? out[c] + bias[n0 + c] : out[c];
-        }
+        store_rows(acc, m0, mr, n0, N, bias, y);
     }
 }
 
@@ -84,13 +155,36 @@ void linear_pack(const float *w, int64_t N, int64_t K, float *packed) {
     }
 }
 
-/* x [M, K] contiguous, packed from linear_pack,
- * bias [N] or NULL, y [M, N] contiguous. Panels are split among the threads. */
-void linear_forward(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
+/* codes [N, K] (0..15), d and m [N, K / QBLOCK] -> packed [ceil(N / PANEL), K / QBLOCK,
+ * Q4_BLOCK_BYTES] (padding columns: d = m = 0, code 0) */
+void linear_pack_q4_1(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K,
+                      uint8_t *packed) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
+    memset(packed, 0, (size_t)(panels * blocks * Q4_BLOCK_BYTES));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t c = n % PANEL;
+        uint8_t *dst = packed + (n / PANEL) * blocks * Q4_BLOCK_BYTES;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = dst + b * Q4_BLOCK_BYTES;
+            memcpy(blk + 4 * c, d + n * blocks + b, 4);          /* d[0..15], then m[0..15] */
+            memcpy(blk + 64 + 4 * c, m + n * blocks + b, 4);
+            for (int64_t j = 0; j < QBLOCK; j++) {
+                const uint8_t q = codes[n * K + b * QBLOCK + j] & 0x0F;
+                blk[128 + j * 8 + c % 8] |= (uint8_t)(c < 8 ? q : q << 4);
+            }
+        }
+    }
+}
+
+/* x [M, K] contiguous; packed from linear_pack (q4 = 0) or linear_pack_q4_1 (q4 = 1); bias [N]
+ * or NULL; y [M, N] contiguous. Panels are split among the threads. */
+void linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int q4, int64_t N,
                     const float *bias, float *y, int num_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = q4 ? K / QBLOCK * Q4_BLOCK_BYTES : K * PANEL * 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; p++)
-        panel_block(x, M, K, packed + p * K * PANEL, p * PANEL, N, bias, y);
+        panel_block(x, M, K, (const uint8_t *)packed + p * panel_bytes, q4, p * PANEL, N, bias,
+                    y);
 }

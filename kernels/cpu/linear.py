@@ -2,7 +2,9 @@
 (column panels; every output element summed over k in one fixed order, so a row's result does
 not depend on how many rows share the call, as oneDNN's and MKL's do), oneDNN's prepacked GEMM
 for bfloat16 (where the CPU has AVX512-BF16 or AMX) and for float32 where no C compiler is
-available. The one home of the CPU GEMM choice."""
+available. GGUF Q4_1 weights can stay quantized in the C kernel's panels (`pack_q4_1`): it
+dequantizes each value as gguf does and computes bitwise what the float32 panels of the
+dequantized weight compute, reading a fifth of the bytes. The one home of the CPU GEMM choice."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +19,8 @@ from specserve.kernels.cpu.native import BuildError, library
 logger = logging.getLogger(__name__)
 
 PANEL = 16                      # output columns per packed panel (linear.c)
+QBLOCK = 32                     # GGUF's quantization block along the input dimension
+Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-bit codes
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -25,8 +29,11 @@ def _lib() -> ctypes.CDLL:
     lib = library("linear")
     lib.linear_pack.restype = None
     lib.linear_pack.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.linear_pack_q4_1.restype = None
+    lib.linear_pack_q4_1.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr]
     lib.linear_forward.restype = None
-    lib.linear_forward.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
+    lib.linear_forward.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr,
+                                   ctypes.c_int]
     return lib
 
 
@@ -52,10 +59,16 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    data: torch.Tensor          # C: [ceil(out / 16), in, 16] float32; oneDNN: its blocked tensor
+    """data: "f32": [ceil(out / 16), in, 16] float32 panels; "q4_1": [ceil(out / 16), in / 32,
+    384] uint8 panels of GGUF Q4_1 codes (linear.c); "onednn": oneDNN's blocked tensor."""
+    data: torch.Tensor
     out_features: int
     in_features: int
-    onednn: bool
+    layout: str
+
+    @property
+    def onednn(self) -> bool:
+        return self.layout == "onednn"
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
@@ -65,14 +78,39 @@ def pack(weight: torch.Tensor) -> PackedWeight:
         w = weight.detach().contiguous()
         data = torch.empty(-(-out_features // PANEL), in_features, PANEL)
         _lib().linear_pack(w.data_ptr(), out_features, in_features, data.data_ptr())
-        return PackedWeight(data, out_features, in_features, onednn=False)
+        return PackedWeight(data, out_features, in_features, "f32")
     data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
-    return PackedWeight(data, out_features, in_features, onednn=True)
+    return PackedWeight(data, out_features, in_features, "onednn")
+
+
+def q4_1_codes(blocks: torch.Tensor, in_features: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1 blocks [out, in / 32 * 20] uint8 -> (codes [out, in] uint8 in 0..15, d, m [out,
+    in / 32] float32): the weight is (d * code) + m per block, as gguf dequantizes it."""
+    out_features = blocks.shape[0]
+    b = blocks.reshape(out_features, in_features // QBLOCK, Q4_1_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    qs = b[..., 4:]                                       # element j low, element j + 16 high
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1).reshape(out_features, in_features)
+    return codes, d, m
+
+
+def pack_q4_1(blocks: torch.Tensor, in_features: int) -> PackedWeight:
+    """GGUF Q4_1 blocks [out, in / 32 * 20] uint8 (rows in the model's order) packed for the C
+    kernel, which dequantizes them in registers; needs `c_kernel_available()`."""
+    codes, d, m = q4_1_codes(blocks, in_features)
+    out_features = codes.shape[0]
+    data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
+                       2 * PANEL * 4 + QBLOCK * PANEL // 2, dtype=torch.uint8)
+    _lib().linear_pack_q4_1(codes.data_ptr(), d.data_ptr(), m.data_ptr(), out_features,
+                            in_features, data.data_ptr())
+    return PackedWeight(data, out_features, in_features, "q4_1")
 
 
 def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of a C-packed weight, copied exactly: [len(rows), in] (a tied embedding's lookup read
-    from the packed LM head, so the matrix is held once)."""
+    """Rows of a float32-panel weight, copied exactly: [len(rows), in] (a tied embedding's lookup
+    read from the packed LM head, so the matrix is held once)."""
     return packed.data[rows // PANEL, :, rows % PANEL]
 
 
@@ -87,7 +125,8 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
     if bias is not None:
         bias = bias.contiguous()
     _lib().linear_forward(rows.data_ptr(), rows.shape[0], packed.in_features,
-                          packed.data.data_ptr(), packed.out_features,
+                          packed.data.data_ptr(), int(packed.layout == "q4_1"),
+                          packed.out_features,
                           None if bias is None else bias.data_ptr(), out.data_ptr(),
                           torch.get_num_threads())
     return out.view(*x.shape[:-1], packed.out_features)

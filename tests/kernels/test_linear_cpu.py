@@ -69,3 +69,41 @@ def test_bf16_packs_for_onednn_exactly_where_it_runs_natively():
     assert not cpu_linear.packing_available(torch.float16)
     if native_bf16:
         assert cpu_linear.pack(torch.randn(8, 8).bfloat16()).onednn
+
+
+def q4_1_weight(out_features: int, in_features: int, seed: int):
+    """GGUF Q4_1 blocks of a random weight and gguf's own dequantization of them."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    raw = quants.quantize((w * 0.05).numpy(), GGMLQuantizationType.Q4_1)
+    dequantized = np.asarray(quants.dequantize(raw, GGMLQuantizationType.Q4_1), dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(dequantized.copy())
+
+
+def test_q4_1_codes_are_ggufs_values():
+    blocks, dequantized = q4_1_weight(40, 96, 3)
+    codes, d, m = cpu_linear.q4_1_codes(blocks, 96)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    rebuilt = d.repeat_interleave(32, 1) * codes.float() + m.repeat_interleave(32, 1)
+    assert torch.equal(rebuilt, dequantized)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 64), (576, 1536)])
+def test_q4_1_panels_compute_bitwise_the_dequantized_weights_results(threads, out_features,
+                                                                     in_features):
+    """The quantized panels give exactly the float32 panels' results (so every row is also
+    independent of the row count), from 3/16 of the bytes."""
+    torch.set_num_threads(threads)
+    blocks, dequantized = q4_1_weight(out_features, in_features, out_features)
+    quantized, dense = cpu_linear.pack_q4_1(blocks, in_features), cpu_linear.pack(dequantized)
+    assert quantized.layout == "q4_1" and quantized.out_features == out_features
+    assert quantized.data.nbytes * 16 == dense.data.nbytes * 3
+    g = torch.Generator().manual_seed(7)
+    x, b = torch.randn(40, in_features, generator=g), torch.randn(out_features, generator=g)
+    for m in (0, 1, 5, 6, 7, 16, 40):
+        assert torch.equal(cpu_linear.linear(x[:m], quantized, b),
+                           cpu_linear.linear(x[:m], dense, b)), m
+    torch.testing.assert_close(cpu_linear.linear(x, quantized, None), F.linear(x, dequantized),
+                               rtol=1e-5, atol=1e-4)
