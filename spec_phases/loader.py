@@ -4,9 +4,9 @@
 Loading shows a progress bar. What we cannot serve exactly raises `UnsupportedModelError` (one
 line).
 
-A GGUF's Q4_1 linear weights are also kept as their raw blocks (`Linear.gguf_q4_1`, float32 on
-CPU only): the C kernel runs on them quantized, bitwise as on the dequantized weights
-(`kernels/cpu/linear.py`)."""
+A GGUF's Q4_1 and Q8_0 linear weights and LM head are also kept as their raw blocks
+(`Linear.gguf_blocks`, `LlamaModel.gguf_head`; float32 on CPU only): the C kernel runs on them
+quantized, bitwise as on the dequantized weights (`kernels/cpu/linear.py`)."""
 from __future__ import annotations
 
 import json
@@ -28,9 +28,11 @@ __all__ = ["UnsupportedModelError", "build_random_model", "load_model", "tiny_co
 
 logger = logging.getLogger(__name__)
 # the layout of a dequantized GGUF cache file (`_write_dequantized`); bump when it changes
-GGUF_CACHE_VERSION = 2
-Q4_1_BLOCKS = ".q4_1"         # suffix of a tensor's raw GGUF Q4_1 blocks [out, in / 32 * 20] uint8
-_LINEARS = {"q", "k", "v", "o_proj", "gate", "up", "down_proj"}
+GGUF_CACHE_VERSION = 3
+# GGUF types the C kernel reads as they are; a tensor's raw blocks [out, in / 32 * bytes] uint8 are
+# kept under "<name>.<layout>"
+GGUF_BLOCK_LAYOUTS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+_BLOCK_READERS = {"q", "k", "v", "o_proj", "gate", "up", "down_proj", "embed_tokens", "lm_head"}
 
 # GGUF (llama.cpp) tensor name -> ours; HF names: spec_phases/families.py
 _GGUF_LAYER = {
@@ -114,18 +116,21 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
     takes the (fused, cast) tensors themselves, so the weights are held about once while loading
     (copying into a pre-allocated model held them up to three times: 1.7 GB for SmolLM2 in
     fp32)."""
-    blocks = {name: tensors.pop(name) for name in list(tensors) if name.endswith(Q4_1_BLOCKS)}
-    keep_blocks = torch.device(device).type == "cpu" and dtype == torch.float32
-    q4_1: dict[str, torch.Tensor] = {}         # module -> its raw Q4_1 blocks, fused like its weight
+    layouts = tuple(f".{layout}" for layout in GGUF_BLOCK_LAYOUTS.values())
+    blocks = {name: tensors.pop(name) for name in list(tensors) if name.endswith(layouts)}
+    if not (torch.device(device).type == "cpu" and dtype == torch.float32):
+        blocks.clear()                    # only the float32 C kernel reads them
+    kept: dict[str, tuple[str, torch.Tensor]] = {}      # module -> (layout, blocks), fused
     state: dict[str, torch.Tensor] = {}
     fused = {"qkv_proj": "qkv", "gate_up_proj": ("gate", "up"), "o_proj": ("o_proj",),
              "down_proj": ("down_proj",)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         for name, parts in fused.items():
-            split = [f"{p}{part}.weight{Q4_1_BLOCKS}" for part in parts]
-            if keep_blocks and all(s in blocks for s in split):
-                q4_1[p + name] = torch.cat([blocks.pop(s) for s in split])
+            for layout in GGUF_BLOCK_LAYOUTS.values():
+                split = [f"{p}{part}.weight.{layout}" for part in parts]
+                if all(s in blocks for s in split):
+                    kept[p + name] = (layout, torch.cat([blocks.pop(s) for s in split]))
             if len(parts) == 1:
                 continue
             for leaf in ("weight", "bias"):
@@ -133,6 +138,10 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
                 if all(s in tensors for s in split):
                     fused_tensor = torch.cat([tensors.pop(s) for s in split])
                     state[f"{p}{name}.{leaf}"] = fused_tensor.to(device=device, dtype=dtype)
+    head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    for layout in GGUF_BLOCK_LAYOUTS.values():
+        if f"{head}.weight.{layout}" in blocks:
+            kept["head"] = (layout, blocks.pop(f"{head}.weight.{layout}").clone())
     for name in list(tensors):
         # a copy: a tensor read by safetensors lives in the file's mapping, which stays resident
         # while any tensor of it does (a norm weight would pin all 540 MB)
@@ -143,8 +152,11 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
     if missing or unexpected:
         raise UnsupportedModelError(f"{cfg.architecture} checkpoint does not match the model: "
                                     f"missing={missing} unexpected={unexpected}")
-    for name, raw in q4_1.items():
-        model.get_submodule(name).gguf_q4_1 = raw
+    for name, layout_blocks in kept.items():
+        if name == "head":
+            model.gguf_head = layout_blocks
+        else:
+            model.get_submodule(name).gguf_blocks = layout_blocks
     model.init_buffers()
     return model.eval().requires_grad_(False)
 
@@ -221,9 +233,9 @@ def _dequantize_gguf(path: Path) -> tuple[dict, set[str], int, dict[str, torch.T
             w, raw = _unpermute(w, cfg.num_kv_heads), _unpermute(raw, cfg.num_kv_heads)
         usable = w.flags.writeable and w.flags.c_contiguous
         tensors[name] = torch.from_numpy(w if usable else w.copy())
-        if (t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and name.endswith(".weight")
-                and name.split(".")[-2] in _LINEARS):
-            tensors[name + Q4_1_BLOCKS] = torch.from_numpy(np.ascontiguousarray(raw).copy())
+        layout = GGUF_BLOCK_LAYOUTS.get(t.tensor_type.name)
+        if layout and name.endswith(".weight") and name.split(".")[-2] in _BLOCK_READERS:
+            tensors[f"{name}.{layout}"] = torch.from_numpy(np.ascontiguousarray(raw).copy())
     return meta, names, vocab, tensors
 
 

@@ -184,6 +184,18 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
 
+def pack_weight(weight: torch.Tensor, gguf_blocks: tuple[str, torch.Tensor] | None
+                ) -> PackedWeight:
+    """A weight packed for the CPU: from its GGUF blocks (Q4_1, Q8_0) where the loader kept them
+    and the C kernel runs, else from the dense weight (`kernels/cpu/linear.py`)."""
+    if (gguf_blocks is not None and weight.dtype == torch.float32
+            and cpu_linear.c_kernel_available()):
+        layout, blocks = gguf_blocks
+        pack = {"q4_1": cpu_linear.pack_q4_1, "q8_0": cpu_linear.pack_q8_0}[layout]
+        return pack(blocks, weight.shape[1])
+    return cpu_linear.pack(weight)
+
+
 class Linear(nn.Linear):
     """nn.Linear that, once `pack()`ed, runs on a weight packed once for the CPU
     (`kernels/cpu/linear.py`: the C kernel for fp32, whose rows do not depend on how many rows
@@ -191,19 +203,15 @@ class Linear(nn.Linear):
     and verification MKL's sgemm (plain F.linear) is 1.6-2.4x slower, and unpacked bf16 F.linear
     is no faster than fp32 (`benchmarks/cpu_gemm.py`)."""
     packed: PackedWeight | None = None
-    # the checkpoint's GGUF Q4_1 blocks of this weight (set by the loader, float32 on CPU): packed
-    # as they are where the C kernel runs, bitwise the dequantized weight's results
-    gguf_q4_1: torch.Tensor | None = None
+    # the checkpoint's GGUF blocks of this weight, (layout, blocks) (set by the loader, float32 on
+    # CPU): packed as they are where the C kernel runs, bitwise the dequantized weight's results
+    gguf_blocks: tuple[str, torch.Tensor] | None = None
 
     def pack(self) -> None:
-        """Pack the weight (its Q4_1 blocks where it has them and the C kernel runs) and drop the
-        dense copy (nothing reads it once packed), so the weights are held once."""
-        blocks, self.gguf_q4_1 = self.gguf_q4_1, None
-        if (blocks is not None and self.weight.dtype == torch.float32
-                and cpu_linear.c_kernel_available()):
-            self.packed = cpu_linear.pack_q4_1(blocks, self.in_features)
-        else:
-            self.packed = cpu_linear.pack(self.weight)
+        """Pack the weight (its GGUF blocks where it has them) and drop the dense copy (nothing
+        reads it once packed), so the weights are held once."""
+        self.packed = pack_weight(self.weight, self.gguf_blocks)
+        self.gguf_blocks = None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,6 +297,8 @@ class LlamaModel(nn.Module):
                                                                       bias=False)
         self._lm_head_packed: PackedWeight | None = None     # set by pack_for_cpu
         self._embedding_in_head = False        # tied, C-packed: lookups read the packed head
+        # the head's GGUF blocks (the embedding's when tied), (layout, blocks): see `Linear`
+        self.gguf_head: tuple[str, torch.Tensor] | None = None
         # the RoPE tables come with `init_buffers`, once the weights are placed (computing them
         # on the meta device imports torch._dynamo: 3.4 s of a start)
 
@@ -348,22 +358,24 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         head = weight if self.lm_head is None else self.lm_head.weight
-        self._lm_head_packed = cpu_linear.pack(head)
+        self._lm_head_packed = pack_weight(head, self.gguf_head)
+        self.gguf_head = None
         if self.lm_head is not None:             # untied: the packed copy is its only reader
             self.lm_head.weight = nn.Parameter(head.new_empty(0), requires_grad=False)
         elif not self._lm_head_packed.onednn:
             # tied: embedding lookups copy rows out of the packed head (exactly), so the vocab x
-            # hidden matrix is held once (113 MB for SmolLM2 in fp32)
+            # hidden matrix is held once (113 MB for SmolLM2 in fp32, 32 MB as Q8_0 panels)
             self._embedding_in_head = True
             self.embed_tokens.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
         return True
 
     def drop_gguf_blocks(self) -> None:
-        """Forget the Q4_1 blocks the loader kept (the weights are not packed: nothing reads
+        """Forget the GGUF blocks the loader kept (the weights are not packed: nothing reads
         them)."""
+        self.gguf_head = None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.gguf_q4_1 = None
+                module.gguf_blocks = None
 
     def bytes_per_step(self) -> int:
         """The weight bytes one forward reads: every linear's (packed or dense) and the LM head

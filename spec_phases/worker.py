@@ -90,8 +90,8 @@ class Worker:
                                 tiny_seed=config.tiny_random_seed)
         if config.cpu_weight_packing and self.model.pack_for_cpu():
             layout = self.model.layers[0].qkv_proj.packed.layout
-            kind = {"onednn": "oneDNN", "f32": "the C kernel",
-                    "q4_1": "the C kernel, GGUF Q4_1 blocks kept quantized"}[layout]
+            kind = {"onednn": "oneDNN", "f32": "the C kernel"}.get(
+                layout, f"the C kernel, the GGUF's {layout.upper()} blocks as they are")
             logger.info("linear weights packed for %s (%s on CPU)", kind, self.dtype)
         else:
             self.model.drop_gguf_blocks()

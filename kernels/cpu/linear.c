@@ -14,7 +14,8 @@
  * and the codes (one byte per k holding columns c and c + 8 in its low and high nibble), and the
  * kernel dequantizes each k as gguf does, (d * q) + m rounded twice (ISO C: no contraction into a
  * fused multiply-add), before the same fused multiply-adds. The result is bitwise that of the
- * float32 panels of the dequantized weight, from a fifth of the bytes.
+ * float32 panels of the dequantized weight, from a fifth of the bytes. GGUF Q8_0 (w = d * q, q an
+ * int8; a typical embedding and LM head) likewise: d of the 16 columns, then 16 codes per k.
  */
 #include <stdint.h>
 #include <string.h>
@@ -23,6 +24,8 @@
 #define ROWS 6
 #define QBLOCK 32                                     /* GGUF's block of k */
 #define Q4_BLOCK_BYTES (2 * PANEL * 4 + QBLOCK * PANEL / 2)  /* d, m; then 32 k of 8 bytes */
+#define Q8_BLOCK_BYTES (PANEL * 4 + QBLOCK * PANEL)           /* d; then 32 k of 16 bytes */
+enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
@@ -101,6 +104,45 @@ static inline void panel_rows_q4(const float *x, int64_t K, const uint8_t *panel
     }
 }
 
+static inline void unpack16_i8(const int8_t *p, v8f *q0, v8f *q1) {
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    *q0 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    *q1 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+#else
+    for (int l = 0; l < 8; l++) {
+        (*q0)[l] = (float)p[l];
+        (*q1)[l] = (float)p[l + 8];
+    }
+#endif
+}
+
+/* the same, on a Q8_0 panel: [K / QBLOCK] blocks of Q8_BLOCK_BYTES */
+static inline void panel_rows_q8(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
+                                 v8f acc[ROWS][2]) {
+    for (int64_t r = 0; r < ROWS; r++)
+        acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const uint8_t *blk = panel + b * Q8_BLOCK_BYTES;
+        v8f d0, d1;
+        memcpy(&d0, blk, 32);
+        memcpy(&d1, blk + 32, 32);
+        const int8_t *codes = (const int8_t *)(blk + 64);
+        for (int64_t j = 0; j < QBLOCK; j++) {
+            v8f q0, q1;
+            unpack16_i8(codes + j * PANEL, &q0, &q1);
+            const v8f w0 = d0 * q0, w1 = d1 * q1;                   /* exact, as gguf */
+            const int64_t k = b * QBLOCK + j;
+            for (int64_t r = 0; r < mr; r++) {
+                const float xv = x[r * K + k];
+                const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+                acc[r][0] = fma8(xb, w0, acc[r][0]);
+                acc[r][1] = fma8(xb, w1, acc[r][1]);
+            }
+        }
+    }
+}
+
 static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t n0, int64_t N,
                               const float *bias, float *y) {
     const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
@@ -114,31 +156,29 @@ static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t 
     }
 }
 
-/* one panel (float32, or Q4_1 when q4) against every row of x */
-static inline void panel_block(const float *x, int64_t M, int64_t K, const void *panel, int q4,
-                               int64_t n0, int64_t N, const float *bias, float *y) {
+#define ROW_CASES(fn)                                                                     \
+    switch (mr) {        /* a constant row count per call: fully unrolled inner loops */     \
+    case 6: fn(xm, K, panel, 6, acc); break;                                                  \
+    case 5: fn(xm, K, panel, 5, acc); break;                                                  \
+    case 4: fn(xm, K, panel, 4, acc); break;                                                  \
+    case 3: fn(xm, K, panel, 3, acc); break;                                                  \
+    case 2: fn(xm, K, panel, 2, acc); break;                                                  \
+    default: fn(xm, K, panel, 1, acc); break;                                                 \
+    }
+
+/* one panel (of `layout`) against every row of x */
+static inline void panel_block(const float *x, int64_t M, int64_t K, const void *panel,
+                               int layout, int64_t n0, int64_t N, const float *bias, float *y) {
     v8f acc[ROWS][2];
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int64_t mr = M - m0 < ROWS ? M - m0 : ROWS;
         const float *xm = x + m0 * K;
-        if (q4) {
-            switch (mr) {        /* a constant row count per call: fully unrolled inner loops */
-            case 6: panel_rows_q4(xm, K, panel, 6, acc); break;
-            case 5: panel_rows_q4(xm, K, panel, 5, acc); break;
-            case 4: panel_rows_q4(xm, K, panel, 4, acc); break;
-            case 3: panel_rows_q4(xm, K, panel, 3, acc); break;
-            case 2: panel_rows_q4(xm, K, panel, 2, acc); break;
-            default: panel_rows_q4(xm, K, panel, 1, acc); break;
-            }
+        if (layout == Q4_1) {
+            ROW_CASES(panel_rows_q4)
+        } else if (layout == Q8_0) {
+            ROW_CASES(panel_rows_q8)
         } else {
-            switch (mr) {
-            case 6: panel_rows(xm, K, panel, 6, acc); break;
-            case 5: panel_rows(xm, K, panel, 5, acc); break;
-            case 4: panel_rows(xm, K, panel, 4, acc); break;
-            case 3: panel_rows(xm, K, panel, 3, acc); break;
-            case 2: panel_rows(xm, K, panel, 2, acc); break;
-            default: panel_rows(xm, K, panel, 1, acc); break;
-            }
+            ROW_CASES(panel_rows)
         }
         store_rows(acc, m0, mr, n0, N, bias, y);
     }
@@ -176,15 +216,35 @@ void linear_pack_q4_1(const uint8_t *codes, const float *d, const float *m, int6
     }
 }
 
-/* x [M, K] contiguous; packed from linear_pack (q4 = 0) or linear_pack_q4_1 (q4 = 1); bias [N]
- * or NULL; y [M, N] contiguous. Panels are split among the threads. */
-void linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int q4, int64_t N,
-                    const float *bias, float *y, int num_threads) {
+/* codes [N, K] int8, d [N, K / QBLOCK] -> packed [ceil(N / PANEL), K / QBLOCK, Q8_BLOCK_BYTES] */
+void linear_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K,
+                      uint8_t *packed) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
+    memset(packed, 0, (size_t)(panels * blocks * Q8_BLOCK_BYTES));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t c = n % PANEL;
+        uint8_t *dst = packed + (n / PANEL) * blocks * Q8_BLOCK_BYTES;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = dst + b * Q8_BLOCK_BYTES;
+            memcpy(blk + 4 * c, d + n * blocks + b, 4);
+            for (int64_t j = 0; j < QBLOCK; j++)
+                blk[64 + j * PANEL + c] = (uint8_t)codes[n * K + b * QBLOCK + j];
+        }
+    }
+}
+
+/* x [M, K] contiguous; packed from linear_pack (layout F32), linear_pack_q4_1 (Q4_1) or
+ * linear_pack_q8_0 (Q8_0); bias [N] or NULL; y [M, N] contiguous. Panels are split among the
+ * threads. */
+void linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int layout,
+                    int64_t N, const float *bias, float *y, int num_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-    const int64_t panel_bytes = q4 ? K / QBLOCK * Q4_BLOCK_BYTES : K * PANEL * 4;
+    const int64_t panel_bytes = layout == Q4_1   ? K / QBLOCK * Q4_BLOCK_BYTES
+                                : layout == Q8_0 ? K / QBLOCK * Q8_BLOCK_BYTES
+                                                 : K * PANEL * 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; p++)
-        panel_block(x, M, K, (const uint8_t *)packed + p * panel_bytes, q4, p * PANEL, N, bias,
-                    y);
+        panel_block(x, M, K, (const uint8_t *)packed + p * panel_bytes, layout, p * PANEL, N,
+                    bias, y);
 }

@@ -4,7 +4,8 @@ not depend on how many rows share the call, as oneDNN's and MKL's do), oneDNN's 
 for bfloat16 (where the CPU has AVX512-BF16 or AMX) and for float32 where no C compiler is
 available. GGUF Q4_1 weights can stay quantized in the C kernel's panels (`pack_q4_1`): it
 dequantizes each value as gguf does and computes bitwise what the float32 panels of the
-dequantized weight compute, reading a fifth of the bytes. The one home of the CPU GEMM choice."""
+dequantized weight compute, reading a fifth of the bytes; GGUF Q8_0 (a typical embedding and LM
+head) likewise (`pack_q8_0`, 9/32 of the bytes). The one home of the CPU GEMM choice."""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 PANEL = 16                      # output columns per packed panel (linear.c)
 QBLOCK = 32                     # GGUF's quantization block along the input dimension
 Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-bit codes
+Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
+LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2}      # linear.c's enum layout
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -31,6 +34,8 @@ def _lib() -> ctypes.CDLL:
     lib.linear_pack.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.linear_pack_q4_1.restype = None
     lib.linear_pack_q4_1.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr]
+    lib.linear_pack_q8_0.restype = None
+    lib.linear_pack_q8_0.argtypes = [_ptr, _ptr, _i64, _i64, _ptr]
     lib.linear_forward.restype = None
     lib.linear_forward.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr,
                                    ctypes.c_int]
@@ -60,7 +65,8 @@ def packing_available(dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class PackedWeight:
     """data: "f32": [ceil(out / 16), in, 16] float32 panels; "q4_1": [ceil(out / 16), in / 32,
-    384] uint8 panels of GGUF Q4_1 codes (linear.c); "onednn": oneDNN's blocked tensor."""
+    384] and "q8_0": [ceil(out / 16), in / 32, 576] uint8 panels of GGUF codes (linear.c);
+    "onednn": oneDNN's blocked tensor."""
     data: torch.Tensor
     out_features: int
     in_features: int
@@ -108,10 +114,42 @@ def pack_q4_1(blocks: torch.Tensor, in_features: int) -> PackedWeight:
     return PackedWeight(data, out_features, in_features, "q4_1")
 
 
+def q8_0_codes(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 blocks [out, in / 32 * 34] uint8 -> (codes [out, in] int8, d [out, in / 32]
+    float32): the weight is d * code per block, as gguf dequantizes it."""
+    out_features = blocks.shape[0]
+    b = blocks.reshape(out_features, in_features // QBLOCK, Q8_0_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    codes = b[..., 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
+    return codes, d
+
+
+def pack_q8_0(blocks: torch.Tensor, in_features: int) -> PackedWeight:
+    """GGUF Q8_0 blocks [out, in / 32 * 34] uint8 packed for the C kernel; needs
+    `c_kernel_available()`."""
+    codes, d = q8_0_codes(blocks, in_features)
+    out_features = codes.shape[0]
+    data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
+                       PANEL * 4 + QBLOCK * PANEL, dtype=torch.uint8)
+    _lib().linear_pack_q8_0(codes.data_ptr(), d.data_ptr(), out_features, in_features,
+                            data.data_ptr())
+    return PackedWeight(data, out_features, in_features, "q8_0")
+
+
 def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of a float32-panel weight, copied exactly: [len(rows), in] (a tied embedding's lookup
-    read from the packed LM head, so the matrix is held once)."""
-    return packed.data[rows // PANEL, :, rows % PANEL]
+    """Rows of a C-packed weight (float32 or Q8_0 panels), exactly the (dequantized) weight's:
+    [len(rows), in] (a tied embedding's lookup read from the packed LM head, so the matrix is held
+    once)."""
+    if packed.layout == "f32":
+        return packed.data[rows // PANEL, :, rows % PANEL]
+    blocks = packed.data[rows // PANEL]                       # [n, in / 32, 576]
+    n, num_blocks = len(rows), blocks.shape[1]
+    column = (rows % PANEL).view(-1, 1, 1, 1)
+    d = blocks[..., :PANEL * 4].view(torch.float32).view(n, num_blocks, 1, PANEL)
+    codes = blocks[..., PANEL * 4:].view(torch.int8).view(n, num_blocks, QBLOCK, PANEL)
+    d = d.gather(3, column.expand(n, num_blocks, 1, 1))                 # [n, in / 32, 1, 1]
+    q = codes.gather(3, column.expand(n, num_blocks, QBLOCK, 1))        # [n, in / 32, 32, 1]
+    return (d * q.float()).reshape(n, packed.in_features)
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -125,7 +163,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
     if bias is not None:
         bias = bias.contiguous()
     _lib().linear_forward(rows.data_ptr(), rows.shape[0], packed.in_features,
-                          packed.data.data_ptr(), int(packed.layout == "q4_1"),
+                          packed.data.data_ptr(), LAYOUTS[packed.layout],
                           packed.out_features,
                           None if bias is None else bias.data_ptr(), out.data_ptr(),
                           torch.get_num_threads())

@@ -107,3 +107,30 @@ def test_q4_1_panels_compute_bitwise_the_dequantized_weights_results(threads, ou
                            cpu_linear.linear(x[:m], dense, b)), m
     torch.testing.assert_close(cpu_linear.linear(x, quantized, None), F.linear(x, dequantized),
                                rtol=1e-5, atol=1e-4)
+
+
+def q8_0_weight(out_features: int, in_features: int, seed: int):
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    raw = quants.quantize((w * 0.05).numpy(), GGMLQuantizationType.Q8_0)
+    dequantized = np.asarray(quants.dequantize(raw, GGMLQuantizationType.Q8_0), dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(dequantized.copy())
+
+
+@pytest.mark.parametrize("out_features,in_features", [(300, 576), (37, 64)])
+def test_q8_0_panels_and_their_rows_are_the_dequantized_weights(out_features, in_features):
+    """Q8_0 panels (an LM head): bitwise the float32 panels' results, and the rows an embedding
+    lookup reads back are exactly gguf's dequantized rows."""
+    blocks, dequantized = q8_0_weight(out_features, in_features, out_features)
+    codes, d = cpu_linear.q8_0_codes(blocks, in_features)
+    assert torch.equal(d.repeat_interleave(32, 1) * codes.float(), dequantized)
+    quantized, dense = cpu_linear.pack_q8_0(blocks, in_features), cpu_linear.pack(dequantized)
+    assert quantized.layout == "q8_0" and quantized.data.nbytes * 32 == dense.data.nbytes * 9
+    x = torch.randn(20, in_features, generator=torch.Generator().manual_seed(2))
+    for m in (1, 6, 20):
+        assert torch.equal(cpu_linear.linear(x[:m], quantized, None),
+                           cpu_linear.linear(x[:m], dense, None)), m
+    rows = torch.tensor([0, 5, 17, out_features - 1, 5])
+    assert torch.equal(cpu_linear.weight_rows(quantized, rows), dequantized[rows])
+    assert torch.equal(cpu_linear.weight_rows(dense, rows), dequantized[rows])

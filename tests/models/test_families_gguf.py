@@ -35,8 +35,9 @@ LINEARS = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weigh
            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
 
 
-def write_gguf(model, path, arch: str, linear_type=None) -> None:
-    """linear_type: a gguf.GGMLQuantizationType for the layers' linear weights (None: float32)."""
+def write_gguf(model, path, arch: str, linear_type=None, embedding_type=None) -> None:
+    """linear_type, embedding_type: the gguf.GGMLQuantizationType of the layers' linear weights and
+    of the token embedding and LM head (None: float32)."""
     import gguf
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -66,9 +67,11 @@ def write_gguf(model, path, arch: str, linear_type=None) -> None:
             name = f"blk.{idx}.{LAYER[leaf]}"
         else:
             name = GLOBAL[name]
-        if linear_type is not None and name.split(".", 2)[-1] in LINEARS:
-            raw = gguf.quants.quantize(np.ascontiguousarray(data), linear_type)
-            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=linear_type)
+        kind = linear_type if name.split(".", 2)[-1] in LINEARS else (
+            embedding_type if name in ("token_embd.weight", "output.weight") else None)
+        if kind is not None:
+            raw = gguf.quants.quantize(np.ascontiguousarray(data), kind)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
             continue
         w.add_tensor(name, np.ascontiguousarray(data))
     w.write_header_to_file()
@@ -157,24 +160,30 @@ def test_model_description_reads_the_cache_and_a_failed_write_is_skipped(checkpo
     assert describe_model(path) == "qwen2 (GGUF)"
 
 
-def test_q4_1_linears_run_quantized_bitwise_as_dequantized(engines, checkpoints, tmp_path,
-                                                            monkeypatch):
-    """A GGUF with Q4_1 linear weights: the C kernel runs on the blocks as they are (a fifth of the
-    float32 bytes) and computes bitwise the logits of the dequantized weights; greedy ids equal
+@pytest.mark.parametrize("linear_type", ["Q4_1", "Q8_0"])
+def test_gguf_blocks_run_quantized_bitwise_as_dequantized(engines, checkpoints, tmp_path,
+                                                          monkeypatch, linear_type):
+    """A GGUF with quantized linear weights and a Q8_0 embedding and head: the C kernel runs on the
+    blocks as they are and computes bitwise the logits of the dequantized weights; greedy ids equal
     transformers' on the same file (it dequantizes); the cache keeps the blocks."""
     import gguf
     from transformers import AutoModelForCausalLM
 
     from specserve.spec_phases import loader
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "llama-q4_1.gguf"
-    write_gguf(checkpoints("llama-gguf")[2], path, "llama", gguf.GGMLQuantizationType.Q4_1)
+    path = tmp_path / f"llama-{linear_type}.gguf"
+    types = gguf.GGMLQuantizationType
+    write_gguf(checkpoints("llama-gguf")[2], path, "llama", types[linear_type], types.Q8_0)
     quantized, dense = load_model(str(path)), load_model(str(path))    # the second: the cache
-    assert quantized.layers[0].qkv_proj.gguf_q4_1 is not None
-    assert dense.layers[1].gate_up_proj.gguf_q4_1 is not None
+    layout = linear_type.lower()
+    assert quantized.layers[0].qkv_proj.gguf_blocks[0] == layout
+    assert dense.layers[1].gate_up_proj.gguf_blocks[0] == layout
+    assert dense.gguf_head[0] == "q8_0"
     dense.drop_gguf_blocks()
     assert quantized.pack_for_cpu() and dense.pack_for_cpu()
-    assert {layer.down_proj.packed.layout for layer in quantized.layers} == {"q4_1"}
+    assert {layer.down_proj.packed.layout for layer in quantized.layers} == {layout}
+    assert quantized._lm_head_packed.layout == "q8_0"
+    assert quantized._embedding_in_head == quantized.config.tie_word_embeddings
     assert {layer.qkv_proj.packed.layout for layer in dense.layers} == {"f32"}
     assert quantized.bytes_per_step() < dense.bytes_per_step()
     ids, pos = torch.tensor(PROMPTS[0]), torch.arange(len(PROMPTS[0]))
@@ -185,10 +194,12 @@ def test_q4_1_linears_run_quantized_bitwise_as_dequantized(engines, checkpoints,
             enable_gqa=True)
         return o.transpose(0, 1)
     with torch.inference_mode():
+        assert torch.equal(quantized.embed(ids), dense.embed(ids))
         assert torch.equal(quantized.compute_logits(quantized(ids, pos, causal)),
                            dense.compute_logits(dense(ids, pos, causal)))
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
                                                   dtype=torch.float32)
     assert engine_greedy(engines, path) == [hf_greedy(theirs, p) for p in PROMPTS]
     # the blocks are kept only where the float32 C kernel can read them
-    assert loader.load_model(str(path), torch.bfloat16).layers[0].qkv_proj.gguf_q4_1 is None
+    bf16 = loader.load_model(str(path), torch.bfloat16)
+    assert bf16.layers[0].qkv_proj.gguf_blocks is None and bf16.gguf_head is None
