@@ -21,14 +21,13 @@ from tqdm.auto import tqdm
 from specserve.spec_phases.families import (UnsupportedModelError, check_architecture,
                                              hf_tensor_name, model_config)
 from specserve.spec_phases.model import FamilyOptions, LlamaModel, ModelConfig
-from specserve.spec_phases.paths import TINY_RANDOM, gguf_cache_file, resolve_model_path
+from specserve.spec_phases.paths import (GGUF_CACHE_VERSION, TINY_RANDOM, gguf_cache_file,
+                                         resolve_model_path)
 from specserve.spec_phases.rope import RopeConfig
 
 __all__ = ["UnsupportedModelError", "build_random_model", "load_model", "tiny_config"]
 
 logger = logging.getLogger(__name__)
-# the layout of a dequantized GGUF cache file (`_write_dequantized`); bump when it changes
-GGUF_CACHE_VERSION = 3
 # GGUF types the C kernel reads as they are; a tensor's raw blocks [out, in / 32 * bytes] uint8 are
 # kept under "<name>.<layout>"
 GGUF_BLOCK_LAYOUTS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}

@@ -134,12 +134,17 @@ def file_key(path: Path) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
+# the layout of the loader's GGUF cache file (`spec_phases/loader.py`); bump when it changes. It is
+# part of the file's name, so installs of two versions do not rewrite each other's cache.
+GGUF_CACHE_VERSION = 3
+
+
 def gguf_cache_file(path: Path) -> Path:
     """Where the loader keeps a GGUF's dequantized tensors (float32 safetensors, the config in its
     metadata)."""
     folder = cache_dir() / "gguf"
     folder.mkdir(exist_ok=True)
-    return folder / f"{path.stem}-{file_key(path)}.safetensors"
+    return folder / f"{path.stem}-{file_key(path)}-v{GGUF_CACHE_VERSION}.safetensors"
 
 
 def describe_model(path: Path) -> str:
