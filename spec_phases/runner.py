@@ -2,7 +2,10 @@
 
 One forward serves prefill chunks, decodes and verify rows alike: the runner computes positions and
 the slot mapping, hands each layer a per-step attention object that writes the new K/V into the
-paged cache and attends (`kernels/dispatch.py` picks the kernel), and returns hidden states.
+paged cache and attends (`kernels/dispatch.py` picks the kernel), and returns hidden states. On
+the CPU, where the model has the common layer shape and its weights are packed for the C kernels,
+steps over the device cache run `spec_phases/cpu_decoder.py` instead of the modules (bitwise the
+same hidden states, without the per-op bookkeeping).
 Verification (`spec_phases/verify.py`) turns them into tokens.
 """
 from __future__ import annotations
@@ -13,6 +16,7 @@ from specserve.kernels.dispatch import get_op
 from specserve.kernels.metadata import LayerAttention, PagedAttentionMetadata
 from specserve.kv_cache.host_pool import HostKVPool, StagedPagedAttention
 from specserve.kv_cache.storage import KVStorage
+from specserve.spec_phases import cpu_decoder
 from specserve.spec_phases.model import LlamaModel
 from specserve.spec_phases.plan import ScheduledRequest, TokenLogprob
 from specserve.spec_phases.sampler import Sampler
@@ -43,6 +47,9 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.block_size = storage.block_size
         self.layers = model.config.attention()
+        # the C-kernel decoder, where it serves this model (checked once: after packing)
+        self.cpu_decoder = (cpu_decoder.CpuDecoder(model) if isinstance(storage, KVStorage)
+                            and cpu_decoder.supported(model) else None)
 
     @torch.inference_mode()
     def forward(self, token_lists: list[tuple[int, ...]], starts: list[int],
@@ -50,7 +57,11 @@ class ModelRunner:
                 layers: list[int] | None = None) -> torch.Tensor:
         """Request i computes token_lists[i] at positions starts[i], starts[i] + 1, ... over the
         paged cache: hidden states [total tokens, hidden]."""
-        return self.model(*self._inputs(token_lists, starts, block_tables), layers=layers)
+        ids, positions, attn = self._inputs(token_lists, starts, block_tables)
+        if self.cpu_decoder is not None and self.cpu_decoder.enabled():
+            return self.cpu_decoder.forward(ids, positions, attn.storage, attn.meta,
+                                            attn.slot_mapping, self.layers, layers)
+        return self.model(ids, positions, attn, layers=layers)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -160,11 +160,15 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], packed.out_features)
-    if bias is not None:
-        bias = bias.contiguous()
-    _lib().linear_forward(rows.data_ptr(), rows.shape[0], packed.in_features,
-                          packed.data.data_ptr(), LAYOUTS[packed.layout],
-                          packed.out_features,
+    linear_into(rows, packed, None if bias is None else bias.contiguous(), out)
+    return out.view(*x.shape[:-1], packed.out_features)
+
+
+def linear_into(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
+                out: torch.Tensor) -> None:
+    """The C kernel on contiguous float32 x [rows, in] into a preallocated contiguous out [rows,
+    out] (a C-packed weight: not oneDNN's)."""
+    _lib().linear_forward(x.data_ptr(), x.shape[0], packed.in_features, packed.data.data_ptr(),
+                          LAYOUTS[packed.layout], packed.out_features,
                           None if bias is None else bias.data_ptr(), out.data_ptr(),
                           torch.get_num_threads())
-    return out.view(*x.shape[:-1], packed.out_features)

@@ -49,3 +49,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
               total.data_ptr(), norm.data_ptr(), rows.shape[0], rows.shape[1], eps,
               torch.get_num_threads())
     return total.view(x.shape), norm.view(x.shape)
+
+
+def add_rms_norm_into(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float, norm: torch.Tensor) -> None:
+    """In place, on contiguous float32 [rows, n] buffers: x += delta (when given), norm =
+    RMSNorm(x) * weight: bitwise `add_rms_norm` (the decoder's preallocated path,
+    `spec_phases/cpu_decoder.py`)."""
+    rows, n = x.shape
+    _kernel()(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+              None if delta is None else x.data_ptr(), norm.data_ptr(), rows, n, eps,
+              torch.get_num_threads())

@@ -36,3 +36,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _kernel()(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
               num_tokens, heads, dim)
     return out
+
+
+def rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """`rope` into a preallocated contiguous out [tokens, heads, dim]; x [tokens, heads, dim] with
+    contiguous heads (any row stride), cos and sin contiguous [tokens, dim]."""
+    num_tokens, heads, dim = x.shape
+    _kernel()(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+              num_tokens, heads, dim)

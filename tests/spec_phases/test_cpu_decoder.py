@@ -1,0 +1,71 @@
+"""The C-kernel decoder (spec_phases/cpu_decoder.py) computes bitwise the hidden states the
+modules compute, over prefill chunks, decodes and verify rows mixed in one step, with and without
+a layer subset and attention bias; it is taken only where it serves, and the runner falls back to
+the modules under SPECSERVE_KERNELS=reference."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specserve.kv_cache.storage import KVStorage
+from specserve.spec_phases import cpu_decoder
+from specserve.spec_phases.loader import build_random_model, tiny_config
+from specserve.spec_phases.runner import ModelRunner
+
+
+def packed_model(**overrides):
+    model = build_random_model(replace(tiny_config(vocab_size=300), **overrides), seed=3)
+    assert model.pack_for_cpu()
+    return model
+
+
+def runners(model):
+    """Two runners over two caches of the same model: the C decoder's and the modules'."""
+    cfg = model.config
+    make = lambda: KVStorage(cfg.num_layers, 32, 4, cfg.num_kv_heads,  # noqa: E731
+                             cfg.head_dim, torch.float32, "cpu")
+    fast, modules = ModelRunner(model, make()), ModelRunner(model, make())
+    assert fast.cpu_decoder is not None
+    modules.cpu_decoder = None
+    return fast, modules
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bitwise_the_modules_over_mixed_steps(bias):
+    model = packed_model(attention_bias=bias)
+    fast, modules = runners(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [tuple(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (23, 9, 40)]
+    tables = [tuple(range(0, 8)), tuple(range(8, 12)), tuple(range(12, 24))]
+    steps = [([prompts[0][:16], prompts[1]], [0, 0], tables[:2]),         # a chunk, a prompt
+             ([prompts[0][16:], (5,), prompts[2]], [16, 9, 0], tables),  # + a decode
+             ([(7,), (8, 9, 10, 11), (12,)], [23, 10, 40], tables)]      # decode, verify rows
+    for tokens, starts, step_tables in steps:
+        got = fast.forward(tokens, starts, step_tables)
+        want = modules.forward(tokens, starts, step_tables)
+        assert torch.equal(got, want)
+        assert torch.equal(fast.storage.k, modules.storage.k)
+    skip = [1]                                                        # self-speculation's subset
+    assert torch.equal(fast.forward([(3,)], [41], [tables[2]], skip),
+                       modules.forward([(3,)], [41], [tables[2]], skip))
+
+
+def test_taken_only_where_it_serves(monkeypatch):
+    unpacked = build_random_model(tiny_config(vocab_size=300))
+    assert not cpu_decoder.supported(unpacked)                        # nothing packed
+    assert not cpu_decoder.supported(packed_model(family=replace(
+        tiny_config().family, qk_norm=True)))
+    model = packed_model()
+    assert cpu_decoder.supported(model)
+    fast, _ = runners(model)
+    calls = []
+    monkeypatch.setattr(cpu_decoder.CpuDecoder, "forward",
+                        lambda self, *a, **k: calls.append(1) or torch.zeros(1, 1))
+    monkeypatch.setenv("SPECSERVE_KERNELS", "reference")
+    fast.forward([(1, 2)], [0], [(0,)])
+    assert not calls
+    monkeypatch.setenv("SPECSERVE_KERNELS", "auto")
+    fast.forward([(1, 2)], [0], [(0,)])
+    assert calls
