@@ -66,9 +66,9 @@ static inline void panel_rows(const float *x, int64_t K, const float *panel, int
 /* the same, on a Q4_1 panel: [K / QBLOCK] blocks of Q4_BLOCK_BYTES */
 static inline void unpack16(const uint8_t *p, v8f *q0, v8f *q1) {
 #if defined(__AVX2__)
-    const __m128i b = _mm_loadl_epi64((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
-    *q0 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)));
-    *q1 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *q0 = (v8f)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
+    *q1 = (v8f)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
 #else
     for (int l = 0; l < 8; l++) {
         (*q0)[l] = (float)(p[l] & 0x0F);
@@ -139,6 +139,37 @@ static inline void panel_rows_q8(const float *x, int64_t K, const uint8_t *panel
                 acc[r][0] = fma8(xb, w0, acc[r][0]);
                 acc[r][1] = fma8(xb, w1, acc[r][1]);
             }
+        }
+    }
+}
+
+/* one row against two Q4_1 panels at once: four independent chains of fused multiply-adds (one
+ * panel's two leave the FMA latency exposed at one row); each element's sum is the same sequence
+ * as in panel_rows_q4 */
+static inline void row_q4_pair(const float *x, int64_t K, const uint8_t *pa, const uint8_t *pb,
+                               v8f acc[4]) {
+    acc[0] = acc[1] = acc[2] = acc[3] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const uint8_t *ba = pa + b * Q4_BLOCK_BYTES, *bb = pb + b * Q4_BLOCK_BYTES;
+        v8f da0, da1, ma0, ma1, db0, db1, mb0, mb1;
+        memcpy(&da0, ba, 32);
+        memcpy(&da1, ba + 32, 32);
+        memcpy(&ma0, ba + 64, 32);
+        memcpy(&ma1, ba + 96, 32);
+        memcpy(&db0, bb, 32);
+        memcpy(&db1, bb + 32, 32);
+        memcpy(&mb0, bb + 64, 32);
+        memcpy(&mb1, bb + 96, 32);
+        for (int64_t j = 0; j < QBLOCK; j++) {
+            v8f qa0, qa1, qb0, qb1;
+            unpack16(ba + 128 + j * 8, &qa0, &qa1);
+            unpack16(bb + 128 + j * 8, &qb0, &qb1);
+            const float xv = x[b * QBLOCK + j];
+            const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+            acc[0] = fma8(xb, da0 * qa0 + ma0, acc[0]);
+            acc[1] = fma8(xb, da1 * qa1 + ma1, acc[1]);
+            acc[2] = fma8(xb, db0 * qb0 + mb0, acc[2]);
+            acc[3] = fma8(xb, db1 * qb1 + mb1, acc[3]);
         }
     }
 }
@@ -242,9 +273,26 @@ void linear_forward(const float *x, int64_t M, int64_t K, const void *packed, in
     const int64_t panel_bytes = layout == Q4_1   ? K / QBLOCK * Q4_BLOCK_BYTES
                                 : layout == Q8_0 ? K / QBLOCK * Q8_BLOCK_BYTES
                                                  : K * PANEL * 4;
+    const uint8_t *base = packed;
+    if (M == 1 && layout == Q4_1) {                 /* a single decode: panels two at a time */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+        for (int64_t pp = 0; pp < (panels + 1) / 2; pp++) {
+            const int64_t p = 2 * pp;
+            if (p + 1 == panels) {
+                panel_block(x, 1, K, base + p * panel_bytes, layout, p * PANEL, N, bias, y);
+                continue;
+            }
+            v8f acc[4], pair[ROWS][2];
+            row_q4_pair(x, K, base + p * panel_bytes, base + (p + 1) * panel_bytes, acc);
+            pair[0][0] = acc[0], pair[0][1] = acc[1];
+            store_rows(pair, 0, 1, p * PANEL, N, bias, y);
+            pair[0][0] = acc[2], pair[0][1] = acc[3];
+            store_rows(pair, 0, 1, (p + 1) * PANEL, N, bias, y);
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; p++)
-        panel_block(x, M, K, (const uint8_t *)packed + p * panel_bytes, layout, p * PANEL, N,
-                    bias, y);
+        panel_block(x, M, K, base + p * panel_bytes, layout, p * PANEL, N, bias, y);
 }
