@@ -6,7 +6,8 @@ prefill on the embedded model, in-process, by torch.profiler operator categories
 Categories: linear layers (the C kernel, oneDNN / MKL GEMMs; the LM head also timed alone at the
 same rows), attention (the C kernel, SDPA, KV gathers, KV writes), elementwise (norms, RoPE, SiLU,
 residuals, casts) and the rest of the ops; "Python and dispatch" is the wall time no operator
-accounts for. The C kernels are ctypes calls, labelled for the profiler (`label_c_kernels`).
+accounts for. The C kernels are ctypes calls, labelled for the profiler (`label_c_kernels`), on
+both paths (the modules' and `spec_phases/cpu_decoder.py`'s).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from specserve.kernels.cpu import linear as cpu_linear
+from specserve.kernels.cpu import paged_attention as cpu_attention
+from specserve.kernels.cpu import rms_norm as cpu_norm
+from specserve.kernels.cpu import rope as cpu_rope
 from specserve.kernels.dispatch import cpu_kernel
 
 from specserve.scheduler.config import EngineConfig
@@ -32,7 +36,7 @@ CATEGORIES = {
                   "C paged_attention"),
     "elementwise": ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
                     "aten::silu", "aten::cat", "aten::_to_copy", "aten::copy_", "aten::neg",
-                    "aten::sub", "C rms_norm", "C add_rms_norm"),
+                    "aten::sub", "C rms_norm", "C add_rms_norm", "C rope"),
 }
 
 
@@ -45,9 +49,14 @@ def label_c_kernels() -> None:
                 return fn(*args, **kwargs)
         return call
     cpu_linear.linear = labelled("linear", cpu_linear.linear)
-    for op in ("paged_attention", "rms_norm", "add_rms_norm"):
+    for op in ("paged_attention", "rms_norm", "add_rms_norm", "rope"):
         kernel = cpu_kernel(op)
         kernel.kernel = labelled(op, kernel.kernel)
+    # the entry points `spec_phases/cpu_decoder.py` calls
+    cpu_linear.linear_into = labelled("linear", cpu_linear.linear_into)
+    cpu_norm.add_rms_norm_into = labelled("add_rms_norm", cpu_norm.add_rms_norm_into)
+    cpu_rope.rope_into = labelled("rope", cpu_rope.rope_into)
+    cpu_attention.paged_attention = labelled("paged_attention", cpu_attention.paged_attention)
 
 
 def requests(core: EngineCore, num: int, prompt_len: int, max_tokens: int) -> None:
