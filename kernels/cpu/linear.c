@@ -15,9 +15,12 @@
  * kernel dequantizes each k as gguf does, (d * q) + m rounded twice (ISO C: no contraction into a
  * fused multiply-add), before the same fused multiply-adds. The result is bitwise that of the
  * float32 panels of the dequantized weight, from a fifth of the bytes. GGUF Q8_0 (w = d * q, q an
- * int8; a typical embedding and LM head) likewise: d of the 16 columns, then 16 codes per k.
+ * int8; a typical embedding and LM head) likewise: d of the 16 columns, then 16 codes per k. With
+ * many rows (more than four register blocks) each panel is dequantized once into a float32
+ * scratch panel instead.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PANEL 16
@@ -174,6 +177,35 @@ static inline void row_q4_pair(const float *x, int64_t K, const uint8_t *pa, con
     }
 }
 
+/* a quantized panel dequantized into float32 panel layout [K, PANEL]: the same values the
+ * register paths compute, so the float32 path over them sums bitwise the same */
+static void dequantize_panel(const uint8_t *panel, int layout, int64_t K, float *out) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        v8f d0, d1, m0 = {0, 0, 0, 0, 0, 0, 0, 0}, m1 = m0, q0, q1;
+        const uint8_t *blk = panel + b * (layout == Q4_1 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
+        memcpy(&d0, blk, 32);
+        memcpy(&d1, blk + 32, 32);
+        if (layout == Q4_1) {
+            memcpy(&m0, blk + 64, 32);
+            memcpy(&m1, blk + 96, 32);
+        }
+        for (int64_t j = 0; j < QBLOCK; j++) {
+            float *w = out + (b * QBLOCK + j) * PANEL;
+            if (layout == Q4_1) {
+                unpack16(blk + 128 + j * 8, &q0, &q1);
+                const v8f w0 = d0 * q0 + m0, w1 = d1 * q1 + m1;
+                memcpy(w, &w0, 32);
+                memcpy(w + 8, &w1, 32);
+            } else {
+                unpack16_i8((const int8_t *)(blk + 64 + j * PANEL), &q0, &q1);
+                const v8f w0 = d0 * q0, w1 = d1 * q1;
+                memcpy(w, &w0, 32);
+                memcpy(w + 8, &w1, 32);
+            }
+        }
+    }
+}
+
 static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t n0, int64_t N,
                               const float *bias, float *y) {
     const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
@@ -288,6 +320,23 @@ void linear_forward(const float *x, int64_t M, int64_t K, const void *packed, in
             store_rows(pair, 0, 1, p * PANEL, N, bias, y);
             pair[0][0] = acc[2], pair[0][1] = acc[3];
             store_rows(pair, 0, 1, (p + 1) * PANEL, N, bias, y);
+        }
+        return;
+    }
+    if (M > 4 * ROWS && layout != F32) {   /* many row blocks: dequantize each panel once */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && panels > 1)
+        {
+            float *scratch = malloc(sizeof(float) * K * PANEL);
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                if (scratch) {
+                    dequantize_panel(base + p * panel_bytes, layout, K, scratch);
+                    panel_block(x, M, K, scratch, F32, p * PANEL, N, bias, y);
+                } else {
+                    panel_block(x, M, K, base + p * panel_bytes, layout, p * PANEL, N, bias, y);
+                }
+            }
+            free(scratch);
         }
         return;
     }

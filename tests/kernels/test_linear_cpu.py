@@ -94,7 +94,8 @@ def test_q4_1_codes_are_ggufs_values():
 def test_q4_1_panels_compute_bitwise_the_dequantized_weights_results(threads, out_features,
                                                                      in_features):
     """The quantized panels give exactly the float32 panels' results (so every row is also
-    independent of the row count), from 3/16 of the bytes."""
+    independent of the row count), from 3/16 of the bytes: at one row (panels in pairs), a few
+    row blocks (dequantized in registers) and many (each panel dequantized once)."""
     torch.set_num_threads(threads)
     blocks, dequantized = q4_1_weight(out_features, in_features, out_features)
     quantized, dense = cpu_linear.pack_q4_1(blocks, in_features), cpu_linear.pack(dequantized)
@@ -127,8 +128,8 @@ def test_q8_0_panels_and_their_rows_are_the_dequantized_weights(out_features, in
     assert torch.equal(d.repeat_interleave(32, 1) * codes.float(), dequantized)
     quantized, dense = cpu_linear.pack_q8_0(blocks, in_features), cpu_linear.pack(dequantized)
     assert quantized.layout == "q8_0" and quantized.data.nbytes * 32 == dense.data.nbytes * 9
-    x = torch.randn(20, in_features, generator=torch.Generator().manual_seed(2))
-    for m in (1, 6, 20):
+    x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(2))
+    for m in (1, 6, 20, 40):                  # 40: the panels are dequantized once, then f32
         assert torch.equal(cpu_linear.linear(x[:m], quantized, None),
                            cpu_linear.linear(x[:m], dense, None)), m
     rows = torch.tensor([0, 5, 17, out_features - 1, 5])
