@@ -49,24 +49,32 @@ static inline v8f fma8(v8f a, v8f b, v8f c) {
 }
 #endif
 
-/* rows m0 .. m0 + mr - 1 (mr <= ROWS) against one panel */
-static inline void panel_rows(const float *x, int64_t K, const float *panel, int64_t mr,
-                              v8f acc[ROWS][2]) {
+static inline void zero_rows(v8f acc[ROWS][2]) {
     for (int64_t r = 0; r < ROWS; r++)
         acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t k = 0; k < K; k++) {
-        const v8f w0 = *(const v8f *)(panel + k * PANEL);
-        const v8f w1 = *(const v8f *)(panel + k * PANEL + 8);
-        for (int64_t r = 0; r < mr; r++) {
-            const float xv = x[r * K + k];
-            const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-            acc[r][0] = fma8(xb, w0, acc[r][0]);
-            acc[r][1] = fma8(xb, w1, acc[r][1]);
-        }
+}
+
+/* column k of mr rows of x times the panel's 16 weights at k, added to each row's sums */
+static inline void fma_rows(const float *x, int64_t K, int64_t k, int64_t mr, v8f w0, v8f w1,
+                            v8f acc[ROWS][2]) {
+    for (int64_t r = 0; r < mr; r++) {
+        const float xv = x[r * K + k];
+        const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+        acc[r][0] = fma8(xb, w0, acc[r][0]);
+        acc[r][1] = fma8(xb, w1, acc[r][1]);
     }
 }
 
-/* the same, on a Q4_1 panel: [K / QBLOCK] blocks of Q4_BLOCK_BYTES */
+/* rows m0 .. m0 + mr - 1 (mr <= ROWS) against one panel */
+static inline void panel_rows(const float *x, int64_t K, const float *panel, int64_t mr,
+                              v8f acc[ROWS][2]) {
+    zero_rows(acc);
+    for (int64_t k = 0; k < K; k++)
+        fma_rows(x, K, k, mr, *(const v8f *)(panel + k * PANEL),
+                 *(const v8f *)(panel + k * PANEL + 8), acc);
+}
+
+/* 16 4-bit codes (8 bytes: columns c and c + 8 in the low and high nibble of byte c) */
 static inline void unpack16(const uint8_t *p, v8f *q0, v8f *q1) {
 #if defined(__AVX2__)
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -80,10 +88,10 @@ static inline void unpack16(const uint8_t *p, v8f *q0, v8f *q1) {
 #endif
 }
 
+/* the same, on a Q4_1 panel: [K / QBLOCK] blocks of Q4_BLOCK_BYTES */
 static inline void panel_rows_q4(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
                                  v8f acc[ROWS][2]) {
-    for (int64_t r = 0; r < ROWS; r++)
-        acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    zero_rows(acc);
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         const uint8_t *blk = panel + b * Q4_BLOCK_BYTES;
         v8f d0, d1, m0, m1;
@@ -95,14 +103,8 @@ static inline void panel_rows_q4(const float *x, int64_t K, const uint8_t *panel
         for (int64_t j = 0; j < QBLOCK; j++) {
             v8f q0, q1;
             unpack16(codes + j * 8, &q0, &q1);
-            const v8f w0 = d0 * q0 + m0, w1 = d1 * q1 + m1;  /* two roundings each, as gguf */
-            const int64_t k = b * QBLOCK + j;
-            for (int64_t r = 0; r < mr; r++) {
-                const float xv = x[r * K + k];
-                const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-                acc[r][0] = fma8(xb, w0, acc[r][0]);
-                acc[r][1] = fma8(xb, w1, acc[r][1]);
-            }
+            /* two roundings each, as gguf */
+            fma_rows(x, K, b * QBLOCK + j, mr, d0 * q0 + m0, d1 * q1 + m1, acc);
         }
     }
 }
@@ -123,8 +125,7 @@ static inline void unpack16_i8(const int8_t *p, v8f *q0, v8f *q1) {
 /* the same, on a Q8_0 panel: [K / QBLOCK] blocks of Q8_BLOCK_BYTES */
 static inline void panel_rows_q8(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
                                  v8f acc[ROWS][2]) {
-    for (int64_t r = 0; r < ROWS; r++)
-        acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    zero_rows(acc);
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         const uint8_t *blk = panel + b * Q8_BLOCK_BYTES;
         v8f d0, d1;
@@ -134,14 +135,7 @@ static inline void panel_rows_q8(const float *x, int64_t K, const uint8_t *panel
         for (int64_t j = 0; j < QBLOCK; j++) {
             v8f q0, q1;
             unpack16_i8(codes + j * PANEL, &q0, &q1);
-            const v8f w0 = d0 * q0, w1 = d1 * q1;                   /* exact, as gguf */
-            const int64_t k = b * QBLOCK + j;
-            for (int64_t r = 0; r < mr; r++) {
-                const float xv = x[r * K + k];
-                const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-                acc[r][0] = fma8(xb, w0, acc[r][0]);
-                acc[r][1] = fma8(xb, w1, acc[r][1]);
-            }
+            fma_rows(x, K, b * QBLOCK + j, mr, d0 * q0, d1 * q1, acc);   /* exact, as gguf */
         }
     }
 }
