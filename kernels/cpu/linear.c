@@ -88,27 +88,6 @@ static inline void unpack16(const uint8_t *p, v8f *q0, v8f *q1) {
 #endif
 }
 
-/* the same, on a Q4_1 panel: [K / QBLOCK] blocks of Q4_BLOCK_BYTES */
-static inline void panel_rows_q4(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
-                                 v8f acc[ROWS][2]) {
-    zero_rows(acc);
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const uint8_t *blk = panel + b * Q4_BLOCK_BYTES;
-        v8f d0, d1, m0, m1;
-        memcpy(&d0, blk, 32);
-        memcpy(&d1, blk + 32, 32);
-        memcpy(&m0, blk + 64, 32);
-        memcpy(&m1, blk + 96, 32);
-        const uint8_t *codes = blk + 128;
-        for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f q0, q1;
-            unpack16(codes + j * 8, &q0, &q1);
-            /* two roundings each, as gguf */
-            fma_rows(x, K, b * QBLOCK + j, mr, d0 * q0 + m0, d1 * q1 + m1, acc);
-        }
-    }
-}
-
 static inline void unpack16_i8(const int8_t *p, v8f *q0, v8f *q1) {
 #if defined(__AVX2__)
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
@@ -122,51 +101,83 @@ static inline void unpack16_i8(const int8_t *p, v8f *q0, v8f *q1) {
 #endif
 }
 
-/* the same, on a Q8_0 panel: [K / QBLOCK] blocks of Q8_BLOCK_BYTES */
-static inline void panel_rows_q8(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
-                                 v8f acc[ROWS][2]) {
+/* a block of a quantized panel: its 16 columns' scales d (and minimums m, Q4_1), then codes */
+struct block {
+    v8f d0, d1, m0, m1;
+    const uint8_t *codes;
+    int layout;
+};
+
+static inline struct block block_at(const uint8_t *panel, int layout, int64_t b) {
+    struct block blk = {.layout = layout};
+    const uint8_t *p = panel + b * (layout == Q4_1 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
+    memcpy(&blk.d0, p, 32);
+    memcpy(&blk.d1, p + 32, 32);
+    if (layout == Q4_1) {
+        memcpy(&blk.m0, p + 64, 32);
+        memcpy(&blk.m1, p + 96, 32);
+    }
+    blk.codes = p + (layout == Q4_1 ? 128 : 64);
+    return blk;
+}
+
+/* the 16 weights at k = j of a block, dequantized as gguf does: Q4_1 (d * q) + m, rounded twice
+ * (ISO C: no contraction); Q8_0 d * q, exact */
+static inline void weights_at(const struct block *blk, int64_t j, v8f *w0, v8f *w1) {
+    v8f q0, q1;
+    if (blk->layout == Q4_1) {
+        unpack16(blk->codes + j * 8, &q0, &q1);
+        *w0 = blk->d0 * q0 + blk->m0;
+        *w1 = blk->d1 * q1 + blk->m1;
+    } else {
+        unpack16_i8((const int8_t *)(blk->codes + j * PANEL), &q0, &q1);
+        *w0 = blk->d0 * q0;
+        *w1 = blk->d1 * q1;
+    }
+}
+
+/* the same as panel_rows, on a quantized panel: [K / QBLOCK] blocks */
+static inline void panel_rows_quantized(const float *x, int64_t K, const uint8_t *panel,
+                                        int layout, int64_t mr, v8f acc[ROWS][2]) {
     zero_rows(acc);
     for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const uint8_t *blk = panel + b * Q8_BLOCK_BYTES;
-        v8f d0, d1;
-        memcpy(&d0, blk, 32);
-        memcpy(&d1, blk + 32, 32);
-        const int8_t *codes = (const int8_t *)(blk + 64);
+        const struct block blk = block_at(panel, layout, b);
         for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f q0, q1;
-            unpack16_i8(codes + j * PANEL, &q0, &q1);
-            fma_rows(x, K, b * QBLOCK + j, mr, d0 * q0, d1 * q1, acc);   /* exact, as gguf */
+            v8f w0, w1;
+            weights_at(&blk, j, &w0, &w1);
+            fma_rows(x, K, b * QBLOCK + j, mr, w0, w1, acc);
         }
     }
 }
 
+static inline void panel_rows_q4(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
+                                 v8f acc[ROWS][2]) {
+    panel_rows_quantized(x, K, panel, Q4_1, mr, acc);
+}
+
+static inline void panel_rows_q8(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
+                                 v8f acc[ROWS][2]) {
+    panel_rows_quantized(x, K, panel, Q8_0, mr, acc);
+}
+
 /* one row against two Q4_1 panels at once: four independent chains of fused multiply-adds (one
  * panel's two leave the FMA latency exposed at one row); each element's sum is the same sequence
- * as in panel_rows_q4 */
+ * as in panel_rows_quantized */
 static inline void row_q4_pair(const float *x, int64_t K, const uint8_t *pa, const uint8_t *pb,
                                v8f acc[4]) {
     acc[0] = acc[1] = acc[2] = acc[3] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const uint8_t *ba = pa + b * Q4_BLOCK_BYTES, *bb = pb + b * Q4_BLOCK_BYTES;
-        v8f da0, da1, ma0, ma1, db0, db1, mb0, mb1;
-        memcpy(&da0, ba, 32);
-        memcpy(&da1, ba + 32, 32);
-        memcpy(&ma0, ba + 64, 32);
-        memcpy(&ma1, ba + 96, 32);
-        memcpy(&db0, bb, 32);
-        memcpy(&db1, bb + 32, 32);
-        memcpy(&mb0, bb + 64, 32);
-        memcpy(&mb1, bb + 96, 32);
+        const struct block ba = block_at(pa, Q4_1, b), bb = block_at(pb, Q4_1, b);
         for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f qa0, qa1, qb0, qb1;
-            unpack16(ba + 128 + j * 8, &qa0, &qa1);
-            unpack16(bb + 128 + j * 8, &qb0, &qb1);
+            v8f wa0, wa1, wb0, wb1;
+            weights_at(&ba, j, &wa0, &wa1);
+            weights_at(&bb, j, &wb0, &wb1);
             const float xv = x[b * QBLOCK + j];
             const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-            acc[0] = fma8(xb, da0 * qa0 + ma0, acc[0]);
-            acc[1] = fma8(xb, da1 * qa1 + ma1, acc[1]);
-            acc[2] = fma8(xb, db0 * qb0 + mb0, acc[2]);
-            acc[3] = fma8(xb, db1 * qb1 + mb1, acc[3]);
+            acc[0] = fma8(xb, wa0, acc[0]);
+            acc[1] = fma8(xb, wa1, acc[1]);
+            acc[2] = fma8(xb, wb0, acc[2]);
+            acc[3] = fma8(xb, wb1, acc[3]);
         }
     }
 }
@@ -175,27 +186,12 @@ static inline void row_q4_pair(const float *x, int64_t K, const uint8_t *pa, con
  * register paths compute, so the float32 path over them sums bitwise the same */
 static void dequantize_panel(const uint8_t *panel, int layout, int64_t K, float *out) {
     for (int64_t b = 0; b < K / QBLOCK; b++) {
-        v8f d0, d1, m0 = {0, 0, 0, 0, 0, 0, 0, 0}, m1 = m0, q0, q1;
-        const uint8_t *blk = panel + b * (layout == Q4_1 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
-        memcpy(&d0, blk, 32);
-        memcpy(&d1, blk + 32, 32);
-        if (layout == Q4_1) {
-            memcpy(&m0, blk + 64, 32);
-            memcpy(&m1, blk + 96, 32);
-        }
+        const struct block blk = block_at(panel, layout, b);
         for (int64_t j = 0; j < QBLOCK; j++) {
-            float *w = out + (b * QBLOCK + j) * PANEL;
-            if (layout == Q4_1) {
-                unpack16(blk + 128 + j * 8, &q0, &q1);
-                const v8f w0 = d0 * q0 + m0, w1 = d1 * q1 + m1;
-                memcpy(w, &w0, 32);
-                memcpy(w + 8, &w1, 32);
-            } else {
-                unpack16_i8((const int8_t *)(blk + 64 + j * PANEL), &q0, &q1);
-                const v8f w0 = d0 * q0, w1 = d1 * q1;
-                memcpy(w, &w0, 32);
-                memcpy(w + 8, &w1, 32);
-            }
+            v8f w0, w1;
+            weights_at(&blk, j, &w0, &w1);
+            memcpy(out + (b * QBLOCK + j) * PANEL, &w0, 32);
+            memcpy(out + (b * QBLOCK + j) * PANEL + 8, &w1, 32);
         }
     }
 }
@@ -252,46 +248,36 @@ void linear_pack(const float *w, int64_t N, int64_t K, float *packed) {
     }
 }
 
-/* codes [N, K] (0..15), d and m [N, K / QBLOCK] -> packed [ceil(N / PANEL), K / QBLOCK,
- * Q4_BLOCK_BYTES] (padding columns: d = m = 0, code 0) */
-void linear_pack_q4_1(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K,
-                      uint8_t *packed) {
+/* codes [N, K] (Q4_1: 0..15; Q8_0: int8), d and (Q4_1) m [N, K / QBLOCK] -> packed
+ * [ceil(N / PANEL), K / QBLOCK, block bytes]: per block d[0..15] (then m[0..15]), then the codes
+ * (padding columns: d = m = 0, code 0) */
+void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, const float *m,
+                           int64_t N, int64_t K, uint8_t *packed) {
     const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
-    memset(packed, 0, (size_t)(panels * blocks * Q4_BLOCK_BYTES));
+    const int64_t bytes = layout == Q4_1 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES;
+    memset(packed, 0, (size_t)(panels * blocks * bytes));
     for (int64_t n = 0; n < N; n++) {
         const int64_t c = n % PANEL;
-        uint8_t *dst = packed + (n / PANEL) * blocks * Q4_BLOCK_BYTES;
+        uint8_t *dst = packed + (n / PANEL) * blocks * bytes;
         for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *blk = dst + b * Q4_BLOCK_BYTES;
-            memcpy(blk + 4 * c, d + n * blocks + b, 4);          /* d[0..15], then m[0..15] */
-            memcpy(blk + 64 + 4 * c, m + n * blocks + b, 4);
+            uint8_t *blk = dst + b * bytes;
+            memcpy(blk + 4 * c, d + n * blocks + b, 4);
+            if (layout == Q4_1)
+                memcpy(blk + 64 + 4 * c, m + n * blocks + b, 4);
+            uint8_t *out = blk + (layout == Q4_1 ? 128 : 64);
             for (int64_t j = 0; j < QBLOCK; j++) {
-                const uint8_t q = codes[n * K + b * QBLOCK + j] & 0x0F;
-                blk[128 + j * 8 + c % 8] |= (uint8_t)(c < 8 ? q : q << 4);
+                const uint8_t q = codes[n * K + b * QBLOCK + j];
+                if (layout == Q4_1)
+                    out[j * 8 + c % 8] |= (uint8_t)(c < 8 ? q & 0x0F : (q & 0x0F) << 4);
+                else
+                    out[j * PANEL + c] = q;
             }
         }
     }
 }
 
-/* codes [N, K] int8, d [N, K / QBLOCK] -> packed [ceil(N / PANEL), K / QBLOCK, Q8_BLOCK_BYTES] */
-void linear_pack_q8_0(const int8_t *codes, const float *d, int64_t N, int64_t K,
-                      uint8_t *packed) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
-    memset(packed, 0, (size_t)(panels * blocks * Q8_BLOCK_BYTES));
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t c = n % PANEL;
-        uint8_t *dst = packed + (n / PANEL) * blocks * Q8_BLOCK_BYTES;
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *blk = dst + b * Q8_BLOCK_BYTES;
-            memcpy(blk + 4 * c, d + n * blocks + b, 4);
-            for (int64_t j = 0; j < QBLOCK; j++)
-                blk[64 + j * PANEL + c] = (uint8_t)codes[n * K + b * QBLOCK + j];
-        }
-    }
-}
-
-/* x [M, K] contiguous; packed from linear_pack (layout F32), linear_pack_q4_1 (Q4_1) or
- * linear_pack_q8_0 (Q8_0); bias [N] or NULL; y [M, N] contiguous. Panels are split among the
+/* x [M, K] contiguous; packed from linear_pack (layout F32) or linear_pack_quantized (Q4_1,
+ * Q8_0); bias [N] or NULL; y [M, N] contiguous. Panels are split among the
  * threads. */
 void linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int layout,
                     int64_t N, const float *bias, float *y, int num_threads) {

@@ -32,10 +32,8 @@ def _lib() -> ctypes.CDLL:
     lib = library("linear")
     lib.linear_pack.restype = None
     lib.linear_pack.argtypes = [_ptr, _i64, _i64, _ptr]
-    lib.linear_pack_q4_1.restype = None
-    lib.linear_pack_q4_1.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr]
-    lib.linear_pack_q8_0.restype = None
-    lib.linear_pack_q8_0.argtypes = [_ptr, _ptr, _i64, _i64, _ptr]
+    lib.linear_pack_quantized.restype = None
+    lib.linear_pack_quantized.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
     lib.linear_forward.restype = None
     lib.linear_forward.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr,
                                    ctypes.c_int]
@@ -109,8 +107,8 @@ def pack_q4_1(blocks: torch.Tensor, in_features: int) -> PackedWeight:
     out_features = codes.shape[0]
     data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
                        2 * PANEL * 4 + QBLOCK * PANEL // 2, dtype=torch.uint8)
-    _lib().linear_pack_q4_1(codes.data_ptr(), d.data_ptr(), m.data_ptr(), out_features,
-                            in_features, data.data_ptr())
+    _lib().linear_pack_quantized(LAYOUTS["q4_1"], codes.data_ptr(), d.data_ptr(), m.data_ptr(),
+                                 out_features, in_features, data.data_ptr())
     return PackedWeight(data, out_features, in_features, "q4_1")
 
 
@@ -131,8 +129,8 @@ def pack_q8_0(blocks: torch.Tensor, in_features: int) -> PackedWeight:
     out_features = codes.shape[0]
     data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
                        PANEL * 4 + QBLOCK * PANEL, dtype=torch.uint8)
-    _lib().linear_pack_q8_0(codes.data_ptr(), d.data_ptr(), out_features, in_features,
-                            data.data_ptr())
+    _lib().linear_pack_quantized(LAYOUTS["q8_0"], codes.data_ptr(), d.data_ptr(), None,
+                                 out_features, in_features, data.data_ptr())
     return PackedWeight(data, out_features, in_features, "q8_0")
 
 
