@@ -1,7 +1,6 @@
 """The decoder stack on the CPU's C kernels with a step's buffers allocated once: one raw kernel
-call per op, where `LlamaModel.forward` goes through modules, dispatch and per-op allocation (at
-one decode row that bookkeeping was about half of a step: ~0.5 ms per layer against ~0.1 ms of
-kernel calls; `benchmarks/profile_step.py`).
+call per op, where `LlamaModel.forward` goes through modules, dispatch and per-op allocation
+("Python and dispatch" in `benchmarks/profile_step.py`, docs/BENCHMARKS.md §9.6-9.7).
 
 It calls the same kernels on the same inputs in the same order as the modules do, so its hidden
 states are bitwise theirs (tests/spec_phases/test_cpu_decoder.py), whichever path a step takes.
@@ -21,7 +20,7 @@ from specserve.kernels.cpu import linear as cpu_linear
 from specserve.kernels.cpu import paged_attention as cpu_attention
 from specserve.kernels.cpu import rms_norm as cpu_norm
 from specserve.kernels.cpu import rope as cpu_rope
-from specserve.kernels.cpu.native import BuildError
+from specserve.kernels.cpu.native import BuildError, library
 from specserve.kernels.metadata import LayerAttention, PagedAttentionMetadata
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import DecoderLayer, LlamaModel
@@ -41,7 +40,8 @@ def supported(model: LlamaModel) -> bool:
             if linear.packed is None or linear.packed.onednn:
                 return False
     try:
-        cpu_norm._kernel(), cpu_rope._kernel(), cpu_attention._kernel()
+        for kernel in ("rms_norm", "rope", "paged_attention"):
+            library(kernel)
     except BuildError:
         return False
     return True
@@ -59,10 +59,6 @@ class CpuDecoder:
         self.qkv_size = self.q_size + 2 * cfg.num_kv_heads * cfg.head_dim
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.norm_weights = [(layer.input_layernorm._float_weight(),
-                              layer.post_attention_layernorm._float_weight())
-                             for layer in model.layers]
-        self.final_norm = model.norm._float_weight()
 
     @staticmethod
     def enabled() -> bool:
@@ -92,20 +88,21 @@ class CpuDecoder:
         delta = None
         for i in (range(len(model.layers)) if layers is None else layers):
             layer: DecoderLayer = model.layers[i]
-            pre_norm, post_norm = self.norm_weights[i]
-            cpu_norm.add_rms_norm_into(x, delta, pre_norm, self.eps, h)
+            cpu_norm.add_rms_norm_into(x, delta, layer.input_layernorm._float_weight(), self.eps,
+                                       h)
             cpu_linear.linear_into(h, layer.qkv_proj.packed, layer.qkv_proj.bias, qkv)
             cpu_rope.rope_into(qk_in, cos, sin, qk)
             storage.write(i, slot_mapping, k, v)
             o = cpu_attention.paged_attention(q, storage.k[i], storage.v[i], meta,
                                               **attention.options(i))
             cpu_linear.linear_into(o.view(n, self.q_size), layer.o_proj.packed, None, out)
-            cpu_norm.add_rms_norm_into(x, out, post_norm, self.eps, h)
+            cpu_norm.add_rms_norm_into(x, out, layer.post_attention_layernorm._float_weight(),
+                                       self.eps, h)
             cpu_linear.linear_into(h, layer.gate_up_proj.packed, None, gate_up)
             torch.mul(F.silu(gate), up, out=act)
             cpu_linear.linear_into(act, layer.down_proj.packed, None, out)
             delta = out
         if delta is None:
             return model.norm(x)
-        cpu_norm.add_rms_norm_into(x, delta, self.final_norm, self.eps, h)
+        cpu_norm.add_rms_norm_into(x, delta, model.norm._float_weight(), self.eps, h)
         return h
