@@ -31,6 +31,25 @@ class PagedAttentionMetadata:
 
 
 @dataclass(frozen=True)
+class StaticBatchMetadata:
+    """A batch's metadata as device tensors of fixed shape, so that a CUDA graph can capture
+    attention over it (`spec_phases/cuda_graphs.py`): request b has query_lens[b] <= SHORT_QUERY
+    rows from row first_rows[b] on, the last of its context of seq_lens[b] tokens, whose blocks are
+    block_tables[b, :]. Built once per captured shape, refilled in place each step."""
+    requests: torch.Tensor           # [B] int32: 0..B-1 (each request's table row)
+    first_rows: torch.Tensor         # [B] int32
+    query_lens: torch.Tensor         # [B] int32
+    seq_lens: torch.Tensor           # [B] int32
+    block_tables: torch.Tensor       # [B, W] int32
+    block_size: int
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the tables can hold: the kernel plans its splits for it."""
+        return self.block_tables.shape[1] * self.block_size
+
+
+@dataclass(frozen=True)
 class LayerAttention:
     """What paged attention needs to know of a model, per layer: the score scale, each layer's
     sliding window (0: full attention; () every layer full) and the score soft-cap (0: off)."""

@@ -30,9 +30,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
 class KVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype, device: str | torch.device = "cpu",
+                 padding_block: bool = False):
+        """padding_block: one block more than num_blocks, block id num_blocks, which no block
+        pool hands out: the padded rows of a captured decode batch write and read it
+        (`spec_phases/cuda_graphs.py`)."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.padding_block = num_blocks if padding_block else None
+        total = num_blocks + int(padding_block)
+        shape = (num_layers, total * block_size, num_kv_heads, head_dim)
         self.k = zeros(shape, dtype, device)
         self.v = zeros(shape, dtype, device)
 

@@ -38,6 +38,8 @@ class EngineConfig:
     # LM head is held a second time)
     cpu_weight_packing: bool = True
     tiny_random_seed: int = 0           # weights of the "tiny-random" model
+    # CUDA: decode and verify batches replay CUDA graphs (spec_phases/cuda_graphs.py); True: eager
+    enforce_eager: bool = False
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -77,7 +79,8 @@ class EngineConfig:
             num_kv_blocks=self.num_kv_blocks, seed=self.seed, num_threads=self.num_threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
             tiny_random_seed=self.tiny_random_seed, cpu_weight_packing=self.cpu_weight_packing,
-            speculative=self.speculative)
+            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, speculative=self.speculative)
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="always true here: specserve captures no CUDA graphs")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=None, help="always on: prefills are chunked by "
                                       "--max-num-batched-tokens")

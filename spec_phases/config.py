@@ -81,4 +81,7 @@ class WorkerConfig:
     num_threads: int | None = None
     tiny_random_seed: int = 0
     cpu_weight_packing: bool = True
+    enforce_eager: bool = False         # CUDA: no step graphs (spec_phases/cuda_graphs.py)
+    max_num_seqs: int = 64              # the largest decode batch a graph is captured for
+    max_model_len: int | None = None    # the graphs' block tables hold this many tokens
     speculative: SpeculativeConfig | None = None

@@ -5,10 +5,13 @@ the slot mapping, hands each layer a per-step attention object that writes the n
 paged cache and attends (`kernels/dispatch.py` picks the kernel), and returns hidden states. On
 the CPU, where the model has the common layer shape and its weights are packed for the C kernels,
 steps over the device cache run `spec_phases/cpu_decoder.py` instead of the modules (bitwise the
-same hidden states, without the per-op bookkeeping).
+same hidden states, without the per-op bookkeeping). On CUDA, decode and verify batches replay
+CUDA graphs (`spec_phases/cuda_graphs.py`).
 Verification (`spec_phases/verify.py`) turns them into tokens.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +23,9 @@ from specserve.spec_phases import cpu_decoder
 from specserve.spec_phases.model import LlamaModel
 from specserve.spec_phases.plan import ScheduledRequest, TokenLogprob
 from specserve.spec_phases.sampler import Sampler
+
+if TYPE_CHECKING:     # (cuda_graphs imports triton: the worker imports it on CUDA only)
+    from specserve.spec_phases.cuda_graphs import StepGraphs
 
 
 class PagedAttention:
@@ -40,10 +46,12 @@ class PagedAttention:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, storage: KVStorage | HostKVPool):
+    def __init__(self, model: LlamaModel, storage: KVStorage | HostKVPool,
+                 graphs: StepGraphs | None = None):
         """storage: the full KV cache, on the device (KVStorage) or in host memory (HostKVPool,
-        VeriCache: staged to the device layer by layer for every forward)."""
-        self.model, self.storage = model, storage
+        VeriCache: staged to the device layer by layer for every forward). graphs: CUDA graphs
+        that serve decode and verify batches (`spec_phases/cuda_graphs.py`)."""
+        self.model, self.storage, self.graphs = model, storage, graphs
         self.device = model.embed_tokens.weight.device
         self.block_size = storage.block_size
         self.layers = model.config.attention()
@@ -57,6 +65,8 @@ class ModelRunner:
                 layers: list[int] | None = None) -> torch.Tensor:
         """Request i computes token_lists[i] at positions starts[i], starts[i] + 1, ... over the
         paged cache: hidden states [total tokens, hidden]."""
+        if self.graphs is not None and self.graphs.serves(token_lists, block_tables, layers):
+            return self.graphs.forward(token_lists, starts, block_tables)
         ids, positions, attn = self._inputs(token_lists, starts, block_tables)
         if self.cpu_decoder is not None and self.cpu_decoder.enabled():
             return self.cpu_decoder.forward(ids, positions, attn.storage, attn.meta,

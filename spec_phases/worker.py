@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from specserve.spec_phases.runner import ModelRunner
 from specserve.spec_phases.sampler import Sampler
 from specserve.spec_phases.tokenizer import load_tokenizer
 from specserve.spec_phases.verify import Verifier
+
+if TYPE_CHECKING:
+    from specserve.spec_phases.cuda_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE_GB = 1.0      # gpu_memory_utilization: device memory kept for forward passes
@@ -106,11 +110,13 @@ class Worker:
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget is too small for one block")
         shape = (cfg.num_layers, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        graphs = self.device.startswith("cuda") and not config.enforce_eager and not in_host
         if in_host:
             self.storage = HostKVPool(*shape)      # VeriCache: the device keeps compressed KV
         else:
-            self.storage = KVStorage(*shape, self.device)
-        self.runner = ModelRunner(self.model, self.storage)
+            self.storage = KVStorage(*shape, self.device, padding_block=graphs)
+        self.runner = ModelRunner(self.model, self.storage,
+                                  self._step_graphs() if graphs else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, self.device, config.seed)
         self.draft_pool: DraftPool | None = None
         self.proposer = self._proposer(spec, in_host)
@@ -123,6 +129,25 @@ class Worker:
         self._swap_seen = (0, 0, 0)                # pool h2d, pool d2h, drafting tokens encoded
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, bs,
                     self.storage.nbytes / 2**20, self.dtype, self.device)
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """CUDA graphs of decode and verify batches up to max_num_seqs requests (None where the
+        Triton kernel does not serve the model's head size)."""
+        from specserve.spec_phases import cuda_graphs      # imports triton: on CUDA only
+        if not cuda_graphs.usable(self.model, self.storage):
+            logger.info("decode steps run eagerly: no CUDA graphs for head size %d",
+                        self.model_config.head_dim)
+            return None
+        cfg, config = self.model_config, self.config
+        max_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
+                      self.num_blocks * config.block_size)
+        start = time.perf_counter()
+        spec = config.speculative
+        graphs = cuda_graphs.StepGraphs(self.model, self.storage, config.max_num_seqs, max_len,
+                                        spec.num_speculative_tokens if spec else 0)
+        logger.info("CUDA graphs: batches of %s requests x %s rows each captured in %.1f s",
+                    graphs.sizes, graphs.query_lens, time.perf_counter() - start)
+        return graphs
 
     def _device_kv_budget_gb(self) -> float:
         """GiB of device memory for KV: kv_cache_memory_gb, or on CUDA with

@@ -9,6 +9,7 @@ should cost about what a decode costs: the design's aim, unmeasured on a GPU), m
 row, and keeps an online softmax per row; splits are merged exactly by `combine_splits`. Long
 prefill chunks keep the reference's SDPA path (one program per query would re-read the context once
 per query token). Same contract as kernels/reference/paged_attention.py.
+`paged_attention_static` is the same kernel over fixed-shape device metadata, for CUDA graphs.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from specserve.kernels.metadata import PagedAttentionMetadata
+from specserve.kernels.metadata import PagedAttentionMetadata, StaticBatchMetadata
 from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
 from specserve.kernels.triton.splits import combine_splits, plan_splits
 
@@ -127,8 +128,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Same contract as kernels/reference/paged_attention.py (dispatch falls back to it for
     unsupported head sizes and when the kernel cannot run here). A sliding window is masked (its
     keys are still walked); the soft-cap is applied to the scores before the mask."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
     for where, blocks, mask in chunk_groups(meta, window):       # long prefill chunks
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
@@ -136,20 +135,48 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     short = _short_requests(meta, q.device)
     if short is not None:
         reqs, firsts, qlens, lens, tables, rows, max_ctx = short
-        assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1
-        assert v_cache.stride() == k_cache.stride()
-        # padded query rows are masked out
-        qc = q.contiguous()
-        num_splits, split = plan_splits(max_ctx, reqs.shape[0] * num_heads, BN)
-        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
-        _paged_kernel[(reqs.shape[0], num_heads, num_splits)](
-            qc, k_cache, v_cache, part_out, part_lse, reqs, firsts, qlens, lens, tables,
-            tables.shape[1],
-            num_heads, num_heads // num_kv_heads, split, scale, qc.stride(0), k_cache.stride(0),
-            window, float(softcap), D=head_dim, BS=meta.block_size, BN=BN, QB=SHORT_QUERY,
-            HAS_SOFTCAP=bool(softcap))
+        part_out, part_lse = _short_query_splits(q, k_cache, v_cache, reqs, firsts, qlens, lens,
+                                                 tables, max_ctx, meta.block_size, scale, window,
+                                                 softcap)
         out[rows] = combine_splits(part_out[rows], part_lse[rows])[0].to(q.dtype)
     return out
+
+
+def paged_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: StaticBatchMetadata, scale: float, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
+    """Short-query requests whose metadata is device tensors of fixed shape: nothing is built on
+    the host, so a CUDA graph can capture it. The splits are planned for the longest context the
+    tables hold; a split past a request's context holds nothing and merges away exactly. Rows no
+    request owns (padding) are left undefined."""
+    part_out, part_lse = _short_query_splits(
+        q, k_cache, v_cache, meta.requests, meta.first_rows, meta.query_lens, meta.seq_lens,
+        meta.block_tables, meta.max_context, meta.block_size, scale, window, softcap)
+    return combine_splits(part_out, part_lse)[0].to(q.dtype)
+
+
+def _short_query_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        reqs: torch.Tensor, firsts: torch.Tensor, qlens: torch.Tensor,
+                        lens: torch.Tensor, tables: torch.Tensor, max_ctx: int, block_size: int,
+                        scale: float, window: int, softcap: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over the short-query requests: per query row, head and split of the context,
+    the partial output [rows, heads, splits, D] and log-sum-exp [rows, heads, splits] (rows of
+    other requests are left unwritten)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1
+    assert v_cache.stride() == k_cache.stride()
+    qc = q.contiguous()                 # padded query rows are masked out
+    num_splits, split = plan_splits(max_ctx, reqs.shape[0] * num_heads, BN)
+    part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
+                           device=q.device)
+    _paged_kernel[(reqs.shape[0], num_heads, num_splits)](
+        qc, k_cache, v_cache, part_out, part_lse, reqs, firsts, qlens, lens, tables,
+        tables.shape[1],
+        num_heads, num_heads // num_kv_heads, split, scale, qc.stride(0), k_cache.stride(0),
+        window, float(softcap), D=head_dim, BS=block_size, BN=BN, QB=SHORT_QUERY,
+        HAS_SOFTCAP=bool(softcap))
+    return part_out, part_lse
