@@ -9,7 +9,7 @@ on this machine (then the reference serves every later call; logged once).
 
 Choice, per call site (`get_op(name, device)`):
 - SPECSERVE_KERNELS=reference forces the reference; SPECSERVE_KERNELS=triton forces Triton for
-  every op that has a Triton kernel (the others, e.g. the CPU-only rms_norm, run the reference).
+  every op that has a Triton kernel (the others run the reference).
 - otherwise Triton on CUDA tensors when `triton` imports and the kernel exists; the C kernel on the
   CPU where one exists (built on first use, `kernels/cpu/native.py`); else the reference.
 - under TRITON_INTERPRET=1 with SPECSERVE_KERNELS=triton the Triton kernels run on the CPU (how CI

@@ -6,7 +6,7 @@ SHORT_QUERY) are served by one kernel: one program per (request, head, split of 
 the request's query rows as one [SHORT_QUERY, D] block, walks the context BN keys at a time (each
 key's slot looked up in the block table and read once for all the rows, so that a 9-row verify pass
 should cost about what a decode costs: the design's aim, unmeasured on a GPU), masks causally per
-row, and keeps an online softmax per row; splits are merged exactly by `combine_splits`. Long
+row, and keeps an online softmax per row; splits are merged exactly by `merge_splits`. Long
 prefill chunks keep the reference's SDPA path (one program per query would re-read the context once
 per query token). Same contract as kernels/reference/paged_attention.py.
 `paged_attention_static` is the same kernel over fixed-shape device metadata, for CUDA graphs.
@@ -21,7 +21,7 @@ from triton.runtime.errors import OutOfResources
 
 from specserve.kernels.metadata import PagedAttentionMetadata, StaticBatchMetadata
 from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
-from specserve.kernels.triton.splits import combine_splits, plan_splits
+from specserve.kernels.triton.splits import merge_splits, plan_splits
 
 BN = 64
 FAILURES = (CompilationError, OutOfResources)   # the kernel cannot run here: the reference serves
@@ -138,7 +138,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_out, part_lse = _short_query_splits(q, k_cache, v_cache, reqs, firsts, qlens, lens,
                                                  tables, max_ctx, meta.block_size, scale, window,
                                                  softcap)
-        out[rows] = combine_splits(part_out[rows], part_lse[rows])[0].to(q.dtype)
+        out[rows] = merge_splits(part_out[rows], part_lse[rows], q.dtype)
     return out
 
 
@@ -152,7 +152,7 @@ def paged_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_out, part_lse = _short_query_splits(
         q, k_cache, v_cache, meta.requests, meta.first_rows, meta.query_lens, meta.seq_lens,
         meta.block_tables, meta.max_context, meta.block_size, scale, window, softcap)
-    return combine_splits(part_out, part_lse)[0].to(q.dtype)
+    return merge_splits(part_out, part_lse, q.dtype)
 
 
 def _short_query_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -167,7 +167,8 @@ def _short_query_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_kv_heads = k_cache.shape[1]
     assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1
     assert v_cache.stride() == k_cache.stride()
-    qc = q.contiguous()                 # padded query rows are masked out
+    # (padded query rows are masked out; q may be a view of rows with a stride, not of heads)
+    qc = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
     num_splits, split = plan_splits(max_ctx, reqs.shape[0] * num_heads, BN)
     part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                            device=q.device)
