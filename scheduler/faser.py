@@ -219,23 +219,33 @@ class DraftLengthController:
         # by value; a request's drafts stay in position order
         order = np.lexsort((req, pos, -gain))
         req, pos, gain = req[order], pos[order], gain[order]
-        price = self.cost.draft_price()
         best = n / self.cost.predict(num_other_tokens, 0, swap_bytes)
-        best_ks = np.zeros(n, dtype=np.int64)
-        for depth in range(1, int(limits.max(initial=0)) + 1):
-            take = pos < depth
-            g = gain[take]
-            if not len(g):
-                continue
-            # this depth, no drafts yet
-            base = self.cost.predict(num_other_tokens, depth, swap_bytes)
-            goodput = np.empty(len(g) + 1)
-            goodput[0] = n / base
-            goodput[1:] = (n + np.cumsum(g)) / (base + price * np.arange(1, len(g) + 1))
-            rises = goodput[1:] > goodput[:-1]
-            # the greedy stops at the first loss
-            m = len(g) if rises.all() else int(np.argmin(rises))
-            ks = np.bincount(req[take][:m], minlength=n)
-            if m and ks.max() == depth and goodput[m] > best:
-                best, best_ks = goodput[m], ks
-        return best_ks.tolist()
+        most = int(limits.max(initial=0))
+        if not len(gain) or not most:
+            return [0] * n
+        # every depth at once: row d-1 takes the candidates of position < d, in value order
+        depths = np.arange(1, most + 1)
+        take = pos[None, :] < depths[:, None]                                  # [depths, cands]
+        base = np.array([self.cost.predict(num_other_tokens, d, swap_bytes) for d in depths])
+        counts = np.cumsum(take, axis=1)
+        goodput = ((n + np.cumsum(np.where(take, gain, 0.0), axis=1))
+                   / (base[:, None] + self.cost.draft_price() * counts))
+        # each taken candidate against the goodput before it (the depth's last taken, or none)
+        cand = np.arange(len(gain))
+        last = np.maximum.accumulate(np.where(take, cand, -1), axis=1)
+        before = np.concatenate([np.full((len(depths), 1), -1), last[:, :-1]], axis=1)
+        previous = np.where(before >= 0, np.take_along_axis(goodput, before.clip(0), axis=1),
+                            (n / base)[:, None])
+        loss = take & ~(goodput > previous)
+        # the greedy stops at the first loss: candidates before it are taken
+        cutoff = np.where(loss.any(axis=1), loss.argmax(axis=1), len(gain))
+        taken = take & (cand[None, :] < cutoff[:, None])
+        # a depth counts where it is reached (some request's draft at position d - 1 is taken);
+        # its value is the goodput after its last taken draft; the first best depth wins
+        reached = (taken & (pos[None, :] == depths[:, None] - 1)).any(axis=1)
+        last_taken = len(gain) - 1 - taken[:, ::-1].argmax(axis=1)
+        value = np.where(reached, goodput[depths - 1, last_taken], -np.inf)
+        d = int(value.argmax())
+        if not value[d] > best:
+            return [0] * n
+        return np.bincount(req[taken[d]], minlength=n).tolist()
