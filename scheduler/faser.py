@@ -49,6 +49,7 @@ class CostModel:
                  window: int = 256):
         self.coef = np.array([c0, c1, c2, c3, c4])
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
+        self.unfitted = 0                           # samples observed since the last fit
         # (rows, seconds) per draft pass
         self.passes: deque[tuple[float, float]] = deque(maxlen=window)
 
@@ -77,8 +78,13 @@ class CostModel:
         self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes),
                              float(draft_tokens),
                              seconds))
-        if len(self.samples) >= 8 and len(self.samples) % 4 == 0:
+        # refit every 4 new samples while the window fills, then every 1/16 of the window (a fit
+        # costs about a millisecond: on a GPU's few-millisecond steps, refitting every step once
+        # the window was full cost more than the drafts it chose could win)
+        self.unfitted += 1
+        if len(self.samples) >= 8 and self.unfitted >= max(4, len(self.samples) // 16):
             self.fit()
+            self.unfitted = 0
 
     def _fit_passes(self) -> None:
         """c2 + c4 * rows over the recent draft passes, both >= 0 (NNLS on two columns)."""
