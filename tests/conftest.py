@@ -102,3 +102,23 @@ def make_engine(engines):
         kwargs.setdefault("kv_cache_memory_gb", 0.05)
         return engines.core(**kwargs)
     return make
+
+
+@pytest.fixture
+def triton_interpreted():
+    """run(code, marker, *args): `python -c code args` under TRITON_INTERPRET=1 with
+    SPECSERVE_KERNELS=triton (in a child interpreter, so the flag never leaks into other tests);
+    asserts it exits 0 and prints `marker`. Missing triton fails the test, never skips it."""
+    import subprocess
+    import sys
+
+    import triton  # noqa: F401  (a test dependency)
+
+    def run(code: str, marker: str, *args: str) -> None:
+        env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_KERNELS="triton",
+                   OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0 and marker in proc.stdout, (proc.stdout[-2000:]
+                                                                + proc.stderr[-4000:])
+    return run

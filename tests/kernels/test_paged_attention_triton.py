@@ -2,11 +2,6 @@
 child interpreter, so the interpreter flag never leaks into other tests)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-
 CHILD = r'''
 import torch
 from specserve.kernels import dispatch
@@ -55,13 +50,8 @@ print("ok paged")
 '''
 
 
-def test_triton_paged_attention_matches_reference():
-    import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
-    env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_KERNELS="triton", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert (proc.returncode == 0
-            and "ok paged" in proc.stdout), proc.stdout[-2000:] + proc.stderr[-4000:]
+def test_triton_paged_attention_matches_reference(triton_interpreted):
+    triton_interpreted(CHILD, "ok paged")
 
 
 def _mixed_batch(head_dim: int):

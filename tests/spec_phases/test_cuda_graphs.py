@@ -5,10 +5,6 @@ padded rows touch only the padding block, and only batches that fit a captured s
 Capture and replay themselves need a GPU (docs/BENCHMARKS.md §7.5 has the run on one)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from specserve.scheduler.config import EngineConfig
@@ -78,13 +74,8 @@ print("ok graphs", served)
 
 
 @pytest.mark.parametrize("min_split", [1024, 64])
-def test_static_body_matches_eager_forward(min_split):
-    import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
-    env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_KERNELS="triton", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(min_split)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert (proc.returncode == 0
-            and "ok graphs 6" in proc.stdout), proc.stdout[-2000:] + proc.stderr[-4000:]
+def test_static_body_matches_eager_forward(min_split, triton_interpreted):
+    triton_interpreted(CHILD, "ok graphs 6", str(min_split))
 
 
 def test_capture_shapes():
