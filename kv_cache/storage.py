@@ -33,7 +33,7 @@ class KVStorage:
                  dtype: torch.dtype, device: str | torch.device = "cpu",
                  padding_block: bool = False):
         """padding_block: one block more than num_blocks, block id num_blocks, which no block
-        pool hands out: the padded rows of a captured decode batch write and read it
+        pool hands out: the padding rows of a CUDA graph's batch write and read it
         (`spec_phases/cuda_graphs.py`)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.padding_block = num_blocks if padding_block else None

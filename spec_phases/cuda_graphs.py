@@ -106,7 +106,7 @@ class StepGraphs:
     def serves(self, token_lists: list[tuple[int, ...]], block_tables: list[tuple[int, ...]],
                layers: list[int] | None) -> bool:
         """Every layer, a batch that fits a captured shape and the tables' width."""
-        return (layers is None and len(token_lists) <= self.sizes[-1]
+        return (layers is None and 0 < len(token_lists) <= self.sizes[-1]
                 and max(len(t) for t in token_lists) <= self.query_lens[-1]
                 and all(len(b) <= self.width for b in block_tables))
 
