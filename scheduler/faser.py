@@ -78,9 +78,9 @@ class CostModel:
         self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes),
                              float(draft_tokens),
                              seconds))
-        # refit every 4 new samples while the window fills, then every 1/16 of the window (a fit
-        # costs about a millisecond: on a GPU's few-millisecond steps, refitting every step once
-        # the window was full cost more than the drafts it chose could win)
+        # refit every 4 new samples while the window fills, then every 1/16 of the window (once
+        # full, `len % 4 == 0` had refitted on every step: on a GPU's few-millisecond steps the
+        # fits cost more than the drafts they chose could win, docs/BENCHMARKS.md §7.5)
         self.unfitted += 1
         if len(self.samples) >= 8 and self.unfitted >= max(4, len(self.samples) // 16):
             self.fit()
