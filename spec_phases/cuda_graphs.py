@@ -26,7 +26,7 @@ import torch
 
 from specserve.kernels.metadata import LayerAttention, StaticBatchMetadata
 from specserve.kernels.reference.paged_attention import SHORT_QUERY
-from specserve.kernels.triton.paged_attention import paged_attention_static, supports
+from specserve.kernels.triton.paged_attention import paged_attention_static, tiles
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import LlamaModel
 
@@ -50,10 +50,8 @@ def query_lens(num_speculative_tokens: int) -> list[int]:
 def usable(model: LlamaModel, storage: KVStorage) -> bool:
     """Graphs serve this model: on CUDA, the paged cache on the device with its padding block, and
     a head size the Triton kernel tiles."""
-    head_dim = model.config.head_dim
-    q = torch.empty(0, 1, head_dim)
     return (storage.k.device.type == "cuda" and storage.padding_block is not None
-            and supports(q, storage.k[0], storage.v[0], None, 1.0))
+            and tiles(model.config.head_dim))
 
 
 class GraphAttention:

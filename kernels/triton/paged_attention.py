@@ -114,12 +114,16 @@ def _build_short(meta: PagedAttentionMetadata, device) -> tuple | None:
             torch.tensor(rows).to(device), max(lens))
 
 
+def tiles(head_dim: int) -> bool:
+    """Head sizes the kernel can tile: a power of two, at least 16."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: PagedAttentionMetadata, scale: float, window: int = 0,
              softcap: float = 0.0) -> bool:
-    """Head sizes the kernel can tile: a power of two, at least 16 (others go to the reference)."""
-    head_dim = q.shape[2]
-    return head_dim >= 16 and not head_dim & (head_dim - 1)
+    """Heads the kernel tiles (`tiles`; others go to the reference)."""
+    return tiles(q.shape[2])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
