@@ -283,3 +283,16 @@ def test_pass_fit_stays_non_negative():
     for rows, secs in [(1, 0.05), (2, 0.04), (4, 0.03), (8, 0.02)] * 2:
         model.observe(rows * 2, 1, secs + 0.01, draft_tokens=rows, draft_passes=[(rows, secs)])
     assert model.coef[2] > 0 and model.coef[4] == 0.0
+
+
+def test_refits_every_4_samples_while_the_window_fills_then_every_sixteenth_of_it(monkeypatch):
+    model = CostModel(window=256)
+    fits = []
+    monkeypatch.setattr(model, "fit", lambda: fits.append(len(model.samples)))
+    for tokens in range(600):
+        model.observe(1 + tokens % 7, tokens % 3, 0.01)
+    assert fits[:3] == [8, 12, 16]
+    assert all(b - a == 4 for a, b in zip(fits, fits[1:]) if b <= 64)
+    full = [i for i, n in enumerate(fits) if n == 256]
+    # once full (256 samples), every 16 new ones: (600 - 256) // 16 refits at most, not 344
+    assert len(full) <= (600 - 256) // 16 + 1 and len(full) >= (600 - 256) // 16 - 1

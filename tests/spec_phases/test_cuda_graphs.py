@@ -100,3 +100,9 @@ def test_no_graphs_on_a_cpu():
     assert core.worker.runner.graphs is None
     assert core.worker.storage.padding_block is None
     assert core.worker.storage.k.shape[1] == 16 * core.config.block_size
+
+
+def test_graphs_only_where_the_kernel_tiles_the_heads():
+    from specserve.kernels.triton.paged_attention import tiles
+    assert tiles(16) and tiles(64) and tiles(128)
+    assert not tiles(8) and not tiles(48) and not tiles(80)
