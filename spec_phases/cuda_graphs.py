@@ -80,17 +80,17 @@ class StepGraphs:
         self.model, self.storage = model, storage
         self.layers = model.config.attention()
         self.block_size = bs = storage.block_size
-        self.width = -(-max_model_len // bs)                       # blocks per table
+        self.table_width = -(-max_model_len // bs)                 # blocks per table
         self.sizes = capture_sizes(max_batch)
         self.query_lens = query_lens(num_speculative_tokens)
         most_reqs, most_rows = self.sizes[-1], self.sizes[-1] * self.query_lens[-1]
         self.tokens_at = most_rows * 3              # request rows start here in the buffer
-        length = self.tokens_at + most_reqs * (TABLE + self.width)
+        length = self.tokens_at + most_reqs * (TABLE + self.table_width)
         device = storage.k.device
         self.inputs = torch.zeros(length, dtype=torch.int64, device=device)
         self.host = torch.zeros(length, dtype=torch.int64, pin_memory=capture)
         self.pad_token = np.array([0, 0, storage.padding_block * bs], dtype=np.int64)
-        self.pad_request = np.zeros(TABLE + self.width, dtype=np.int64)
+        self.pad_request = np.zeros(TABLE + self.table_width, dtype=np.int64)
         self.pad_request[[SEQ_LEN, QUERY_LEN, TABLE]] = 1, 1, storage.padding_block
         token_rows, request_rows = self._host_views(most_reqs, self.query_lens[-1])
         token_rows[:] = self.pad_token
@@ -106,7 +106,7 @@ class StepGraphs:
         """Every layer, a batch that fits a captured shape and the tables' width."""
         return (layers is None and 0 < len(token_lists) <= self.sizes[-1]
                 and max(len(t) for t in token_lists) <= self.query_lens[-1]
-                and all(len(b) <= self.width for b in block_tables))
+                and all(len(b) <= self.table_width for b in block_tables))
 
     def forward(self, token_lists: list[tuple[int, ...]], starts: list[int],
                 block_tables: list[tuple[int, ...]]) -> torch.Tensor:
@@ -114,52 +114,53 @@ class StepGraphs:
         states [total tokens, hidden] (a copy: the graph's output buffer is reused)."""
         n, bs = len(token_lists), self.block_size
         size = next(s for s in self.sizes if s >= n)
-        width = next(q for q in self.query_lens if q >= max(len(t) for t in token_lists))
-        token_rows, request_rows = self._host_views(size, width)
+        rows_each = next(q for q in self.query_lens if q >= max(len(t) for t in token_lists))
+        token_rows, request_rows = self._host_views(size, rows_each)
         token_rows[:] = self.pad_token
         request_rows[n:] = self.pad_request
         for i, (tokens, start, table) in enumerate(zip(token_lists, starts, block_tables)):
             count = len(tokens)
             if count == 1:                              # a decode: no arrays to build
-                row = token_rows[i * width]
+                row = token_rows[i * rows_each]
                 row[IDS], row[POSITIONS] = tokens[0], start
                 row[SLOTS] = table[start // bs] * bs + start % bs
             else:
                 positions = np.arange(start, start + count)
-                rows = token_rows[i * width:i * width + count]
+                rows = token_rows[i * rows_each:i * rows_each + count]
                 rows[:, IDS], rows[:, POSITIONS] = tokens, positions
                 rows[:, SLOTS] = np.asarray(table)[positions // bs] * bs + positions % bs
             request = request_rows[i]
             request[SEQ_LEN], request[QUERY_LEN] = start + count, count
             request[TABLE:TABLE + len(table)] = table
-        used = self.tokens_at + size * (TABLE + self.width)
+        used = self.tokens_at + size * (TABLE + self.table_width)
         self.inputs[:used].copy_(self.host[:used])
-        if (size, width) in self.graphs:
-            graph, hidden = self.graphs[size, width]
+        if (size, rows_each) in self.graphs:
+            graph, hidden = self.graphs[size, rows_each]
             graph.replay()
         else:
-            hidden = self._body(size, width)
-        if width == 1:
+            hidden = self._body(size, rows_each)
+        if rows_each == 1:
             return hidden[:n].clone()
-        rows = [i * width + j for i, t in enumerate(token_lists) for j in range(len(t))]
+        rows = [i * rows_each + j for i, t in enumerate(token_lists) for j in range(len(t))]
         return hidden[torch.tensor(rows, device=hidden.device)]
 
-    def _host_views(self, size: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The host buffer as [size * width, 3] token rows and [size, TABLE + W] request rows."""
+    def _host_views(self, size: int, rows_each: int) -> tuple[np.ndarray, np.ndarray]:
+        """The host buffer as [size * rows_each, 3] token rows and [size, TABLE + W] request
+        rows."""
         flat = self.host.numpy()
-        tokens = flat[:size * width * 3].reshape(size * width, 3)
-        requests = flat[self.tokens_at:self.tokens_at + size * (TABLE + self.width)]
-        return tokens, requests.reshape(size, TABLE + self.width)
+        tokens = flat[:size * rows_each * 3].reshape(size * rows_each, 3)
+        requests = flat[self.tokens_at:self.tokens_at + size * (TABLE + self.table_width)]
+        return tokens, requests.reshape(size, TABLE + self.table_width)
 
-    def _body(self, size: int, width: int) -> torch.Tensor:
+    def _body(self, size: int, rows_each: int) -> torch.Tensor:
         """The forward a graph captures: every op reads the static buffer."""
-        tokens = self.inputs[:size * width * 3].view(size * width, 3)
-        requests = self.inputs[self.tokens_at:self.tokens_at + size * (TABLE + self.width)]
-        requests = requests.view(size, TABLE + self.width)
+        tokens = self.inputs[:size * rows_each * 3].view(size * rows_each, 3)
+        requests = self.inputs[self.tokens_at:self.tokens_at + size * (TABLE + self.table_width)]
+        requests = requests.view(size, TABLE + self.table_width)
 
         def column(c: int | slice) -> torch.Tensor:     # dense int32, as the kernel reads them
             return requests[:, c].to(torch.int32).contiguous()
-        meta = StaticBatchMetadata(self.arange[:size], self.arange[:size] * width,
+        meta = StaticBatchMetadata(self.arange[:size], self.arange[:size] * rows_each,
                                    column(QUERY_LEN), column(SEQ_LEN), column(slice(TABLE, None)),
                                    self.block_size)
         attn = GraphAttention(self.storage, tokens[:, SLOTS], meta, self.layers)
@@ -174,14 +175,14 @@ class StepGraphs:
         stream.wait_stream(torch.cuda.current_stream(device))
         pool = None
         with torch.inference_mode():
-            for width in reversed(self.query_lens):
+            for rows_each in reversed(self.query_lens):
                 for size in reversed(self.sizes):
                     with torch.cuda.stream(stream):
-                        self._body(size, width)
+                        self._body(size, rows_each)
                     torch.cuda.current_stream(device).wait_stream(stream)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        hidden = self._body(size, width)
+                        hidden = self._body(size, rows_each)
                     pool = graph.pool()
-                    self.graphs[size, width] = (graph, hidden)
+                    self.graphs[size, rows_each] = (graph, hidden)
         torch.cuda.synchronize(device)

@@ -31,7 +31,8 @@ eager_cache, graph_cache = make(False), make(True)
 eager = ModelRunner(model, eager_cache)
 graphs = StepGraphs(model, graph_cache, max_batch=8, max_model_len=cfg.max_position,
                     num_speculative_tokens=3, capture=False)
-assert graphs.sizes == [1, 2, 4, 8] and graphs.width == 128 and graphs.query_lens == [1, 4]
+assert graphs.sizes == [1, 2, 4, 8] and graphs.query_lens == [1, 4]
+assert graphs.table_width == 128
 graphed = ModelRunner(model, graph_cache, graphs)
 g = torch.Generator().manual_seed(2)
 lens = (70, 9, 33, 5, 17)
