@@ -6,7 +6,7 @@ line).
 
 A GGUF's Q4_1 and Q8_0 linear weights and LM head are also kept as their raw blocks
 (`Linear.gguf_blocks`, `LlamaModel.gguf_head`; float32 on CPU only): the C kernel runs on them
-quantized, bitwise as on the dequantized weights (`kernels/cpu/linear.py`)."""
+quantized, within float32 rounding of the dequantized weights' results (`kernels/cpu/linear.py`)."""
 from __future__ import annotations
 
 import json

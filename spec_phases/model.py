@@ -204,7 +204,8 @@ class Linear(nn.Linear):
     is no faster than fp32 (`benchmarks/cpu_gemm.py`)."""
     packed: PackedWeight | None = None
     # the checkpoint's GGUF blocks of this weight, (layout, blocks) (set by the loader, float32 on
-    # CPU): packed as they are where the C kernel runs, bitwise the dequantized weight's results
+    # CPU): packed as they are where the C kernel runs (the dequantized weight's results within
+    # float32 rounding)
     gguf_blocks: tuple[str, torch.Tensor] | None = None
 
     def pack(self) -> None:

@@ -9,14 +9,18 @@
  * whichever rows share a register block. A verify row therefore gets bit for bit the logits and
  * activations the decode it replaces would (oneDNN's and MKL's rows depend on the row count).
  *
- * GGUF Q4_1 weights (w = d * q + m per block of 32 along k; q in 0..15; d, m per block) can stay
+ * GGUF Q4_1 weights (w = d * q + m per block of 32 along k; q in 0..15; d, m per block) stay
  * quantized: the same panels hold, per block of 32 k, d and m of the panel's 16 columns (float32)
- * and the codes (one byte per k holding columns c and c + 8 in its low and high nibble), and the
- * kernel dequantizes each k as gguf does, (d * q) + m rounded twice (ISO C: no contraction into a
- * fused multiply-add), before the same fused multiply-adds. The result is bitwise that of the
- * float32 panels of the dequantized weight, from a fifth of the bytes. GGUF Q8_0 (w = d * q, q an
- * int8; a typical embedding and LM head) likewise: d of the 16 columns, then 16 codes per k. With
- * many rows (more than four register blocks) each panel is dequantized once into a float32
+ * and the codes (one byte per k holding columns c and c + 8 in its low and high nibble). The
+ * kernel factors the scales out of each block, as llama.cpp does: s = sum of x[k] * q[k] over the
+ * block's 32 k (fused multiply-adds on the codes converted to floats, exact), then acc + d * s +
+ * m * sx, sx the row's sum of x over the block (in k order). That leaves a code conversion and a
+ * multiply-add per weight (gguf's own dequantizing, (d * q) + m rounded twice, costs two more
+ * operations: the one-row kernel is bound by this arithmetic, not by bytes). The result is the
+ * dequantized weight's within float32 rounding (a different order of the same sums, like any
+ * GEMM's), and still the same for a row whatever M is. GGUF Q8_0 (w = d * q, q an int8; a typical
+ * embedding and LM head) likewise, acc + d * s: d of the 16 columns, then 16 codes per k. With
+ * many rows (more than four register blocks) each panel's codes are converted once into a float
  * scratch panel instead.
  */
 #include <stdint.h>
@@ -121,79 +125,112 @@ static inline struct block block_at(const uint8_t *panel, int layout, int64_t b)
     return blk;
 }
 
-/* the 16 weights at k = j of a block, dequantized as gguf does: Q4_1 (d * q) + m, rounded twice
- * (ISO C: no contraction); Q8_0 d * q, exact */
-static inline void weights_at(const struct block *blk, int64_t j, v8f *w0, v8f *w1) {
-    v8f q0, q1;
+/* the 16 codes at k = j of a block, as floats (exact) */
+static inline void codes_at(const struct block *blk, int64_t j, v8f *q0, v8f *q1) {
+    if (blk->layout == Q4_1)
+        unpack16(blk->codes + j * 8, q0, q1);
+    else
+        unpack16_i8((const int8_t *)(blk->codes + j * PANEL), q0, q1);
+}
+
+/* a block's code sums s (one row, 16 columns) into the row's sums: acc + d * s (+ m * sx, Q4_1,
+ * sx the row's sum of x over the block), one fused multiply-add after the other */
+static inline void finish_block(const struct block *blk, float sx, const v8f s[2], v8f acc[2]) {
+    acc[0] = fma8(blk->d0, s[0], acc[0]);
+    acc[1] = fma8(blk->d1, s[1], acc[1]);
     if (blk->layout == Q4_1) {
-        unpack16(blk->codes + j * 8, &q0, &q1);
-        *w0 = blk->d0 * q0 + blk->m0;
-        *w1 = blk->d1 * q1 + blk->m1;
-    } else {
-        unpack16_i8((const int8_t *)(blk->codes + j * PANEL), &q0, &q1);
-        *w0 = blk->d0 * q0;
-        *w1 = blk->d1 * q1;
+        const v8f sb = {sx, sx, sx, sx, sx, sx, sx, sx};
+        acc[0] = fma8(blk->m0, sb, acc[0]);
+        acc[1] = fma8(blk->m1, sb, acc[1]);
     }
 }
 
-/* the same as panel_rows, on a quantized panel: [K / QBLOCK] blocks */
-static inline void panel_rows_quantized(const float *x, int64_t K, const uint8_t *panel,
-                                        int layout, int64_t mr, v8f acc[ROWS][2]) {
+/* rows against one quantized panel ([K / QBLOCK] blocks); its codes unpacked in registers or,
+ * given `codes` ([K, PANEL] floats, `panel_codes`), read from there; xs: the rows' block sums */
+static inline void panel_rows_quantized(const float *x, const float *xs, int64_t K,
+                                        const uint8_t *panel, const float *codes, int layout,
+                                        int64_t mr, v8f acc[ROWS][2]) {
+    const int64_t blocks = K / QBLOCK;
     zero_rows(acc);
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const struct block blk = block_at(panel, layout, b);
-        for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f w0, w1;
-            weights_at(&blk, j, &w0, &w1);
-            fma_rows(x, K, b * QBLOCK + j, mr, w0, w1, acc);
+    for (int64_t b = 0; b < blocks; b++) {
+        v8f s[ROWS][2];
+        zero_rows(s);
+        if (codes) {
+            const float *c = codes + b * QBLOCK * PANEL;
+            for (int64_t j = 0; j < QBLOCK; j++)
+                fma_rows(x, K, b * QBLOCK + j, mr, *(const v8f *)(c + j * PANEL),
+                         *(const v8f *)(c + j * PANEL + 8), s);
+        } else {
+            const struct block blk = block_at(panel, layout, b);
+            for (int64_t j = 0; j < QBLOCK; j++) {
+                v8f q0, q1;
+                codes_at(&blk, j, &q0, &q1);
+                fma_rows(x, K, b * QBLOCK + j, mr, q0, q1, s);
+            }
         }
+        const struct block blk = block_at(panel, layout, b);
+        for (int64_t r = 0; r < mr; r++)
+            finish_block(&blk, xs[r * blocks + b], s[r], acc[r]);
     }
 }
 
-static inline void panel_rows_q4(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
-                                 v8f acc[ROWS][2]) {
-    panel_rows_quantized(x, K, panel, Q4_1, mr, acc);
-}
+#define QUANTIZED_ROWS(name, layout, with_codes)                                          \
+    static inline void name(const float *x, const float *xs, int64_t K, const uint8_t *panel, \
+                            const float *codes, int64_t mr, v8f acc[ROWS][2]) {              \
+        panel_rows_quantized(x, xs, K, panel, with_codes ? codes : NULL, layout, mr, acc);   \
+    }
+QUANTIZED_ROWS(panel_rows_q4, Q4_1, 0)
+QUANTIZED_ROWS(panel_rows_q8, Q8_0, 0)
+QUANTIZED_ROWS(panel_rows_q4_codes, Q4_1, 1)
+QUANTIZED_ROWS(panel_rows_q8_codes, Q8_0, 1)
 
-static inline void panel_rows_q8(const float *x, int64_t K, const uint8_t *panel, int64_t mr,
-                                 v8f acc[ROWS][2]) {
-    panel_rows_quantized(x, K, panel, Q8_0, mr, acc);
-}
-
-/* one row against two Q4_1 panels at once: four independent chains of fused multiply-adds (one
- * panel's two leave the FMA latency exposed at one row); each element's sum is the same sequence
- * as in panel_rows_quantized */
-static inline void row_q4_pair(const float *x, int64_t K, const uint8_t *pa, const uint8_t *pb,
-                               v8f acc[4]) {
+/* one row against two quantized panels at once: four independent chains of fused multiply-adds
+ * (one panel's two leave the FMA latency exposed at one row); each element's sum is the same
+ * sequence as in panel_rows_quantized */
+static inline void row_pair(const float *x, const float *xs, int64_t K, const uint8_t *pa,
+                            const uint8_t *pb, int layout, v8f acc[4]) {
     acc[0] = acc[1] = acc[2] = acc[3] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const struct block ba = block_at(pa, Q4_1, b), bb = block_at(pb, Q4_1, b);
+        const struct block ba = block_at(pa, layout, b), bb = block_at(pb, layout, b);
+        v8f sa[2] = {{0}}, sb[2] = {{0}};
         for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f wa0, wa1, wb0, wb1;
-            weights_at(&ba, j, &wa0, &wa1);
-            weights_at(&bb, j, &wb0, &wb1);
+            v8f qa0, qa1, qb0, qb1;
+            codes_at(&ba, j, &qa0, &qa1);
+            codes_at(&bb, j, &qb0, &qb1);
             const float xv = x[b * QBLOCK + j];
             const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-            acc[0] = fma8(xb, wa0, acc[0]);
-            acc[1] = fma8(xb, wa1, acc[1]);
-            acc[2] = fma8(xb, wb0, acc[2]);
-            acc[3] = fma8(xb, wb1, acc[3]);
+            sa[0] = fma8(xb, qa0, sa[0]);
+            sa[1] = fma8(xb, qa1, sa[1]);
+            sb[0] = fma8(xb, qb0, sb[0]);
+            sb[1] = fma8(xb, qb1, sb[1]);
+        }
+        finish_block(&ba, xs[b], sa, acc);
+        finish_block(&bb, xs[b], sb, acc + 2);
+    }
+}
+
+/* a quantized panel's codes as floats in panel layout [K, PANEL] (exact) */
+static void panel_codes(const uint8_t *panel, int layout, int64_t K, float *out) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const struct block blk = block_at(panel, layout, b);
+        for (int64_t j = 0; j < QBLOCK; j++) {
+            v8f q0, q1;
+            codes_at(&blk, j, &q0, &q1);
+            memcpy(out + (b * QBLOCK + j) * PANEL, &q0, 32);
+            memcpy(out + (b * QBLOCK + j) * PANEL + 8, &q1, 32);
         }
     }
 }
 
-/* a quantized panel dequantized into float32 panel layout [K, PANEL]: the same values the
- * register paths compute, so the float32 path over them sums bitwise the same */
-static void dequantize_panel(const uint8_t *panel, int layout, int64_t K, float *out) {
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const struct block blk = block_at(panel, layout, b);
-        for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f w0, w1;
-            weights_at(&blk, j, &w0, &w1);
-            memcpy(out + (b * QBLOCK + j) * PANEL, &w0, 32);
-            memcpy(out + (b * QBLOCK + j) * PANEL + 8, &w1, 32);
+/* each row's sum of x over each block of QBLOCK k, in k order: xs [M, K / QBLOCK] */
+static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < QBLOCK; j++)
+                sum += x[r * K + b * QBLOCK + j];
+            xs[r * (K / QBLOCK) + b] = sum;
         }
-    }
 }
 
 static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t n0, int64_t N,
@@ -209,29 +246,37 @@ static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t 
     }
 }
 
-#define ROW_CASES(fn)                                                                     \
+#define ROW_CASES(fn, ...)                                                                \
     switch (mr) {        /* a constant row count per call: fully unrolled inner loops */     \
-    case 6: fn(xm, K, panel, 6, acc); break;                                                  \
-    case 5: fn(xm, K, panel, 5, acc); break;                                                  \
-    case 4: fn(xm, K, panel, 4, acc); break;                                                  \
-    case 3: fn(xm, K, panel, 3, acc); break;                                                  \
-    case 2: fn(xm, K, panel, 2, acc); break;                                                  \
-    default: fn(xm, K, panel, 1, acc); break;                                                 \
+    case 6: fn(__VA_ARGS__, 6, acc); break;                                                   \
+    case 5: fn(__VA_ARGS__, 5, acc); break;                                                   \
+    case 4: fn(__VA_ARGS__, 4, acc); break;                                                   \
+    case 3: fn(__VA_ARGS__, 3, acc); break;                                                   \
+    case 2: fn(__VA_ARGS__, 2, acc); break;                                                   \
+    default: fn(__VA_ARGS__, 1, acc); break;                                                  \
     }
 
-/* one panel (of `layout`) against every row of x */
-static inline void panel_block(const float *x, int64_t M, int64_t K, const void *panel,
-                               int layout, int64_t n0, int64_t N, const float *bias, float *y) {
+/* one panel (of `layout`) against every row of x; quantized: xs the rows' block sums, codes the
+ * panel's codes as floats or NULL */
+static inline void panel_block(const float *x, const float *xs, int64_t M, int64_t K,
+                               const void *panel, const float *codes, int layout, int64_t n0,
+                               int64_t N, const float *bias, float *y) {
     v8f acc[ROWS][2];
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int64_t mr = M - m0 < ROWS ? M - m0 : ROWS;
-        const float *xm = x + m0 * K;
-        if (layout == Q4_1) {
-            ROW_CASES(panel_rows_q4)
-        } else if (layout == Q8_0) {
-            ROW_CASES(panel_rows_q8)
+        const float *xm = x + m0 * K, *xsm = xs + m0 * (K / QBLOCK);
+        if (layout == F32) {
+            ROW_CASES(panel_rows, xm, K, panel)
+        } else if (codes) {
+            if (layout == Q4_1) {
+                ROW_CASES(panel_rows_q4_codes, xm, xsm, K, panel, codes)
+            } else {
+                ROW_CASES(panel_rows_q8_codes, xm, xsm, K, panel, codes)
+            }
+        } else if (layout == Q4_1) {
+            ROW_CASES(panel_rows_q4, xm, xsm, K, panel, NULL)
         } else {
-            ROW_CASES(panel_rows)
+            ROW_CASES(panel_rows_q8, xm, xsm, K, panel, NULL)
         }
         store_rows(acc, m0, mr, n0, N, bias, y);
     }
@@ -277,51 +322,63 @@ void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, con
 }
 
 /* x [M, K] contiguous; packed from linear_pack (layout F32) or linear_pack_quantized (Q4_1,
- * Q8_0); bias [N] or NULL; y [M, N] contiguous. Panels are split among the
- * threads. */
-void linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int layout,
-                    int64_t N, const float *bias, float *y, int num_threads) {
+ * Q8_0); bias [N] or NULL; y [M, N] contiguous. Panels are split among the threads. Returns 0,
+ * or -1 where memory for the rows' block sums could not be had (y untouched). */
+int linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int layout,
+                   int64_t N, const float *bias, float *y, int num_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = layout == Q4_1   ? K / QBLOCK * Q4_BLOCK_BYTES
                                 : layout == Q8_0 ? K / QBLOCK * Q8_BLOCK_BYTES
                                                  : K * PANEL * 4;
     const uint8_t *base = packed;
-    if (M == 1 && layout == Q4_1) {                 /* a single decode: panels two at a time */
+    if (layout == F32) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_threads > 1 && panels > 1)
+        for (int64_t p = 0; p < panels; p++)
+            panel_block(x, NULL, M, K, base + p * panel_bytes, NULL, F32, p * PANEL, N, bias, y);
+        return 0;
+    }
+    float *xs = malloc(sizeof(float) * (size_t)(M * (K / QBLOCK) + 1));
+    if (!xs)
+        return -1;
+    block_sums(x, M, K, xs);
+    if (M == 1) {                                   /* a single decode: panels two at a time */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
         for (int64_t pp = 0; pp < (panels + 1) / 2; pp++) {
             const int64_t p = 2 * pp;
             if (p + 1 == panels) {
-                panel_block(x, 1, K, base + p * panel_bytes, layout, p * PANEL, N, bias, y);
+                panel_block(x, xs, 1, K, base + p * panel_bytes, NULL, layout, p * PANEL, N,
+                            bias, y);
                 continue;
             }
             v8f acc[4], pair[ROWS][2];
-            row_q4_pair(x, K, base + p * panel_bytes, base + (p + 1) * panel_bytes, acc);
+            row_pair(x, xs, K, base + p * panel_bytes, base + (p + 1) * panel_bytes, layout,
+                     acc);
             pair[0][0] = acc[0], pair[0][1] = acc[1];
             store_rows(pair, 0, 1, p * PANEL, N, bias, y);
             pair[0][0] = acc[2], pair[0][1] = acc[3];
             store_rows(pair, 0, 1, (p + 1) * PANEL, N, bias, y);
         }
-        return;
-    }
-    if (M > 4 * ROWS && layout != F32) {   /* many row blocks: dequantize each panel once */
+    } else if (M > 4 * ROWS) {        /* many row blocks: each panel's codes unpacked once */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && panels > 1)
         {
-            float *scratch = malloc(sizeof(float) * K * PANEL);
+            float *codes = malloc(sizeof(float) * K * PANEL);     /* NULL: unpack in registers */
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
-                if (scratch) {
-                    dequantize_panel(base + p * panel_bytes, layout, K, scratch);
-                    panel_block(x, M, K, scratch, F32, p * PANEL, N, bias, y);
-                } else {
-                    panel_block(x, M, K, base + p * panel_bytes, layout, p * PANEL, N, bias, y);
-                }
+                if (codes)
+                    panel_codes(base + p * panel_bytes, layout, K, codes);
+                panel_block(x, xs, M, K, base + p * panel_bytes, codes, layout, p * PANEL, N,
+                            bias, y);
             }
-            free(scratch);
+            free(codes);
         }
-        return;
-    }
+    } else {
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && panels > 1)
-    for (int64_t p = 0; p < panels; p++)
-        panel_block(x, M, K, base + p * panel_bytes, layout, p * PANEL, N, bias, y);
+        for (int64_t p = 0; p < panels; p++)
+            panel_block(x, xs, M, K, base + p * panel_bytes, NULL, layout, p * PANEL, N, bias,
+                        y);
+    }
+    free(xs);
+    return 0;
 }

@@ -3,9 +3,10 @@
 not depend on how many rows share the call, as oneDNN's and MKL's do), oneDNN's prepacked GEMM
 for bfloat16 (where the CPU has AVX512-BF16 or AMX) and for float32 where no C compiler is
 available. GGUF Q4_1 weights can stay quantized in the C kernel's panels (`pack_q4_1`): it
-dequantizes each value as gguf does and computes bitwise what the float32 panels of the
-dequantized weight compute, reading a fifth of the bytes; GGUF Q8_0 (a typical embedding and LM
-head) likewise (`pack_q8_0`, 9/32 of the bytes). The one home of the CPU GEMM choice."""
+factors each block's scale and minimum out of the block's sums and computes the dequantized
+weight's results within float32 rounding, reading a fifth of the bytes; GGUF Q8_0 (a typical
+embedding and LM head) likewise (`pack_q8_0`, 9/32 of the bytes). The one home of the CPU GEMM
+choice."""
 from __future__ import annotations
 
 import ctypes
@@ -34,7 +35,7 @@ def _lib() -> ctypes.CDLL:
     lib.linear_pack.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.linear_pack_quantized.restype = None
     lib.linear_pack_quantized.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
-    lib.linear_forward.restype = None
+    lib.linear_forward.restype = ctypes.c_int
     lib.linear_forward.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr,
                                    ctypes.c_int]
     return lib
@@ -166,7 +167,9 @@ def linear_into(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
                 out: torch.Tensor) -> None:
     """The C kernel on contiguous float32 x [rows, in] into a preallocated contiguous out [rows,
     out] (a C-packed weight: not oneDNN's)."""
-    _lib().linear_forward(x.data_ptr(), x.shape[0], packed.in_features, packed.data.data_ptr(),
-                          LAYOUTS[packed.layout], packed.out_features,
-                          None if bias is None else bias.data_ptr(), out.data_ptr(),
-                          torch.get_num_threads())
+    status = _lib().linear_forward(x.data_ptr(), x.shape[0], packed.in_features,
+                                   packed.data.data_ptr(), LAYOUTS[packed.layout],
+                                   packed.out_features, None if bias is None else bias.data_ptr(),
+                                   out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise MemoryError(f"linear kernel: no memory for {x.shape[0]} rows' block sums")

@@ -161,11 +161,12 @@ def test_model_description_reads_the_cache_and_a_failed_write_is_skipped(checkpo
 
 
 @pytest.mark.parametrize("linear_type", ["Q4_1", "Q8_0"])
-def test_gguf_blocks_run_quantized_bitwise_as_dequantized(engines, checkpoints, tmp_path,
-                                                          monkeypatch, linear_type):
+def test_gguf_blocks_run_quantized_as_dequantized(engines, checkpoints, tmp_path, monkeypatch,
+                                                  linear_type):
     """A GGUF with quantized linear weights and a Q8_0 embedding and head: the C kernel runs on the
-    blocks as they are and computes bitwise the logits of the dequantized weights; greedy ids equal
-    transformers' on the same file (it dequantizes); the cache keeps the blocks."""
+    blocks as they are and computes the logits of the dequantized weights within float32 rounding
+    (the embedding rows exactly); greedy ids equal transformers' on the same file (it
+    dequantizes); the cache keeps the blocks."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -195,8 +196,9 @@ def test_gguf_blocks_run_quantized_bitwise_as_dequantized(engines, checkpoints, 
         return o.transpose(0, 1)
     with torch.inference_mode():
         assert torch.equal(quantized.embed(ids), dense.embed(ids))
-        assert torch.equal(quantized.compute_logits(quantized(ids, pos, causal)),
-                           dense.compute_logits(dense(ids, pos, causal)))
+        torch.testing.assert_close(quantized.compute_logits(quantized(ids, pos, causal)),
+                                   dense.compute_logits(dense(ids, pos, causal)),
+                                   rtol=1e-4, atol=1e-4)
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
                                                   dtype=torch.float32)
     assert engine_greedy(engines, path) == [hf_greedy(theirs, p) for p in PROMPTS]
