@@ -18,11 +18,14 @@
                 best depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the
                 batch).
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays
-                live. Probes ride on a draft pass the step runs anyway; when none runs, the due
-                probe takes every request idle for half as long along (for a drafter whose pass
-                costs a forward, staggered probes would add a pass to nearly every step). No probe
-                where drafting could not pay even if every draft were accepted (the cost model says
-                so).
+                live. A probe rejected doubles that request's interval (8, 16, ... 64 steps), one
+                accepted resets it: on text that never repeats, probes at a fixed interval cost a
+                verify row each for a few percent of a token (at 16 requests, every 8 steps, ~10%
+                of the step's rows). Probes ride on a draft pass the step runs anyway; when none
+                runs, the due probe takes every request idle for half its interval along (for a
+                drafter whose pass costs a forward, staggered probes would add a pass to nearly
+                every step). No probe where drafting could not pay even if every draft were
+                accepted (the cost model says so).
 Under load c1 * tokens dominates, every extra draft lowers goodput and k falls to 0 by itself: no
 batch-size threshold, so no cliff.
 """
@@ -137,10 +140,13 @@ class CostModel:
 class DraftLengthController:
     def __init__(self, k_max: int, ema: float = 0.3, prior: float = 0.6,
                  cost: CostModel | None = None,
-                 probe_every: int = 8):
+                 probe_every: int = 8, probe_backoff: int = 8):
         self.k_max, self.ema, self.probe_every = k_max, ema, probe_every
+        self.longest_interval = probe_every * probe_backoff
         # steps in a row given k = 0
         self.idle: dict[str, int] = {}
+        self.interval: dict[str, int] = {}              # a request's probe interval (backed off)
+        self.probing: set[str] = set()                  # probed this step, outcome not yet seen
         self.depth: dict[str, int] = {}                                  # positions observed so far
         self.prior = np.full(k_max, prior)                               # engine-wide p_i
         self.accept: dict[str, np.ndarray] = {}
@@ -160,8 +166,15 @@ class DraftLengthController:
         return p
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted == 0:
+        probed = request_id in self.probing
+        self.probing.discard(request_id)
+        if num_drafted == 0:                    # nothing drafted (no n-gram match): nothing paid
             return
+        if num_accepted:
+            self.interval.pop(request_id, None)
+        elif probed:
+            self.interval[request_id] = min(2 * self.probe_interval(request_id),
+                                            self.longest_interval)
         p = self.accept.setdefault(request_id, self.prior.copy())
         seen = min(num_accepted + 1, num_drafted)
         self.depth[request_id] = max(self.depth.get(request_id, 0), seen)
@@ -173,16 +186,24 @@ class DraftLengthController:
         self.accept.pop(request_id, None)
         self.idle.pop(request_id, None)
         self.depth.pop(request_id, None)
+        self.interval.pop(request_id, None)
+        self.probing.discard(request_id)
+
+    def probe_interval(self, request_id: str) -> int:
+        """Steps at k = 0 before this request is probed: `probe_every`, doubled by each rejected
+        probe up to `probe_every * probe_backoff`, reset by an accepted draft."""
+        return self.interval.get(request_id, self.probe_every)
 
     def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
                swap_bytes: int = 0) -> list[int]:
         """Draft length per request (see the module docstring). caps[i] bounds request i;
         num_other_tokens: prefill tokens and the one token every decoding request computes anyway.
-        A request held at k = 0 for `probe_every` steps drafts one token: without it an estimate
-        that fell low would never be observed again, and a request whose text turned repetitive
-        would never be drafted for. Probes are grouped into as few draft passes as possible: a step
-        that drafts anyway probes every due request; otherwise the first due request brings along
-        every request idle for at least half the interval, so the batch's probes fall into step."""
+        A request held at k = 0 for its probe interval (`probe_interval`) drafts one token: without
+        it an estimate that fell low would never be observed again, and a request whose text
+        turned repetitive would never be drafted for. Probes are grouped into as few draft passes
+        as possible: a step that drafts anyway probes every due request; otherwise the first due
+        request brings along every request idle for at least half its interval, so the batch's
+        probes fall into step."""
         ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes)
         idle = []
         for i, r in enumerate(request_ids):
@@ -191,9 +212,10 @@ class DraftLengthController:
             else:
                 self.idle[r] = self.idle.get(r, 0) + 1
                 idle.append(i)
-        due = [i for i in idle if self.idle[request_ids[i]] >= self.probe_every]
+        waited = {i: self.idle[request_ids[i]] / self.probe_interval(request_ids[i]) for i in idle}
+        due = [i for i in idle if waited[i] >= 1]
         if due and not any(ks):
-            due = [i for i in idle if 2 * self.idle[request_ids[i]] >= self.probe_every]
+            due = [i for i in idle if 2 * waited[i] >= 1]
         # a probe that could not pay even if every draft were accepted is moot
         if due:
             certain = np.stack([self.probs(r) for r in request_ids])
@@ -202,6 +224,7 @@ class DraftLengthController:
             due = [i for i in due if hopeful[i] > 0]
         for i in due:
             ks[i], self.idle[request_ids[i]] = 1, 0
+            self.probing.add(request_ids[i])
         return ks
 
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,

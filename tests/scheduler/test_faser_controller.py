@@ -96,6 +96,31 @@ def test_a_request_held_at_zero_is_probed_and_recovers():
     assert ctl.choose(["r"], [8], 1)[0] >= 4
 
 
+def test_rejected_probes_back_off_and_an_accepted_one_resets_the_interval():
+    """On text that never repeats each probe is a verify row for nothing: the interval doubles per
+    rejected probe up to 8x, an accepted draft brings it back; a probe the drafter had nothing for
+    (no n-gram match: no row computed) changes nothing."""
+    ctl = controller(c0=0.02, c1=0.004)
+    teach(ctl, "r", 0.0)
+    probes = []
+    for step in range(400):
+        if ctl.choose(["r"], [8], 1)[0]:
+            probes.append(step)
+            ctl.observe("r", 1, 0)
+    gaps = np.diff([-1] + probes).tolist()
+    base = ctl.probe_every
+    assert gaps[:5] == [base, 2 * base, 4 * base, 8 * base, 8 * base]
+    assert set(gaps[3:]) == {8 * base}
+    ctl.observe("r", 1, 1)                                      # a draft accepted
+    assert ctl.probe_interval("r") == base
+    while not ctl.choose(["r"], [8], 1)[0]:
+        pass
+    ctl.observe("r", 0, 0)                                      # nothing drafted
+    assert ctl.probe_interval("r") == base
+    ctl.release("r")
+    assert "r" not in ctl.interval and "r" not in ctl.probing
+
+
 def test_unreached_positions_read_as_the_deepest_observed_one():
     ctl = controller()
     for _ in range(10):
