@@ -1,7 +1,9 @@
 """Speculation against plain decoding on distinct chat prompts (the compare harness' workload B),
 in-process, one closed batch (a benchmark, not a test): every request runs `--max-tokens` tokens,
 greedy; output tokens/s, steps, drafted and accepted tokens, for each method in the order given
-(repeat a method to alternate: `off ngram off ngram`).
+(repeat a method to alternate: `off ngram off ngram`), and the median step time by the number of
+draft rows the step verified (decode steps only: no prompt tokens), which prices a verify row
+against a decode row.
 
     python benchmarks/chat_speculation.py --concurrency 16 --methods off ngram adaptive off
 
@@ -11,6 +13,7 @@ prompt_lookup_min 4 as vLLM fills it in); `adaptive` adds the FASER controller.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from specserve.loadtests.workloads import chat_prompts
@@ -34,6 +37,7 @@ def run(prompts: list[list[int]], spec: dict | None, max_tokens: int) -> str:
     for i, ids in enumerate(prompts):
         core.add_request(EngineRequest(f"r{i}", ids, params))
     tokens = steps = drafted = accepted = 0
+    by_drafts: dict[int, list[float]] = {}        # decode steps' times by their draft rows
     start = time.perf_counter()
     while core.has_unfinished():
         step = core.step()
@@ -41,10 +45,14 @@ def run(prompts: list[list[int]], spec: dict | None, max_tokens: int) -> str:
         tokens += sum(len(o.new_token_ids) for o in step.outputs)
         drafted += step.stats.num_draft_tokens
         accepted += step.stats.num_accepted_tokens
+        if step.stats.num_prompt_tokens == 0 and step.stats.num_running == len(prompts):
+            by_drafts.setdefault(step.stats.num_draft_tokens, []).append(step.stats.step_time_s)
     elapsed = time.perf_counter() - start
     core.check_integrity()
+    times = ", ".join(f"{d}: {1000 * statistics.median(t):.1f} ({len(t)})"
+                      for d, t in sorted(by_drafts.items()) if len(t) >= 5)
     return (f"{tokens / elapsed:.1f} tok/s, {steps} steps ({1000 * elapsed / steps:.1f} ms), "
-            f"drafted {drafted}, accepted {accepted}")
+            f"drafted {drafted}, accepted {accepted}; ms per step by draft rows (steps): {times}")
 
 
 def main() -> None:
