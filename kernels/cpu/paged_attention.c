@@ -2,9 +2,11 @@
  * paged K/V cache in place: no gathered copy of a request's blocks, one call per layer for every
  * short request of the step whatever their shapes.
  *
- * One task per (request, query head), so that even one decode spreads over the threads. A task
- * walks the request's keys once for its q_len query rows, soft-maxes each row over the keys it
- * sees (causal, within the sliding window) and accumulates the values in key order in registers.
+ * One task per request, or, with fewer requests than threads (one decode), per part of a
+ * request's heads, so that the threads share it. A task walks the request's keys once for its
+ * q_len * (its heads) query rows (each slot's keys loaded once for all of them), soft-maxes each
+ * row over the keys it sees (causal, within the sliding window) and accumulates the values in key
+ * order.
  *
  * Row invariance, by construction: a query row's output is computed from its own query vector
  * and the keys it sees, in a fixed order (dot products in 8 fixed lanes then a fixed tree, keys
@@ -32,14 +34,33 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        *(v8f *)(y + d) += a * *(const v8f *)(x + d);
+    for (; d < n; d++)
+        y[d] += a * x[d];
+}
+
+#define PREFETCH_AHEAD 4          /* keys ahead whose K (V) lines are requested early */
+
 static inline const float *slot_ptr(const float *cache, const int64_t *table, int64_t j,
                                     int64_t block_size, int64_t slot_floats) {
     return cache + (table[j / block_size] * block_size + j % block_size) * slot_floats;
 }
 
-static inline void prefetch_floats(const float *p, int64_t n) {
-    for (int64_t f = 0; f < n; f += 16)                      /* one 64-byte line per 16 floats */
-        __builtin_prefetch(p + f, 0, 1);
+static inline void prefetch_slot(const float *slot, int64_t slot_floats) {
+    for (int64_t f = 0; f < slot_floats; f += 16)            /* one 64-byte line per 16 floats */
+        __builtin_prefetch(slot + f, 0, 1);
+}
+
+/* key j's slot in `cache`, the slot PREFETCH_AHEAD keys on requested early */
+static inline const float *walk_slot(const float *cache, const int64_t *table, int64_t j,
+                                     int64_t seq_len, int64_t block_size, int64_t slot_floats) {
+    if (j + PREFETCH_AHEAD < seq_len)
+        prefetch_slot(slot_ptr(cache, table, j + PREFETCH_AHEAD, block_size, slot_floats),
+                      slot_floats);
+    return slot_ptr(cache, table, j, block_size, slot_floats);
 }
 
 /* the query at `pos` sees key j: causal, within the sliding window (0: none) */
@@ -47,46 +68,43 @@ static inline int visible(int64_t j, int64_t pos, int64_t window) {
     return j <= pos && (window <= 0 || j > pos - window);
 }
 
-/* One query head h of one request: its q_len rows (query qi at position first_pos + qi). The
- * scores walk the keys once for all the rows; each row's values then accumulate in registers, 64
- * floats of head_dim at a time, key after key (y + p * v, rounded twice). */
-static inline void attend_head(const float *q, int64_t q_token_stride, const float *k_cache,
-                               const float *v_cache, float *out, int64_t out_token_stride,
-                               const int64_t *table, int64_t q_start, int64_t q_len,
-                               int64_t seq_len, int64_t h, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, int64_t window, float softcap, float *scores) {
+/* One request's heads h0 .. h0 + nh - 1: rows r = qi * nh + (h - h0) are query qi of head h (kv
+ * head h / group). Keys are walked slot by slot, every kv head of a slot together (one contiguous
+ * run of memory). */
+static void attend_request(const float *q, int64_t q_token_stride, const float *k_cache,
+                           const float *v_cache, float *out, int64_t out_token_stride,
+                           const int64_t *table, int64_t q_start, int64_t q_len,
+                           int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
+                           int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                           float softcap, float *scores, float *acc, float *inv_sum) {
+    const int64_t group = num_heads / num_kv_heads, rows = q_len * nh;
     const int64_t slot_floats = num_kv_heads * head_dim, first_pos = seq_len - q_len;
-    const int64_t kv_offset = h / (num_heads / num_kv_heads) * head_dim;
     int64_t lo_all = window > 0 ? first_pos - window + 1 : 0;
     if (lo_all < 0)
         lo_all = 0;
-    /* scores[qi * seq_len + j]: only the keys query qi sees are written and read */
-    for (int64_t j = lo_all; j < seq_len;) {                       /* block by block */
-        const int64_t first = j % block_size, end = j - first + block_size;
-        const float *kj = k_cache + (table[j / block_size] * block_size + first) * slot_floats
-                          + kv_offset;
-        if (end < seq_len)                              /* the next block's keys, requested early */
-            for (int64_t i = 0; i < block_size && end + i < seq_len; i++)
-                prefetch_floats(slot_ptr(k_cache, table, end + i, block_size, slot_floats)
-                                + kv_offset, head_dim);
-        for (; j < seq_len && j < end; j++, kj += slot_floats)
-            for (int64_t qi = 0; qi < q_len; qi++) {
-                if (!visible(j, first_pos + qi, window))
-                    continue;
-                const float *qrow = q + (q_start + qi) * q_token_stride + h * head_dim;
-                float sc = dot(qrow, kj, head_dim) * scale;
+    /* scores[r * seq_len + j]: only the keys row r sees are written and read */
+    for (int64_t j = lo_all; j < seq_len; j++) {
+        const float *kj = walk_slot(k_cache, table, j, seq_len, block_size, slot_floats);
+        for (int64_t qi = 0; qi < q_len; qi++) {
+            if (!visible(j, first_pos + qi, window))
+                continue;
+            const float *qrow = q + (q_start + qi) * q_token_stride;
+            float *srow = scores + (qi * nh - h0) * seq_len + j;
+            for (int64_t h = h0; h < h0 + nh; h++) {
+                float sc = dot(qrow + h * head_dim, kj + (h / group) * head_dim, head_dim) * scale;
                 if (softcap > 0.0f)
                     sc = tanhf(sc / softcap) * softcap;
-                scores[qi * seq_len + j] = sc;
+                srow[h * seq_len] = sc;
             }
+        }
     }
-    for (int64_t qi = 0; qi < q_len; qi++) {
-        const int64_t pos = first_pos + qi;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = first_pos + r / nh;
         int64_t lo = window > 0 ? pos - window + 1 : 0;
         if (lo < 0)
             lo = 0;
-        float *row = scores + qi * seq_len;
+        float *row = scores + r * seq_len;
         float m = row[lo];
         for (int64_t j = lo + 1; j <= pos; j++)
             m = row[j] > m ? row[j] : m;
@@ -95,68 +113,51 @@ static inline void attend_head(const float *q, int64_t q_token_stride, const flo
             row[j] = expf(row[j] - m);
             sum += row[j];
         }
-        const float inv_sum = 1.0f / sum;
-        float *o = out + (q_start + qi) * out_token_stride + h * head_dim;
-        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-            const int64_t width = head_dim - d0 < 64 ? head_dim - d0 : 64, full = width / 8 * 8;
-            v8f acc[8] = {{0}};
-            float tail[8] = {0};
-            for (int64_t j = lo; j <= pos;) {                  /* block by block */
-                const int64_t first = j % block_size, end = j - first + block_size;
-                const float *vj = v_cache + (table[j / block_size] * block_size + first)
-                                  * slot_floats + kv_offset + d0;
-                for (; j <= pos && j < end; j++, vj += slot_floats) {
-                    const float p = row[j];
-                    for (int64_t c = 0; c < full / 8; c++)
-                        acc[c] += p * *(const v8f *)(vj + 8 * c);
-                    for (int64_t d = full; d < width; d++)
-                        tail[d - full] += p * vj[d];
-                }
+        inv_sum[r] = 1.0f / sum;
+    }
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    for (int64_t j = lo_all; j < seq_len; j++) {
+        const float *vj = walk_slot(v_cache, table, j, seq_len, block_size, slot_floats);
+        for (int64_t qi = 0; qi < q_len; qi++) {
+            if (!visible(j, first_pos + qi, window))
+                continue;
+            for (int64_t h = h0; h < h0 + nh; h++) {
+                const int64_t r = qi * nh + h - h0;
+                axpy(acc + r * head_dim, scores[r * seq_len + j], vj + (h / group) * head_dim,
+                     head_dim);
             }
-            for (int64_t c = 0; c < full / 8; c++)
-                for (int64_t l = 0; l < 8; l++)
-                    o[d0 + 8 * c + l] = acc[c][l] * inv_sum;
-            for (int64_t d = full; d < width; d++)
-                o[d0 + d] = tail[d - full] * inv_sum;
         }
     }
-}
-
-/* head_dim as a constant where it is a common one: the inner loops unroll */
-static void attend_task(const float *q, int64_t q_token_stride, const float *k_cache,
-                        const float *v_cache, float *out, int64_t out_token_stride,
-                        const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len,
-                        int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t block_size, float scale, int64_t window, float softcap,
-                        float *scores) {
-#define ATTEND(dim)                                                                           \
-    attend_head(q, q_token_stride, k_cache, v_cache, out, out_token_stride, table, q_start,   \
-                q_len, seq_len, h, num_heads, num_kv_heads, dim, block_size, scale, window,   \
-                softcap, scores)
-    if (head_dim == 64)
-        ATTEND(64);
-    else if (head_dim == 128)
-        ATTEND(128);
-    else
-        ATTEND(head_dim);
-#undef ATTEND
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + (q_start + r / nh) * out_token_stride + (h0 + r % nh) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++)
+            o[d] = acc[r * head_dim + d] * inv_sum[r];
+    }
 }
 
 /* requests: [num_reqs, 3] (first query row, q_len, seq_len); tables: [num_reqs, table_width]
  * block ids. q rows are q_token_stride floats apart, heads head_dim apart; out likewise with
- * out_token_stride. One task per (request, query head), so one decode spreads over the threads.
- * Returns 0, or -1 when scratch memory could not be allocated. */
+ * out_token_stride. Returns 0, or -1 when scratch memory could not be allocated. A row's result
+ * does not depend on which task computes it. */
 int paged_attention_short(const float *q, int64_t q_token_stride, const float *k_cache,
                           const float *v_cache, float *out, int64_t out_token_stride,
                           const int64_t *requests, const int64_t *tables, int64_t table_width,
                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
                           float softcap, int num_threads) {
-    int64_t max_scores = 0;
-    for (int64_t b = 0; b < num_reqs; b++)
-        if (requests[b * 3 + 1] * requests[b * 3 + 2] > max_scores)
-            max_scores = requests[b * 3 + 1] * requests[b * 3 + 2];
-    const int64_t tasks = num_reqs * num_heads;
+    int64_t max_scores = 0, max_rows = 0;
+    for (int64_t b = 0; b < num_reqs; b++) {
+        const int64_t rows = requests[b * 3 + 1] * num_heads;
+        if (rows * requests[b * 3 + 2] > max_scores)
+            max_scores = rows * requests[b * 3 + 2];
+        if (rows > max_rows)
+            max_rows = rows;
+    }
+    /* parts per request: 1, or with fewer requests than threads enough head parts to share */
+    int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
+    if (parts > num_heads)
+        parts = num_heads;
+    const int64_t part_heads = (num_heads + parts - 1) / parts, tasks = num_reqs * parts;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
     {
@@ -167,20 +168,26 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
         _mm_setcsr(csr | 0x8040);
 #endif
         float *scores = malloc(sizeof(float) * (max_scores > 0 ? max_scores : 1));
-        if (!scores) {
+        float *acc = malloc(sizeof(float) * (max_rows * head_dim > 0 ? max_rows * head_dim : 1));
+        float *inv_sum = malloc(sizeof(float) * (max_rows > 0 ? max_rows : 1));
+        if (!scores || !acc || !inv_sum) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
-            const int64_t b = t / num_heads;
-            if (scores)
-                attend_task(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
-                            tables + b * table_width, requests[b * 3], requests[b * 3 + 1],
-                            requests[b * 3 + 2], t % num_heads, num_heads, num_kv_heads,
-                            head_dim, block_size, scale, window, softcap, scores);
+            const int64_t b = t / parts, h0 = t % parts * part_heads;
+            const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
+            if (!scores || !acc || !inv_sum || nh <= 0)
+                continue;
+            attend_request(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
+                           tables + b * table_width, requests[b * 3], requests[b * 3 + 1],
+                           requests[b * 3 + 2], h0, nh, num_heads, num_kv_heads, head_dim,
+                           block_size, scale, window, softcap, scores, acc, inv_sum);
         }
         free(scores);
+        free(acc);
+        free(inv_sum);
 #if defined(__SSE__)
         _mm_setcsr(csr);
 #endif
