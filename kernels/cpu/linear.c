@@ -174,15 +174,15 @@ static inline void panel_rows_quantized(const float *x, const float *xs, int64_t
     }
 }
 
-#define QUANTIZED_ROWS(name, layout, with_codes)                                          \
-    static inline void name(const float *x, const float *xs, int64_t K, const uint8_t *panel, \
-                            const float *codes, int64_t mr, v8f acc[ROWS][2]) {              \
-        panel_rows_quantized(x, xs, K, panel, with_codes ? codes : NULL, layout, mr, acc);   \
-    }
-QUANTIZED_ROWS(panel_rows_q4, Q4_1, 0)
-QUANTIZED_ROWS(panel_rows_q8, Q8_0, 0)
-QUANTIZED_ROWS(panel_rows_q4_codes, Q4_1, 1)
-QUANTIZED_ROWS(panel_rows_q8_codes, Q8_0, 1)
+static inline void panel_rows_q4(const float *x, const float *xs, int64_t K, const uint8_t *panel,
+                                 const float *codes, int64_t mr, v8f acc[ROWS][2]) {
+    panel_rows_quantized(x, xs, K, panel, codes, Q4_1, mr, acc);
+}
+
+static inline void panel_rows_q8(const float *x, const float *xs, int64_t K, const uint8_t *panel,
+                                 const float *codes, int64_t mr, v8f acc[ROWS][2]) {
+    panel_rows_quantized(x, xs, K, panel, codes, Q8_0, mr, acc);
+}
 
 /* one row against two quantized panels at once: four independent chains of fused multiply-adds
  * (one panel's two leave the FMA latency exposed at one row); each element's sum is the same
@@ -267,11 +267,11 @@ static inline void panel_block(const float *x, const float *xs, int64_t M, int64
         const float *xm = x + m0 * K, *xsm = xs + m0 * (K / QBLOCK);
         if (layout == F32) {
             ROW_CASES(panel_rows, xm, K, panel)
-        } else if (codes) {
+        } else if (codes) {           /* codes from the float copy, or (NULL) from the panel */
             if (layout == Q4_1) {
-                ROW_CASES(panel_rows_q4_codes, xm, xsm, K, panel, codes)
+                ROW_CASES(panel_rows_q4, xm, xsm, K, panel, codes)
             } else {
-                ROW_CASES(panel_rows_q8_codes, xm, xsm, K, panel, codes)
+                ROW_CASES(panel_rows_q8, xm, xsm, K, panel, codes)
             }
         } else if (layout == Q4_1) {
             ROW_CASES(panel_rows_q4, xm, xsm, K, panel, NULL)
