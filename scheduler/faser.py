@@ -20,8 +20,8 @@
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays
                 live. A probe rejected doubles that request's interval (8, 16, ... 64 steps), one
                 accepted resets it: on text that never repeats, probes at a fixed interval cost a
-                verify row each for a few percent of a token (at 16 requests, every 8 steps, ~10%
-                of the step's rows). Probes ride on a draft pass the step runs anyway; when none
+                verify row each for little (16 requests probed every 8 steps: 2 verify rows a
+                step on top of 16). Probes ride on a draft pass the step runs anyway; when none
                 runs, the due probe takes every request idle for half its interval along (for a
                 drafter whose pass costs a forward, staggered probes would add a pass to nearly
                 every step). No probe where drafting could not pay even if every draft were

@@ -111,11 +111,11 @@ def test_rejected_probes_back_off_and_an_accepted_one_resets_the_interval():
     base = ctl.probe_every
     assert gaps[:5] == [base, 2 * base, 4 * base, 8 * base, 8 * base]
     assert set(gaps[3:]) == {8 * base}
-    ctl.observe("r", 1, 1)                                      # a draft accepted
-    assert ctl.probe_interval("r") == base
     while not ctl.choose(["r"], [8], 1)[0]:
         pass
     ctl.observe("r", 0, 0)                                      # nothing drafted
+    assert ctl.probe_interval("r") == 8 * base
+    ctl.observe("r", 1, 1)                                      # a draft accepted
     assert ctl.probe_interval("r") == base
     ctl.release("r")
     assert "r" not in ctl.interval and "r" not in ctl.probing
