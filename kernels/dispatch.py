@@ -30,6 +30,7 @@ OPS = {
     "rms_norm": "rms_norm",
     "add_rms_norm": "rms_norm",
     "rope": "rope",
+    "silu_mul": "activation",
     "dense_attention": "attention",
     "batched_attention": "attention",
     "merge_attention": "attention",

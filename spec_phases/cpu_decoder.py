@@ -11,11 +11,13 @@ and the kernels built; the runner takes it for steps over the paged cache in dev
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
-import torch.nn.functional as F
 
+from specserve.kernels.cpu import activation as cpu_activation
+from specserve.kernels.cpu import decoder as fused
 from specserve.kernels.cpu import linear as cpu_linear
 from specserve.kernels.cpu import paged_attention as cpu_attention
 from specserve.kernels.cpu import rms_norm as cpu_norm
@@ -40,7 +42,7 @@ def supported(model: LlamaModel) -> bool:
             if linear.packed is None or linear.packed.onednn:
                 return False
     try:
-        for kernel in ("rms_norm", "rope", "paged_attention"):
+        for kernel in ("rms_norm", "rope", "paged_attention", "activation", "decoder"):
             library(kernel)
     except BuildError:
         return False
@@ -59,6 +61,7 @@ class CpuDecoder:
         self.qkv_size = self.q_size + 2 * cfg.num_kv_heads * cfg.head_dim
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
+        self._fused: tuple[tuple[LayerAttention, int], fused.Model, ctypes.Array] | None = None
 
     @staticmethod
     def enabled() -> bool:
@@ -68,41 +71,73 @@ class CpuDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, storage: KVStorage,
                 meta: PagedAttentionMetadata, slot_mapping: torch.Tensor,
                 attention: LayerAttention, layers: list[int] | None = None) -> torch.Tensor:
-        """As `LlamaModel.forward` with `runner.PagedAttention`: final-norm hidden states."""
+        """As `LlamaModel.forward` with `runner.PagedAttention`: final-norm hidden states. A step
+        whose every query is short (decodes, verify rows) runs in one call of `decoder.c`; one
+        with a prefill chunk calls the kernels one by one (the same kernels, in the same order)."""
         model, n = self.model, input_ids.shape[0]
         x = model.embed(input_ids).contiguous()             # the residual stream, updated in place
         cos, sin = model.ropes[0].table(positions)
         cos, sin = cos.reshape(n, self.head_dim), sin.reshape(n, self.head_dim)
-        h = torch.empty(n, self.hidden)
-        qkv = torch.empty(n, self.qkv_size)
-        qk = torch.empty(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        out = torch.empty(n, self.hidden)                  # o_proj's, then down_proj's output
-        gate_up = torch.empty(n, 2 * self.intermediate)
-        act = torch.empty(n, self.intermediate)
-        qk_in = qkv[:, :self.q_size + self.num_kv_heads * self.head_dim].view(
+        run = range(len(model.layers)) if layers is None else layers
+        b = {"x": x, "h": torch.empty(n, self.hidden), "qkv": torch.empty(n, self.qkv_size),
+             "qk": torch.empty(n, self.num_heads + self.num_kv_heads, self.head_dim),
+             "attn": torch.empty(n, self.q_size), "out": torch.empty(n, self.hidden),
+             "gate_up": torch.empty(n, 2 * self.intermediate),
+             "act": torch.empty(n, self.intermediate)}
+        short = cpu_attention.short_requests(meta)
+        if len(run) and short is not None and short.requests.shape[0] == len(meta.seq_lens):
+            structs, layer_structs = self._structs(attention, meta.block_size)
+            fused.forward(structs, layer_structs, torch.tensor(run, dtype=torch.int64), b, cos,
+                          sin, storage.k, storage.v, slot_mapping, short.requests, short.tables)
+            return b["h"]
+        qk_in = b["qkv"][:, :self.q_size + self.num_kv_heads * self.head_dim].view(
             n, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.num_kv_heads * self.head_dim:].view(
+        v = b["qkv"][:, self.q_size + self.num_kv_heads * self.head_dim:].view(
             n, self.num_kv_heads, self.head_dim)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        gate, up = gate_up[:, :self.intermediate], gate_up[:, self.intermediate:]
+        q, k = b["qk"][:, :self.num_heads], b["qk"][:, self.num_heads:]
+        h, out = b["h"], b["out"]                      # out: o_proj's, then down_proj's output
         delta = None
-        for i in (range(len(model.layers)) if layers is None else layers):
+        for i in run:
             layer: DecoderLayer = model.layers[i]
             cpu_norm.add_rms_norm_into(x, delta, layer.input_layernorm._float_weight(), self.eps,
                                        h)
-            cpu_linear.linear_into(h, layer.qkv_proj.packed, layer.qkv_proj.bias, qkv)
-            cpu_rope.rope_into(qk_in, cos, sin, qk)
+            cpu_linear.linear_into(h, layer.qkv_proj.packed, layer.qkv_proj.bias, b["qkv"])
+            cpu_rope.rope_into(qk_in, cos, sin, b["qk"])
             storage.write(i, slot_mapping, k, v)
             o = cpu_attention.paged_attention(q, storage.k[i], storage.v[i], meta,
                                               **attention.options(i))
             cpu_linear.linear_into(o.view(n, self.q_size), layer.o_proj.packed, None, out)
             cpu_norm.add_rms_norm_into(x, out, layer.post_attention_layernorm._float_weight(),
                                        self.eps, h)
-            cpu_linear.linear_into(h, layer.gate_up_proj.packed, None, gate_up)
-            torch.mul(F.silu(gate), up, out=act)
-            cpu_linear.linear_into(act, layer.down_proj.packed, None, out)
+            cpu_linear.linear_into(h, layer.gate_up_proj.packed, None, b["gate_up"])
+            cpu_activation.silu_mul_into(b["gate_up"], b["act"])
+            cpu_linear.linear_into(b["act"], layer.down_proj.packed, None, out)
             delta = out
         if delta is None:
             return model.norm(x)
         cpu_norm.add_rms_norm_into(x, delta, model.norm._float_weight(), self.eps, h)
         return h
+
+    def _structs(self, attention: LayerAttention, block_size: int
+                 ) -> tuple[fused.Model, ctypes.Array]:
+        """`decoder.c`'s view of the model (pointers into its packed weights, which it holds for
+        its lifetime), built on the first fused step."""
+        if self._fused is None or self._fused[0] != (attention, block_size):
+            model = self.model
+            layers = (fused.Layer * len(model.layers))()
+            for i, layer in enumerate(model.layers):
+                bias = layer.qkv_proj.bias
+                linears = [fused.Linear(linear.packed.data.data_ptr(),
+                                        bias.data_ptr() if linear is layer.qkv_proj
+                                        and bias is not None else None,
+                                        cpu_linear.LAYOUTS[linear.packed.layout])
+                           for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                          layer.down_proj)]
+                layers[i] = fused.Layer(layer.input_layernorm._float_weight().data_ptr(),
+                                        layer.post_attention_layernorm._float_weight().data_ptr(),
+                                        *linears, attention.options(i)["window"])
+            structs = fused.Model(self.hidden, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  self.intermediate, block_size, self.eps, attention.scale,
+                                  attention.softcap, model.norm._float_weight().data_ptr())
+            self._fused = ((attention, block_size), structs, layers)
+        return self._fused[1], self._fused[2]

@@ -124,9 +124,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def gated_mlp_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up: SwiGLU (silu) or GeGLU (gelu, exact or its tanh approximation)."""
-    gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
-        return F.silu(gate) * up
+        return get_op("silu_mul", gate_up.device.type)(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
 
 

@@ -1,7 +1,8 @@
 """Build and load the CPU kernels written in C (`kernels/cpu/*.c`): compiled once per machine with
 the system C compiler (`cc`, or $CC) for this CPU (-march=native, OpenMP), cached under
-`~/.cache/specserve/kernels` (`SPECSERVE_CACHE_DIR`) by a key of the source, the compiler's
-version and the CPU's flags, and loaded with ctypes. A build takes about a second.
+`~/.cache/specserve/kernels` (`SPECSERVE_CACHE_DIR`) by a key of the source (with the sources it
+includes: `decoder.c` is built from the others'), the compiler's version and the CPU's flags, and
+loaded with ctypes. A build takes about a second.
 
 The shared library links libgomp.so.1; torch has already loaded its own copy under that name, so
 the kernels share torch's OpenMP thread pool instead of starting a second one.
@@ -14,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -55,6 +57,17 @@ def _compiler() -> str:
     return cc
 
 
+def _source_text(source: Path) -> str:
+    """The source with the text of every file it includes by `#include "<file>"` (from this
+    folder, recursively): a kernel built from others' sources is rebuilt when they change."""
+    try:
+        text = source.read_text()
+    except OSError as exc:
+        raise BuildError(f"cannot read {source}: {exc}") from exc
+    included = re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return "\0".join([text, *(_source_text(SOURCE_DIR / name) for name in included)])
+
+
 def build(name: str) -> Path:
     """`kernels/cpu/<name>.c` compiled into a cached shared library (built when missing)."""
     source = SOURCE_DIR / f"{name}.c"
@@ -64,10 +77,7 @@ def build(name: str) -> Path:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"{cc} --version failed: {exc}") from exc
-    try:
-        text = source.read_text()
-    except OSError as exc:
-        raise BuildError(f"cannot read {source}: {exc}") from exc
+    text = _source_text(source)
     key = hashlib.sha256("\0".join([text, version, _cpu_flags(), platform.machine(),
                                     " ".join(FLAGS)]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{key}.so"

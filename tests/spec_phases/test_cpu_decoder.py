@@ -33,9 +33,15 @@ def runners(model):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bitwise_the_modules_over_mixed_steps(bias):
+def test_bitwise_the_modules_over_mixed_steps(bias, monkeypatch):
+    """Steps with a prefill chunk call the kernels one by one, steps of short queries alone the
+    whole stack in one call (`kernels/cpu/decoder.c`): both bitwise the modules."""
     model = packed_model(attention_bias=bias)
     fast, modules = runners(model)
+    whole = []
+    one_call = cpu_decoder.fused.forward
+    monkeypatch.setattr(cpu_decoder.fused, "forward",
+                        lambda *a: whole.append(len(a[2])) or one_call(*a))
     g = torch.Generator().manual_seed(1)
     prompts = [tuple(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (23, 9, 40)]
     tables = [tuple(range(0, 8)), tuple(range(8, 12)), tuple(range(12, 24))]
@@ -47,9 +53,13 @@ def test_bitwise_the_modules_over_mixed_steps(bias):
         want = modules.forward(tokens, starts, step_tables)
         assert torch.equal(got, want)
         assert torch.equal(fast.storage.k, modules.storage.k)
+        assert torch.equal(fast.storage.v, modules.storage.v)
+    # the first and last steps (every query <= SHORT_QUERY rows), not the 40-token prompt's
+    assert whole == [model.config.num_layers] * 2
     skip = [1]                                                        # self-speculation's subset
     assert torch.equal(fast.forward([(3,)], [41], [tables[2]], skip),
                        modules.forward([(3,)], [41], [tables[2]], skip))
+    assert whole[2:] == [1]
 
 
 def test_taken_only_where_it_serves(monkeypatch):

@@ -1,0 +1,91 @@
+/* The decoder stack of a step whose every query is short (decodes and verify rows) in one call:
+ * for each layer, RMSNorm (with the residual add), the QKV projection, RoPE, the K/V write into
+ * the paged cache, paged attention, the output projection, RMSNorm, the gate-up projection,
+ * SwiGLU and the down projection, then the final norm. It runs the same kernels, on the same
+ * inputs, in the same order as `spec_phases/cpu_decoder.py`'s loop over them (this file includes
+ * their sources), so its hidden states are bitwise that loop's: only the Python between the
+ * kernels is gone (a tenth of a one-decode step on a 2-core host, docs/BENCHMARKS.md §9.10).
+ */
+#include "activation.c"
+#include "linear.c"
+#include "paged_attention.c"
+#include "rms_norm.c"
+#include "rope.c"
+
+struct decoder_linear {
+    const void *data;                   /* packed by linear_pack / linear_pack_quantized */
+    const float *bias;                  /* [out_features] or NULL */
+    int64_t layout;                     /* enum layout */
+};
+
+struct decoder_layer {
+    const float *input_norm, *post_attention_norm;     /* float32 [hidden] */
+    struct decoder_linear qkv, o, gate_up, down;
+    int64_t window;                                     /* sliding window; 0: full attention */
+};
+
+struct decoder_model {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale, softcap;
+    const float *final_norm;
+};
+
+/* The step's buffers, each [rows, width] contiguous: x the residual stream (the embedded tokens
+ * on entry; updated in place), h the normed rows (the final hidden states on return), qkv, qk
+ * (roped queries then keys), attn ([rows, num_heads * head_dim]), out, gate_up, act. */
+struct decoder_buffers {
+    float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
+};
+
+/* layers: the model's; run: the indices of those to run, in order (num_run of them, >= 1);
+ * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim], slots[rows] where each row's
+ * K/V go; cos, sin: [rows, head_dim]; requests, tables: as paged_attention_short takes them
+ * (every request short). Returns 0, or -1 where a kernel could not get scratch memory. */
+int decoder_forward(const struct decoder_model *m, const struct decoder_layer *layers,
+                    const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
+                    int64_t rows, const float *cos, const float *sin, float *k_cache,
+                    float *v_cache, int64_t cache_slots, const int64_t *slots,
+                    const int64_t *requests, const int64_t *tables, int64_t table_width,
+                    int64_t num_reqs, int num_threads) {
+    const int64_t D = m->head_dim, kv = m->num_kv_heads * D, q_size = m->num_heads * D;
+    const int64_t qkv_size = q_size + 2 * kv, heads = m->num_heads + m->num_kv_heads;
+    const int64_t layer_floats = cache_slots * kv;
+    for (int64_t i = 0; i < num_run; i++) {
+        const struct decoder_layer *l = layers + run[i];
+        float *k_layer = k_cache + run[i] * layer_floats;
+        float *v_layer = v_cache + run[i] * layer_floats;
+        const float *delta = i ? b->out : NULL;
+        rms_norm_rows(b->x, delta, l->input_norm, delta ? b->x : NULL, b->h, rows, m->hidden,
+                      m->eps, num_threads);
+        if (linear_forward(b->h, rows, m->hidden, l->qkv.data, (int)l->qkv.layout, qkv_size,
+                           l->qkv.bias, b->qkv, num_threads))
+            return -1;
+        rope_rows(b->qkv, qkv_size, cos, sin, b->qk, rows, heads, D);
+        for (int64_t t = 0; t < rows; t++) {
+            memcpy(k_layer + slots[t] * kv, b->qk + (t * heads + m->num_heads) * D,
+                   sizeof(float) * kv);
+            memcpy(v_layer + slots[t] * kv, b->qkv + t * qkv_size + q_size + kv,
+                   sizeof(float) * kv);
+        }
+        if (paged_attention_short(b->qk, heads * D, k_layer, v_layer, b->attn, q_size, requests,
+                                  tables, table_width, num_reqs, m->num_heads, m->num_kv_heads,
+                                  D, m->block_size, m->scale, l->window, m->softcap,
+                                  num_threads))
+            return -1;
+        if (linear_forward(b->attn, rows, q_size, l->o.data, (int)l->o.layout, m->hidden,
+                           l->o.bias, b->out, num_threads))
+            return -1;
+        rms_norm_rows(b->x, b->out, l->post_attention_norm, b->x, b->h, rows, m->hidden, m->eps,
+                      num_threads);
+        if (linear_forward(b->h, rows, m->hidden, l->gate_up.data, (int)l->gate_up.layout,
+                           2 * m->intermediate, l->gate_up.bias, b->gate_up, num_threads))
+            return -1;
+        silu_mul_rows(b->gate_up, 2 * m->intermediate, b->act, rows, m->intermediate,
+                      num_threads);
+        if (linear_forward(b->act, rows, m->intermediate, l->down.data, (int)l->down.layout,
+                           m->hidden, l->down.bias, b->out, num_threads))
+            return -1;
+    }
+    rms_norm_rows(b->x, b->out, m->final_norm, b->x, b->h, rows, m->hidden, m->eps, num_threads);
+    return 0;
+}

@@ -1,0 +1,71 @@
+"""A decode / verify step's whole decoder stack in one call of the C kernel `decoder.c` (the
+kernels `spec_phases/cpu_decoder.py` otherwise calls one by one, in the same order: bitwise the
+same hidden states). The structures below mirror the C ones field for field; the caller fills
+them once per model (`spec_phases/cpu_decoder.py`) and keeps the tensors they point into alive.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from specserve.kernels.cpu.native import library
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("data", _ptr), ("bias", _ptr), ("layout", _i64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("qkv", Linear),
+                ("o", Linear), ("gate_up", Linear), ("down", Linear), ("window", _i64)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("final_norm", _ptr)]
+
+
+class Buffers(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("x", "h", "qkv", "qk", "attn", "out", "gate_up",
+                                          "act")]
+
+
+@functools.cache
+def _kernel():
+    fn = library("decoder").decoder_forward
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), _ptr, _i64,
+                   ctypes.POINTER(Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+                   _i64, _i64, ctypes.c_int]
+    return fn
+
+
+def available() -> None:
+    """Builds and loads the kernel (raises BuildError where it cannot)."""
+    _kernel()
+
+
+def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
+            buffers: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor,
+            slots: torch.Tensor, requests: torch.Tensor, tables: torch.Tensor) -> None:
+    """Runs layers[run] (int64 indices) over buffers["x"] (the embedded rows, the residual stream
+    after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
+    [rows, width] (`decoder.c`). k_cache, v_cache: float32 [layers, slots, kv heads, head_dim],
+    written at `slots` (int64 [rows]); requests, tables: `paged_attention.short_requests`'s, every
+    request of the step short."""
+    rows = buffers["x"].shape[0]
+    ptrs = Buffers(*(buffers[name].data_ptr() for name, _ in Buffers._fields_))
+    status = _kernel()(ctypes.byref(model), layers, run.data_ptr(), run.shape[0],
+                       ctypes.byref(ptrs), rows, cos.data_ptr(), sin.data_ptr(),
+                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                       slots.data_ptr(), requests.data_ptr(), tables.data_ptr(), tables.shape[1],
+                       requests.shape[0], torch.get_num_threads())
+    if status:
+        raise MemoryError("decoder_forward: a kernel found no scratch memory")
