@@ -6,13 +6,16 @@
                 Positions it never reached read as its deepest observed one (optimism that
                 explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
-    cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap + c4 * drafts   fitted online
-                (non-negative least squares) on measured steps (tokens: every row the step computes,
-                drafts included; c2: sequential draft passes and c4: a draft row in them, both ~0
-                for n-gram and token recycling; c3: VeriCache's host -> device bytes, predicted from
-                the last step). A drafter that runs the model reports each draft pass (rows,
-                seconds): c2 + c4 * rows is then fitted on the passes alone, and c0, c1, c3 on the
-                rest of the step
+    cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap + c4 * drafts + c5 * prefill
+                fitted online (non-negative least squares) on measured steps (tokens: the rows of
+                decodes and verification, drafts included; prefill: the rows of prompt chunks,
+                priced apart because many rows share each weight read: one price for both made a
+                draft's verify row look as cheap as a prompt row, a fraction of what it costs;
+                c2: sequential draft passes and c4: a draft row in them, both ~0 for n-gram and
+                token recycling; c3: VeriCache's host -> device bytes, predicted from the last
+                step). A drafter that runs the model reports each draft pass (rows, seconds):
+                c2 + c4 * rows is then fitted on the passes alone, and c0, c1, c3, c5 on the rest
+                of the step
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
                 marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the
                 best depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the
@@ -37,9 +40,10 @@ import numpy as np
 
 
 class CostModel:
-    """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len + c3 * swap_bytes + c4 * draft_tokens,
-    refitted from recent steps. num_tokens counts every row the step computes, its drafts' verify
-    rows included; draft_tokens counts the drafts alone. With one token count only, a draft of a
+    """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len + c3 * swap_bytes + c4 * draft_tokens
+    + c5 * prefill_tokens, refitted from recent steps. num_tokens counts the rows of decodes and
+    verification, drafts included; draft_tokens the drafts alone; prefill_tokens the rows of prompt
+    chunks (cheaper per row: a GEMM over many rows reads each weight once for all of them). With one token count only, a draft of a
     drafter that runs the model (lossy_kv, layer_skip: a row in each draft pass besides its verify
     row) was priced like a plain decode row, the average the fit sees, and drafting looked cheaper
     than it is exactly when many requests decode. swap_bytes: full-KV bytes staged host -> device
@@ -48,39 +52,38 @@ class CostModel:
     sees it through the goodput ratio."""
 
     def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0,
-                 c4: float = 0.0,
-                 window: int = 256):
-        self.coef = np.array([c0, c1, c2, c3, c4])
+                 c4: float = 0.0, c5: float = 0.0, window: int = 256):
+        self.coef = np.array([c0, c1, c2, c3, c4, c5])
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
         self.unfitted = 0                           # samples observed since the last fit
         # (rows, seconds) per draft pass
         self.passes: deque[tuple[float, float]] = deque(maxlen=window)
 
     def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0,
-                draft_tokens: int = 0) -> float:
+                draft_tokens: int = 0, prefill_tokens: int = 0) -> float:
         return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes,
-                                           draft_tokens]))
+                                           draft_tokens, prefill_tokens]))
 
     def draft_price(self) -> float:
         """What one more draft adds at a fixed depth: its verify row (a token) and its draft row."""
         return float(self.coef[1] + self.coef[4])
 
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
-                draft_tokens: int = 0, draft_passes: list[tuple[int, float]] | None = None) -> None:
+                draft_tokens: int = 0, draft_passes: list[tuple[int, float]] | None = None,
+                prefill_tokens: int = 0) -> None:
         """draft_passes: (rows, seconds) of each draft forward the step ran, where the drafter
         reports them. Then the passes alone fit c2 (per pass) and c4 (per row): a pass of r rows
         costs c2 + c4 * r, which the step-level fit cannot separate when every request drafts the
         same k (max_k and drafts move together) and whose scale it confuses with prefill steps and
         long contexts. The rest of the step (verify, sampling, cache upkeep) then fits c0, c1, c3
-        with c2, c4 fixed."""
+        with c2, c4 fixed (and c5)."""
         if draft_passes:
             self.passes.extend((float(r), float(s)) for r, s in draft_passes)
             self._fit_passes()
             seconds = max(seconds - sum(s for _, s in draft_passes), 0.0)
             max_draft_len = draft_tokens = 0          # priced by the pass fit: columns held at zero
         self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes),
-                             float(draft_tokens),
-                             seconds))
+                             float(draft_tokens), float(prefill_tokens), seconds))
         # refit every 4 new samples while the window fills, then every 1/16 of the window (once
         # full, `len % 4 == 0` had refitted on every step: on a GPU's few-millisecond steps the
         # fits cost more than the drafts they chose could win, docs/BENCHMARKS.md §7.5)
@@ -108,7 +111,7 @@ class CostModel:
     def fit(self) -> None:
         """Non-negative least squares over the regressors that varied (the others keep their value).
 
-        Exact NNLS by enumeration (five coefficients): every subset of the free columns that keeps
+        Exact NNLS by enumeration (six coefficients): every subset of the free columns that keeps
         the intercept is solved, solutions with a negative coefficient are discarded, the smallest
         residual wins and, on a tie, the smaller subset. Clamping an unconstrained solution is wrong
         when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly,
@@ -195,16 +198,17 @@ class DraftLengthController:
         return self.interval.get(request_id, self.probe_every)
 
     def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
-               swap_bytes: int = 0) -> list[int]:
+               swap_bytes: int = 0, prefill_tokens: int = 0) -> list[int]:
         """Draft length per request (see the module docstring). caps[i] bounds request i;
-        num_other_tokens: prefill tokens and the one token every decoding request computes anyway.
+        num_other_tokens: the one token every decoding request computes anyway; prefill_tokens:
+        the rows of the step's prompt chunks.
         A request held at k = 0 for its probe interval (`probe_interval`) drafts one token: without
         it an estimate that fell low would never be observed again, and a request whose text
         turned repetitive would never be drafted for. Probes are grouped into as few draft passes
         as possible: a step that drafts anyway probes every due request; otherwise the first due
         request brings along every request idle for at least half its interval, so the batch's
         probes fall into step."""
-        ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes)
+        ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, prefill_tokens)
         idle = []
         for i, r in enumerate(request_ids):
             if ks[i] or min(caps[i], self.k_max) < 1:
@@ -220,7 +224,8 @@ class DraftLengthController:
         if due:
             certain = np.stack([self.probs(r) for r in request_ids])
             certain[due] = 1.0
-            hopeful = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, certain)
+            hopeful = self._allocate(request_ids, caps, num_other_tokens, swap_bytes,
+                                     prefill_tokens, certain)
             due = [i for i in due if hopeful[i] > 0]
         for i in due:
             ks[i], self.idle[request_ids[i]] = 1, 0
@@ -228,7 +233,8 @@ class DraftLengthController:
         return ks
 
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
-                  swap_bytes: int = 0, probs: np.ndarray | None = None) -> list[int]:
+                  swap_bytes: int = 0, prefill_tokens: int = 0,
+                  probs: np.ndarray | None = None) -> list[int]:
         """For each depth d (the batch's longest draft: what the c2 term prices), give drafts in
         order of marginal value, P(all drafts up to it accepted), each request at most d, while
         goodput rises; keep the best depth. With the depth fixed the marginal values only fall and
@@ -248,14 +254,15 @@ class DraftLengthController:
         # by value; a request's drafts stay in position order
         order = np.lexsort((req, pos, -gain))
         req, pos, gain = req[order], pos[order], gain[order]
-        best = n / self.cost.predict(num_other_tokens, 0, swap_bytes)
+        best = n / self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
         most = int(limits.max(initial=0))
         if not len(gain) or not most:
             return [0] * n
         # every depth at once: row d-1 takes the candidates of position < d, in value order
         depths = np.arange(1, most + 1)
         take = pos[None, :] < depths[:, None]                                  # [depths, cands]
-        base = np.array([self.cost.predict(num_other_tokens, d, swap_bytes) for d in depths])
+        base = np.array([self.cost.predict(num_other_tokens, d, swap_bytes, 0, prefill_tokens)
+                         for d in depths])
         counts = np.cumsum(take, axis=1)
         goodput = ((n + np.cumsum(np.where(take, gain, 0.0), axis=1))
                    / (base[:, None] + self.cost.draft_price() * counts))

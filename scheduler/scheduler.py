@@ -116,12 +116,16 @@ class Scheduler:
         if self.controller is None or not caps:
             return caps
         ids = list(caps)
-        other = len(self.running) - len(ids) + sum(
-            min(r.num_tokens - r.num_computed_tokens, self.config.max_num_batched_tokens)
-            for r in self.running if r.request_id not in caps)
+        # rows besides the drafts: a decode row per decoding request, prompt chunks apart
+        rows, prefill = len(ids), 0
+        for r in self.running:
+            if r.request_id not in caps:
+                left = min(r.num_tokens - r.num_computed_tokens,
+                           self.config.max_num_batched_tokens)
+                rows, prefill = (rows + left, prefill) if left <= 1 else (rows, prefill + left)
         # the last step's swap bytes: contexts move slowly
-        ks = self.controller.choose(ids, [caps[i] for i in ids], max(other, 0) + len(ids),
-                                    swap_bytes=self.last_swap_h2d)
+        ks = self.controller.choose(ids, [caps[i] for i in ids], rows,
+                                    swap_bytes=self.last_swap_h2d, prefill_tokens=prefill)
         return dict(zip(ids, ks))
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> int:
@@ -236,10 +240,12 @@ class Scheduler:
         if self.controller is not None:
             # drafts the grammar cut were never computed: priced as no rows
             drafted = [s.num_drafted - s.num_masked for s in result.sampled.values()]
-            self.controller.cost.observe(plan.num_tokens + sum(drafted), max(drafted, default=0),
-                                         result.step_time_s, swap_bytes=result.swap_bytes[0],
+            prefill = sum(r.num_new_tokens for r in plan.requests if r.num_new_tokens > 1)
+            self.controller.cost.observe(plan.num_tokens - prefill + sum(drafted),
+                                         max(drafted, default=0), result.step_time_s,
+                                         swap_bytes=result.swap_bytes[0],
                                          draft_tokens=sum(drafted),
-                                         draft_passes=result.draft_passes)
+                                         draft_passes=result.draft_passes, prefill_tokens=prefill)
         self._stats = StepStats()
         return outputs, stats
 

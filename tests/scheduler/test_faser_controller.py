@@ -1,5 +1,6 @@
 """The goodput controller with fabricated acceptance histories and cost models."""
 import numpy as np
+import pytest
 
 from specserve.scheduler.faser import CostModel, DraftLengthController
 
@@ -65,7 +66,7 @@ def test_cost_model_recovers_a_linear_step_time():
     for _ in range(64):
         tokens, k = int(rng.integers(1, 200)), int(rng.integers(0, 8))
         model.observe(tokens, k, 0.01 + 0.0005 * tokens + 0.003 * k)
-    assert np.allclose(model.coef, [0.01, 0.0005, 0.003, 0.0, 0.0], rtol=1e-3)
+    assert np.allclose(model.coef, [0.01, 0.0005, 0.003, 0.0, 0.0, 0.0], rtol=1e-3)
 
 
 def test_collinear_batch_one_samples_do_not_inflate_the_token_price():
@@ -139,12 +140,37 @@ def test_swap_bytes_are_priced_and_make_drafts_worth_more():
         tokens, k, swap = (int(rng.integers(1, 64)), int(rng.integers(0, 8)),
                            int(rng.integers(0, 50_000_000)))
         model.observe(tokens, k, 0.004 + 0.002 * tokens + 1e-9 * swap, swap_bytes=swap)
-    assert np.allclose(model.coef, [0.004, 0.002, 0.0, 1e-9, 0.0], rtol=1e-3, atol=1e-9)
+    assert np.allclose(model.coef, [0.004, 0.002, 0.0, 1e-9, 0.0, 0.0], rtol=1e-3,
+                       atol=1e-9)
     ctl = DraftLengthController(8, cost=model)
     teach(ctl, "r", 0.6)
     no_swap = ctl.choose(["r"], [8], 1, swap_bytes=0)[0]
     heavy = ctl.choose(["r"], [8], 1, swap_bytes=200_000_000)[0]
     assert heavy > no_swap
+
+
+def test_prompt_rows_are_priced_apart_from_decode_and_verify_rows():
+    """A prompt chunk's rows share each weight read and cost a fraction of a decode or verify row.
+    Fitted as one price, steps with prompt chunks pulled a verify row's price down to theirs and
+    drafts looked cheap under load: the fit recovers both prices, and a batch of 8 decodes
+    accepting 40% gets no drafts at the verify row's true price (it did at the blended one)."""
+    model = CostModel()
+    rng = np.random.default_rng(4)
+    for _ in range(96):
+        rows = int(rng.integers(4, 20))
+        prefill = int(rng.integers(20, 200)) * int(rng.random() < 0.3)
+        model.observe(rows, 0, 0.02 + 0.003 * rows + 0.0005 * prefill, prefill_tokens=prefill)
+    assert np.allclose(model.coef, [0.02, 0.003, 0.0, 0.0, 0.0, 0.0005], rtol=1e-3, atol=1e-9)
+    assert model.predict(8, 0, prefill_tokens=100) == pytest.approx(0.02 + 0.024 + 0.05)
+    ids = [f"r{i}" for i in range(8)]
+    ctl = DraftLengthController(4, cost=model)
+    for r in ids:
+        ctl.accept[r] = np.full(4, 0.4)
+    assert ctl.choose(ids, [4] * 8, 8) == [0] * 8
+    one_price = DraftLengthController(4, cost=CostModel(0.02, 0.0005))     # the old fit's price
+    for r in ids:
+        one_price.accept[r] = np.full(4, 0.4)
+    assert sum(one_price.choose(ids, [4] * 8, 8)) > 0
 
 
 def test_a_draft_pass_cost_is_shared_across_the_batch():
@@ -189,7 +215,8 @@ def test_a_draft_row_of_a_model_drafter_is_priced_apart_from_a_plain_row():
         model.observe(batch + drafts, int(ks.max()),
                       0.02 + 0.001 * (batch + drafts) + 0.004 * drafts,
                       draft_tokens=drafts)
-    assert np.allclose(model.coef, [0.02, 0.001, 0.0, 0.0, 0.004], rtol=1e-3, atol=1e-9)
+    assert np.allclose(model.coef, [0.02, 0.001, 0.0, 0.0, 0.004, 0.0], rtol=1e-3,
+                       atol=1e-9)
     ids = [f"r{i}" for i in range(24)]
     ctl = DraftLengthController(8, cost=model)
     for i, r in enumerate(ids):
