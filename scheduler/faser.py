@@ -46,10 +46,10 @@ class CostModel:
     chunks (cheaper per row: a GEMM over many rows reads each weight once for all of them). With
     one token count only, a draft of a drafter that runs the model (lossy_kv, layer_skip: a row in
     each draft pass besides its verify row) was priced like a plain decode row, the average the fit
-    sees, and drafting looked cheaper than it is exactly when many requests decode. swap_bytes: full-KV bytes staged host -> device
-    for verification (VeriCache); 0 elsewhere. A step's swap does not depend on its draft lengths,
-    but it raises the price of the step they share, which makes drafts worth more: the controller
-    sees it through the goodput ratio."""
+    sees, and drafting looked cheaper than it is exactly when many requests decode. swap_bytes:
+    full-KV bytes staged host -> device for verification (VeriCache); 0 elsewhere. A step's swap
+    does not depend on its draft lengths, but it raises the price of the step they share, which
+    makes drafts worth more: the controller sees it through the goodput ratio."""
 
     def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0,
                  c4: float = 0.0, c5: float = 0.0, window: int = 256):
