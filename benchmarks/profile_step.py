@@ -7,7 +7,9 @@ Categories: linear layers (the C kernel, oneDNN / MKL GEMMs; the LM head also ti
 same rows), attention (the C kernel, SDPA, KV gathers, KV writes), elementwise (norms, RoPE, SiLU,
 residuals, casts) and the rest of the ops; "Python and dispatch" is the wall time no operator
 accounts for. The C kernels are ctypes calls, labelled for the profiler (`label_c_kernels`), on
-both paths (the modules' and `spec_phases/cpu_decoder.py`'s).
+both paths (the modules' and `spec_phases/cpu_decoder.py`'s); a step of short queries runs the
+whole decoder stack in one call (`kernels/cpu/decoder.c`), which times its kernels itself and
+whose times are added to their categories here.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from specserve.kernels.cpu import decoder as cpu_fused
 from specserve.kernels.cpu import linear as cpu_linear
 from specserve.kernels.cpu import paged_attention as cpu_attention
 from specserve.kernels.cpu import rms_norm as cpu_norm
@@ -39,6 +42,9 @@ CATEGORIES = {
                     "aten::sub", "C rms_norm", "C add_rms_norm", "C rope"),
 }
 
+# ms the one-call decoder stack spent per category since the last reset (`label_c_kernels`)
+FUSED_MS = {"linear (GEMM)": 0.0, "attention": 0.0, "elementwise": 0.0}
+
 
 def label_c_kernels() -> None:
     """The C kernels (`kernels/cpu/`) are ctypes calls the profiler cannot see: wrap each in a
@@ -57,10 +63,20 @@ def label_c_kernels() -> None:
     cpu_norm.add_rms_norm_into = labelled("add_rms_norm", cpu_norm.add_rms_norm_into)
     cpu_rope.rope_into = labelled("rope", cpu_rope.rope_into)
     cpu_attention.paged_attention = labelled("paged_attention", cpu_attention.paged_attention)
+    one_call = cpu_fused.forward
+
+    def timed(*args):
+        seconds = torch.zeros(3, dtype=torch.float64)
+        one_call(*args, seconds=seconds)
+        for name, sec in zip(FUSED_MS, seconds.tolist()):
+            FUSED_MS[name] += sec * 1000
+    cpu_fused.forward = timed
 
 
-def requests(core: EngineCore, num: int, prompt_len: int, max_tokens: int) -> None:
-    g = torch.Generator().manual_seed(num)
+def requests(core: EngineCore, num: int, prompt_len: int, max_tokens: int, seed: int = 0) -> None:
+    """`num` requests of random prompts (prompt_len + 7i tokens), seeded by `seed` or else `num`:
+    a prompt seen before would be a prefix-cache hit."""
+    g = torch.Generator().manual_seed(seed or num)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(num):
         ids = torch.randint(100, 40000, (prompt_len + 7 * i,), generator=g).tolist()
@@ -69,6 +85,7 @@ def requests(core: EngineCore, num: int, prompt_len: int, max_tokens: int) -> No
 
 def profile_steps(core: EngineCore, num_steps: int) -> dict[str, float]:
     """ms per step by category over `num_steps` steps."""
+    FUSED_MS.update(dict.fromkeys(FUSED_MS, 0.0))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(num_steps):
@@ -79,6 +96,8 @@ def profile_steps(core: EngineCore, num_steps: int) -> dict[str, float]:
         ms = evt.self_cpu_time_total / 1000 / num_steps
         cat = next((c for c, names in CATEGORIES.items() if evt.key in names), "other ops")
         out[cat] += ms
+    for cat, ms in FUSED_MS.items():
+        out[cat] += ms / num_steps
     out["Python and dispatch"] = max(0.0, wall - sum(out.values()))
     out["step (wall)"] = wall
     return out
@@ -112,7 +131,7 @@ def main() -> None:
         columns[f"decode c={conc}"] = profile_steps(core, 10) | {"of which LM head":
                                                                  lm_head_ms(core, conc)}
         core.run_until_idle()
-    requests(core, 1, 100, 1)
+    requests(core, 1, 100, 1, seed=100)        # a new prompt: no prefix-cache hit
     columns["prefill 100 tokens"] = profile_steps(core, 1) | {"of which LM head":
                                                               lm_head_ms(core, 1)}
     core.run_until_idle()

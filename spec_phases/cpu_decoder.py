@@ -1,8 +1,10 @@
-"""The decoder stack on the CPU's C kernels with a step's buffers allocated once: one raw kernel
-call per op, where `LlamaModel.forward` goes through modules, dispatch and per-op allocation
-("Python and dispatch" in `benchmarks/profile_step.py`, docs/BENCHMARKS.md §9.6-9.7).
+"""The decoder stack on the CPU's C kernels with a step's buffers allocated once, where
+`LlamaModel.forward` goes through modules, dispatch and per-op allocation ("Python and dispatch"
+in `benchmarks/profile_step.py`, docs/BENCHMARKS.md §9.6-9.10). A step whose every query is short
+(decodes, verify rows: `paged_attention.short_requests`) runs the whole stack in one call of
+`kernels/cpu/decoder.c`; a step with a longer prompt chunk calls the kernels one by one from here.
 
-It calls the same kernels on the same inputs in the same order as the modules do, so its hidden
+Both call the same kernels on the same inputs in the same order as the modules do, so the hidden
 states are bitwise theirs (tests/spec_phases/test_cpu_decoder.py), whichever path a step takes.
 It serves the layer shape most checkpoints have (Llama, Mistral, Qwen2: no q/k norms, no sandwich
 norms, SwiGLU, one RoPE) once every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`)

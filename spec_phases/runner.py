@@ -82,18 +82,16 @@ class ModelRunner:
                                                               PagedAttention]:
         """Request i computes token_lists[i] at positions starts[i], starts[i] + 1, ..."""
         dev, bs = self.device, self.block_size
-        token_ids, query_start, seq_lens = [], [0], []
-        for tokens, start in zip(token_lists, starts):
+        token_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
+        for tokens, start, table in zip(token_lists, starts, block_tables):
+            end = start + len(tokens)
             token_ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + len(tokens))
-            seq_lens.append(start + len(tokens))
-        counts = torch.tensor([len(t) for t in token_lists])
-        req_idx = torch.repeat_interleave(torch.arange(len(token_lists)), counts)
-        positions = torch.tensor(starts)[req_idx] + torch.arange(len(token_ids)) \
-            - torch.tensor(query_start[:-1])[req_idx]
-        width = max(len(b) for b in block_tables)
-        tables = torch.tensor([list(b) + [0] * (width - len(b)) for b in block_tables])
-        slot_mapping = tables[req_idx, positions // bs] * bs + positions % bs
+            seq_lens.append(end)
+        positions = torch.tensor(positions)
+        slot_mapping = torch.tensor(slots)
         if isinstance(self.storage, HostKVPool):
             attn = StagedPagedAttention(self.storage, query_start, seq_lens, block_tables,
                                         slot_mapping.to(dev), self.layers, dev)

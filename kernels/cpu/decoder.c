@@ -12,6 +12,25 @@
 #include "rms_norm.c"
 #include "rope.c"
 
+#include <time.h>
+
+enum { LINEAR_S, ATTENTION_S, ELEMENTWISE_S };         /* where `seconds` adds each kernel's time */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* the time since *mark into seconds[what] (when timing), and *mark moved to now */
+static void lap(double *seconds, int what, double *mark) {
+    if (!seconds)
+        return;
+    const double t = now();
+    seconds[what] += t - *mark;
+    *mark = t;
+}
+
 struct decoder_linear {
     const void *data;                   /* packed by linear_pack / linear_pack_quantized */
     const float *bias;                  /* [out_features] or NULL */
@@ -40,16 +59,19 @@ struct decoder_buffers {
 /* layers: the model's; run: the indices of those to run, in order (num_run of them, >= 1);
  * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim], slots[rows] where each row's
  * K/V go; cos, sin: [rows, head_dim]; requests, tables: as paged_attention_short takes them
- * (every request short). Returns 0, or -1 where a kernel could not get scratch memory. */
+ * (every request short); seconds: NULL, or [3] to which the time in the linear layers, in
+ * attention (with the K/V write) and in the elementwise kernels is added (profiling). Returns 0,
+ * or -1 where a kernel could not get scratch memory. */
 int decoder_forward(const struct decoder_model *m, const struct decoder_layer *layers,
                     const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
                     int64_t rows, const float *cos, const float *sin, float *k_cache,
                     float *v_cache, int64_t cache_slots, const int64_t *slots,
                     const int64_t *requests, const int64_t *tables, int64_t table_width,
-                    int64_t num_reqs, int num_threads) {
+                    int64_t num_reqs, double *seconds, int num_threads) {
     const int64_t D = m->head_dim, kv = m->num_kv_heads * D, q_size = m->num_heads * D;
     const int64_t qkv_size = q_size + 2 * kv, heads = m->num_heads + m->num_kv_heads;
     const int64_t layer_floats = cache_slots * kv;
+    double mark = seconds ? now() : 0.0;
     for (int64_t i = 0; i < num_run; i++) {
         const struct decoder_layer *l = layers + run[i];
         float *k_layer = k_cache + run[i] * layer_floats;
@@ -57,10 +79,13 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
         const float *delta = i ? b->out : NULL;
         rms_norm_rows(b->x, delta, l->input_norm, delta ? b->x : NULL, b->h, rows, m->hidden,
                       m->eps, num_threads);
+        lap(seconds, ELEMENTWISE_S, &mark);
         if (linear_forward(b->h, rows, m->hidden, l->qkv.data, (int)l->qkv.layout, qkv_size,
                            l->qkv.bias, b->qkv, num_threads))
             return -1;
+        lap(seconds, LINEAR_S, &mark);
         rope_rows(b->qkv, qkv_size, cos, sin, b->qk, rows, heads, D);
+        lap(seconds, ELEMENTWISE_S, &mark);
         for (int64_t t = 0; t < rows; t++) {
             memcpy(k_layer + slots[t] * kv, b->qk + (t * heads + m->num_heads) * D,
                    sizeof(float) * kv);
@@ -72,20 +97,27 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
                                   D, m->block_size, m->scale, l->window, m->softcap,
                                   num_threads))
             return -1;
+        lap(seconds, ATTENTION_S, &mark);
         if (linear_forward(b->attn, rows, q_size, l->o.data, (int)l->o.layout, m->hidden,
                            l->o.bias, b->out, num_threads))
             return -1;
+        lap(seconds, LINEAR_S, &mark);
         rms_norm_rows(b->x, b->out, l->post_attention_norm, b->x, b->h, rows, m->hidden, m->eps,
                       num_threads);
+        lap(seconds, ELEMENTWISE_S, &mark);
         if (linear_forward(b->h, rows, m->hidden, l->gate_up.data, (int)l->gate_up.layout,
                            2 * m->intermediate, l->gate_up.bias, b->gate_up, num_threads))
             return -1;
+        lap(seconds, LINEAR_S, &mark);
         silu_mul_rows(b->gate_up, 2 * m->intermediate, b->act, rows, m->intermediate,
                       num_threads);
+        lap(seconds, ELEMENTWISE_S, &mark);
         if (linear_forward(b->act, rows, m->intermediate, l->down.data, (int)l->down.layout,
                            m->hidden, l->down.bias, b->out, num_threads))
             return -1;
+        lap(seconds, LINEAR_S, &mark);
     }
     rms_norm_rows(b->x, b->out, m->final_norm, b->x, b->h, rows, m->hidden, m->eps, num_threads);
+    lap(seconds, ELEMENTWISE_S, &mark);
     return 0;
 }

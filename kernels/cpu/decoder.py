@@ -42,7 +42,7 @@ def _kernel():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), _ptr, _i64,
                    ctypes.POINTER(Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
-                   _i64, _i64, ctypes.c_int]
+                   _i64, _i64, _ptr, ctypes.c_int]
     return fn
 
 
@@ -54,18 +54,22 @@ def available() -> None:
 def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
             buffers: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor,
-            slots: torch.Tensor, requests: torch.Tensor, tables: torch.Tensor) -> None:
+            slots: torch.Tensor, requests: torch.Tensor, tables: torch.Tensor,
+            seconds: torch.Tensor | None = None) -> None:
     """Runs layers[run] (int64 indices) over buffers["x"] (the embedded rows, the residual stream
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
     [rows, width] (`decoder.c`). k_cache, v_cache: float32 [layers, slots, kv heads, head_dim],
     written at `slots` (int64 [rows]); requests, tables: `paged_attention.short_requests`'s, every
-    request of the step short."""
+    request of the step short. seconds: None, or float64 [3] to which the call adds its time in
+    the linear layers, in attention (with the K/V write) and in the elementwise kernels
+    (`benchmarks/profile_step.py`)."""
     rows = buffers["x"].shape[0]
     ptrs = Buffers(*(buffers[name].data_ptr() for name, _ in Buffers._fields_))
     status = _kernel()(ctypes.byref(model), layers, run.data_ptr(), run.shape[0],
                        ctypes.byref(ptrs), rows, cos.data_ptr(), sin.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                        slots.data_ptr(), requests.data_ptr(), tables.data_ptr(), tables.shape[1],
-                       requests.shape[0], torch.get_num_threads())
+                       requests.shape[0], None if seconds is None else seconds.data_ptr(),
+                       torch.get_num_threads())
     if status:
         raise MemoryError("decoder_forward: a kernel found no scratch memory")

@@ -293,6 +293,31 @@ void linear_pack(const float *w, int64_t N, int64_t K, float *packed) {
     }
 }
 
+/* rows[0 .. n-1] of a weight packed in F32 or Q8_0 panels, each exactly the (dequantized)
+ * weight's row, d * q for Q8_0 (one rounding, as gguf): out [n, K] (a tied embedding's lookup) */
+void linear_rows(const void *packed, int layout, int64_t K, const int64_t *rows, int64_t n,
+                 float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = rows[i] / PANEL, c = rows[i] % PANEL;
+        float *o = out + i * K;
+        if (layout == F32) {
+            const float *panel = (const float *)packed + p * K * PANEL;
+            for (int64_t k = 0; k < K; k++)
+                o[k] = panel[k * PANEL + c];
+            continue;
+        }
+        const uint8_t *panel = (const uint8_t *)packed + p * (K / QBLOCK) * Q8_BLOCK_BYTES;
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            const uint8_t *blk = panel + b * Q8_BLOCK_BYTES;
+            float d;
+            memcpy(&d, blk + 4 * c, 4);
+            const int8_t *codes = (const int8_t *)(blk + PANEL * 4);
+            for (int64_t j = 0; j < QBLOCK; j++)
+                o[b * QBLOCK + j] = d * (float)codes[j * PANEL + c];
+        }
+    }
+}
+
 /* codes [N, K] (Q4_1: 0..15; Q8_0: int8), d and (Q4_1) m [N, K / QBLOCK] -> packed
  * [ceil(N / PANEL), K / QBLOCK, block bytes]: per block d[0..15] (then m[0..15]), then the codes
  * (padding columns: d = m = 0, code 0) */

@@ -35,6 +35,8 @@ def _lib() -> ctypes.CDLL:
     lib.linear_pack.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.linear_pack_quantized.restype = None
     lib.linear_pack_quantized.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
+    lib.linear_rows.restype = None
+    lib.linear_rows.argtypes = [_ptr, ctypes.c_int, _i64, _ptr, _i64, _ptr]
     lib.linear_forward.restype = ctypes.c_int
     lib.linear_forward.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr,
                                    ctypes.c_int]
@@ -139,16 +141,15 @@ def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """Rows of a C-packed weight (float32 or Q8_0 panels), exactly the (dequantized) weight's:
     [len(rows), in] (a tied embedding's lookup read from the packed LM head, so the matrix is held
     once)."""
-    if packed.layout == "f32":
-        return packed.data[rows // PANEL, :, rows % PANEL]
-    blocks = packed.data[rows // PANEL]                       # [n, in / 32, 576]
-    n, num_blocks = len(rows), blocks.shape[1]
-    column = (rows % PANEL).view(-1, 1, 1, 1)
-    d = blocks[..., :PANEL * 4].view(torch.float32).view(n, num_blocks, 1, PANEL)
-    codes = blocks[..., PANEL * 4:].view(torch.int8).view(n, num_blocks, QBLOCK, PANEL)
-    d = d.gather(3, column.expand(n, num_blocks, 1, 1))                 # [n, in / 32, 1, 1]
-    q = codes.gather(3, column.expand(n, num_blocks, QBLOCK, 1))        # [n, in / 32, 32, 1]
-    return (d * q.float()).reshape(n, packed.in_features)
+    if packed.layout not in ("f32", "q8_0"):
+        raise ValueError(f"weight_rows reads float32 or Q8_0 panels, not {packed.layout}")
+    rows = rows.to(torch.int64).contiguous()
+    if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < packed.out_features):
+        raise IndexError(f"weight rows out of range [0, {packed.out_features})")
+    out = torch.empty(len(rows), packed.in_features)
+    _lib().linear_rows(packed.data.data_ptr(), LAYOUTS[packed.layout], packed.in_features,
+                       rows.data_ptr(), len(rows), out.data_ptr())
+    return out
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

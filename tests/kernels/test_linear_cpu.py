@@ -145,3 +145,7 @@ def test_q8_0_panels_and_their_rows_are_the_dequantized_weights(out_features, in
     rows = torch.tensor([0, 5, 17, out_features - 1, 5])
     assert torch.equal(cpu_linear.weight_rows(quantized, rows), dequantized[rows])
     assert torch.equal(cpu_linear.weight_rows(dense, rows), dequantized[rows])
+    assert cpu_linear.weight_rows(quantized, rows[:0]).shape == (0, in_features)
+    for bad in (-1, out_features):                  # never a read outside the panels
+        with pytest.raises(IndexError):
+            cpu_linear.weight_rows(quantized, torch.tensor([0, bad]))
