@@ -258,6 +258,12 @@ class DraftLengthController:
         most = int(limits.max(initial=0))
         if not len(gain) or not most:
             return [0] * n
+        # the most valuable draft loses even against the dearest depth's base (a first draft at
+        # depth d pays only if gain * base_d > n * price, and base_d rises with d): none pays,
+        # the usual case under load, decided without the arrays below
+        if gain[0] * self.cost.predict(num_other_tokens, most, swap_bytes, 0, prefill_tokens) \
+                <= n * self.cost.draft_price():
+            return [0] * n
         # every depth at once: row d-1 takes the candidates of position < d, in value order
         depths = np.arange(1, most + 1)
         take = pos[None, :] < depths[:, None]                                  # [depths, cands]
