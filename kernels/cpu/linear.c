@@ -20,7 +20,7 @@
  * dequantized weight's within float32 rounding (a different order of the same sums, like any
  * GEMM's), and still the same for a row whatever M is. GGUF Q8_0 (w = d * q, q an int8; a typical
  * embedding and LM head) likewise, acc + d * s: d of the 16 columns, then 16 codes per k. With
- * many rows (more than four register blocks) each panel's codes are converted once into a float
+ * many rows (more than 32 register blocks) each panel's codes are converted once into a float
  * scratch panel instead.
  */
 #include <stdint.h>
@@ -384,7 +384,7 @@ int linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int
             pair[0][0] = acc[2], pair[0][1] = acc[3];
             store_rows(pair, 0, 1, (p + 1) * PANEL, N, bias, y);
         }
-    } else if (M > 4 * ROWS) {        /* many row blocks: each panel's codes unpacked once */
+    } else if (M > 32 * ROWS) {        /* many row blocks: each panel's codes unpacked once */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && panels > 1)
         {
             float *codes = malloc(sizeof(float) * K * PANEL);     /* NULL: unpack in registers */

@@ -95,8 +95,8 @@ def assert_quantized_panels(quantized, dequantized, x, b):
     panels in pairs; a few row blocks: codes unpacked in registers; many: a float copy of each
     panel's codes) and within float32 rounding of the dequantized weight's: no more than 1e-6 of
     sum |x| |w| from the float64 product (float32's unit roundoff is 6e-8)."""
-    full = cpu_linear.linear(x, quantized, b)                        # 40 rows: the float copy
-    for m in (0, 1, 2, 5, 6, 7, 16, 24, 25):
+    full = cpu_linear.linear(x, quantized, b)                       # 200 rows: the float copy
+    for m in (0, 1, 2, 5, 6, 7, 16, 24, 25, 40, 192):
         assert torch.equal(cpu_linear.linear(x[:m], quantized, b), full[:m]), m
     assert torch.equal(cpu_linear.linear(x[17:18], quantized, b)[0], full[17])
     exact = F.linear(x.double(), dequantized.double(), b.double())
@@ -116,7 +116,7 @@ def test_q4_1_panels_compute_the_dequantized_weights_results(threads, out_featur
     assert quantized.layout == "q4_1" and quantized.out_features == out_features
     assert quantized.data.nbytes * 16 == dense.data.nbytes * 3
     g = torch.Generator().manual_seed(7)
-    x, b = torch.randn(40, in_features, generator=g), torch.randn(out_features, generator=g)
+    x, b = torch.randn(200, in_features, generator=g), torch.randn(out_features, generator=g)
     assert_quantized_panels(quantized, dequantized, x, b)
 
 
@@ -140,7 +140,7 @@ def test_q8_0_panels_and_their_rows_are_the_dequantized_weights(out_features, in
     quantized, dense = cpu_linear.pack_q8_0(blocks, in_features), cpu_linear.pack(dequantized)
     assert quantized.layout == "q8_0" and quantized.data.nbytes * 32 == dense.data.nbytes * 9
     g = torch.Generator().manual_seed(2)
-    x, b = torch.randn(40, in_features, generator=g), torch.randn(out_features, generator=g)
+    x, b = torch.randn(200, in_features, generator=g), torch.randn(out_features, generator=g)
     assert_quantized_panels(quantized, dequantized, x, b)
     rows = torch.tensor([0, 5, 17, out_features - 1, 5])
     assert torch.equal(cpu_linear.weight_rows(quantized, rows), dequantized[rows])
