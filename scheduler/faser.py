@@ -245,30 +245,32 @@ class DraftLengthController:
         it runs on every step's critical path."""
         n = len(request_ids)
         limits = np.minimum(np.asarray(caps, dtype=np.int64), self.k_max)
+        most = int(limits.max(initial=0))
+        if not most:
+            return [0] * n
         if probs is None:
             probs = np.stack([self.probs(r) for r in request_ids])
         chain = np.cumprod(probs, axis=1)                                            # [n, k_max]
         valid = (np.arange(self.k_max)[None, :] < limits[:, None]) & (chain > 0)
+        if not valid.any():
+            return [0] * n
+        # a step's predicted time is linear in its depth d: base_d = base_0 + c2 * d
+        base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
+        depths = np.arange(1, most + 1)
+        base = base0 + self.cost.coef[2] * depths
+        # the most valuable draft loses even against the dearest depth's base (a first draft at
+        # depth d pays only if gain * base_d > n * price, and base_d rises with d): none pays,
+        # the usual case under load, decided without the arrays below
+        if chain[valid].max() * base[-1] <= n * self.cost.draft_price():
+            return [0] * n
         req, pos = np.nonzero(valid)
         gain = chain[req, pos]
         # by value; a request's drafts stay in position order
         order = np.lexsort((req, pos, -gain))
         req, pos, gain = req[order], pos[order], gain[order]
-        best = n / self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
-        most = int(limits.max(initial=0))
-        if not len(gain) or not most:
-            return [0] * n
-        # the most valuable draft loses even against the dearest depth's base (a first draft at
-        # depth d pays only if gain * base_d > n * price, and base_d rises with d): none pays,
-        # the usual case under load, decided without the arrays below
-        if gain[0] * self.cost.predict(num_other_tokens, most, swap_bytes, 0, prefill_tokens) \
-                <= n * self.cost.draft_price():
-            return [0] * n
+        best = n / base0
         # every depth at once: row d-1 takes the candidates of position < d, in value order
-        depths = np.arange(1, most + 1)
         take = pos[None, :] < depths[:, None]                                  # [depths, cands]
-        base = np.array([self.cost.predict(num_other_tokens, d, swap_bytes, 0, prefill_tokens)
-                         for d in depths])
         counts = np.cumsum(take, axis=1)
         goodput = ((n + np.cumsum(np.where(take, gain, 0.0), axis=1))
                    / (base[:, None] + self.cost.draft_price() * counts))

@@ -32,11 +32,12 @@ def runners(model):
     return fast, modules
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_bitwise_the_modules_over_mixed_steps(bias, monkeypatch):
+@pytest.mark.parametrize("bias,windows", [(False, ()), (True, ()), (False, (0, 8))])
+def test_bitwise_the_modules_over_mixed_steps(bias, windows, monkeypatch):
     """Steps with a prefill chunk call the kernels one by one, steps of short queries alone the
-    whole stack in one call (`kernels/cpu/decoder.c`): both bitwise the modules."""
-    model = packed_model(attention_bias=bias)
+    whole stack in one call (`kernels/cpu/decoder.c`): both bitwise the modules, with attention
+    bias and with a sliding window on one layer."""
+    model = packed_model(attention_bias=bias, windows=windows)
     fast, modules = runners(model)
     whole = []
     one_call = cpu_decoder.fused.forward
