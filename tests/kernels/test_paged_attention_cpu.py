@@ -150,3 +150,17 @@ def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
     with pytest.raises(native.BuildError, match="broken compiler"):
         native.build("paged_attention")
     assert not list((tmp_path / "kernels").iterdir())
+
+
+def test_a_kernel_is_rebuilt_when_a_source_it_includes_changes(monkeypatch, tmp_path):
+    """`decoder.c` is built from the other kernels' sources (`#include "linear.c"`): its cache key
+    covers them, so a change to one of them cannot leave a stale library in the cache."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path)
+    (tmp_path / "outer.c").write_text('#include "inner.c"\nint outer(void) { return inner(); }\n')
+    (tmp_path / "inner.c").write_text("static int inner(void) { return 1; }\n")
+    first = native.build("outer")
+    assert native.build("outer") == first                          # cached
+    (tmp_path / "inner.c").write_text("static int inner(void) { return 2; }\n")
+    second = native.build("outer")
+    assert second != first and second.exists()

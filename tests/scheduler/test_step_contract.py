@@ -162,3 +162,35 @@ def test_drafts_the_grammar_cut_count_as_drafted_and_rejected_but_not_as_compute
     assert sched.controller.probs("a")[0] < before                 # acceptance estimate fell
     tokens = sched.controller.cost.samples[-1][1]
     assert tokens == plan.num_tokens + 1                            # 1 draft row computed, not k
+
+
+def test_the_cost_model_sees_prompt_rows_apart_and_each_decode_row_once(monkeypatch):
+    """FASER prices a prompt chunk's rows apart from decode and verify rows: the controller is
+    told both counts when it chooses, and the cost model gets both when the step is committed. A
+    decoding request that may not draft is one decode row (it had been counted twice)."""
+    kv = KVCacheManager([BlockPool(64, BS, False, name="full")])
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
+                                          max_model_len=256, eos_token_ids=(2,),
+                                          num_speculative_tokens=2, adaptive=True))
+    add(sched, "a", 6)
+    add(sched, "c", 6, num_speculative_tokens=0)                   # decodes, never drafts
+    prefill(sched, {"a": 40, "c": 50})
+    add(sched, "b", 30)                                            # a prompt: chunked by 16
+    seen = []
+    choose = sched.controller.choose
+    monkeypatch.setattr(sched.controller, "choose", lambda ids, caps, rows, **kw: (
+        seen.append((ids, rows, kw["prefill_tokens"])) or choose(ids, caps, rows, **kw)))
+    chunks = []
+    for step in range(2):
+        plan = sched.schedule()
+        chunk = {r.request_id: r.num_new_tokens for r in plan.requests}
+        drafts = sum(r.num_draft_tokens for r in plan.requests)
+        sched.commit(plan, StepResult(sampled={
+            r.request_id: SampledTokens([41 + step], r.num_draft_tokens)
+            for r in plan.requests if r.sample}, step_time_s=0.01))
+        sample = sched.controller.cost.samples[-1]
+        assert sample[1] == chunk["a"] + chunk["c"] + drafts == 2 + drafts     # decode rows
+        assert sample[5] == chunk["b"] > 1                                     # prompt rows
+        chunks.append(chunk["b"])
+    # step 1 chose before b was admitted; step 2 while b's prompt had 30 - chunks[0] rows left
+    assert seen == [(["a"], 2, 0), (["a"], 2, min(30 - chunks[0], 16))]

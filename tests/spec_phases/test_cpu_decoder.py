@@ -80,3 +80,23 @@ def test_taken_only_where_it_serves(monkeypatch):
     monkeypatch.setenv("SPECSERVE_KERNELS", "auto")
     fast.forward([(1, 2)], [0], [(0,)])
     assert calls
+
+
+def test_the_one_call_times_its_kernels_without_changing_their_results(monkeypatch):
+    """`benchmarks/profile_step.py` passes a float64 [3] that the call adds its time in the
+    linear layers, attention and the elementwise kernels to: the hidden states and the cache are
+    bitwise those of an untimed call."""
+    model = packed_model()
+    (plain, _), (timed, _) = runners(model), runners(model)
+    seconds = torch.zeros(3, dtype=torch.float64)
+    one_call = cpu_decoder.fused.forward
+    steps = [([tuple(range(5, 17))], [0]), ([(9,)], [12]), ([(4, 5, 6)], [13])]
+    for tokens, starts in steps:
+        want = plain.forward(tokens, starts, [tuple(range(8))])
+        with monkeypatch.context() as m:
+            m.setattr(cpu_decoder.fused, "forward",
+                      lambda *a: one_call(*a, seconds=seconds))
+            got = timed.forward(tokens, starts, [tuple(range(8))])
+        assert torch.equal(got, want)
+    assert torch.equal(timed.storage.k, plain.storage.k)
+    assert (seconds > 0).all()
