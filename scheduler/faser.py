@@ -76,7 +76,7 @@ class CostModel:
         costs c2 + c4 * r, which the step-level fit cannot separate when every request drafts the
         same k (max_k and drafts move together) and whose scale it confuses with prefill steps and
         long contexts. The rest of the step (verify, sampling, cache upkeep) then fits c0, c1, c3
-        with c2, c4 fixed (and c5)."""
+        and c5 with c2, c4 fixed."""
         if draft_passes:
             self.passes.extend((float(r), float(s)) for r, s in draft_passes)
             self._fit_passes()

@@ -122,7 +122,10 @@ class Scheduler:
             if r.request_id not in caps:
                 left = min(r.num_tokens - r.num_computed_tokens,
                            self.config.max_num_batched_tokens)
-                rows, prefill = (rows + left, prefill) if left <= 1 else (rows, prefill + left)
+                if left > 1:                        # a prompt chunk (as `commit` counts them)
+                    prefill += left
+                else:
+                    rows += left
         # the last step's swap bytes: contexts move slowly
         ks = self.controller.choose(ids, [caps[i] for i in ids], rows,
                                     swap_bytes=self.last_swap_h2d, prefill_tokens=prefill)
