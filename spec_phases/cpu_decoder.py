@@ -125,19 +125,19 @@ class CpuDecoder:
         """`decoder.c`'s view of the model (pointers into its packed weights, which it holds for
         its lifetime), built on the first fused step."""
         if self._fused is None or self._fused[0] != (attention, block_size):
+            def linear(module, bias: torch.Tensor | None = None) -> fused.Linear:
+                return fused.Linear(module.packed.data.data_ptr(),
+                                    None if bias is None else bias.data_ptr(),
+                                    cpu_linear.LAYOUTS[module.packed.layout])
+
             model = self.model
             layers = (fused.Layer * len(model.layers))()
-            for i, layer in enumerate(model.layers):
-                bias = layer.qkv_proj.bias
-                linears = [fused.Linear(linear.packed.data.data_ptr(),
-                                        bias.data_ptr() if linear is layer.qkv_proj
-                                        and bias is not None else None,
-                                        cpu_linear.LAYOUTS[linear.packed.layout])
-                           for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                          layer.down_proj)]
+            for i, layer in enumerate(model.layers):            # biases as the loop passes them
                 layers[i] = fused.Layer(layer.input_layernorm._float_weight().data_ptr(),
                                         layer.post_attention_layernorm._float_weight().data_ptr(),
-                                        *linears, attention.options(i)["window"])
+                                        linear(layer.qkv_proj, layer.qkv_proj.bias),
+                                        linear(layer.o_proj), linear(layer.gate_up_proj),
+                                        linear(layer.down_proj), attention.options(i)["window"])
             structs = fused.Model(self.hidden, self.num_heads, self.num_kv_heads, self.head_dim,
                                   self.intermediate, block_size, self.eps, attention.scale,
                                   attention.softcap, model.norm._float_weight().data_ptr())

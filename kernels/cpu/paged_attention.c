@@ -75,9 +75,9 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
                            const float *v_cache, float *out, int64_t out_token_stride,
                            const int64_t *table, int64_t q_start, int64_t q_len,
                            int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
-                           int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                           float softcap, float *scores, float *acc, float *inv_sum) {
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int64_t window, float softcap, float *scores,
+                           float *acc, float *inv_sum) {
     const int64_t group = num_heads / num_kv_heads, rows = q_len * nh;
     const int64_t slot_floats = num_kv_heads * head_dim, first_pos = seq_len - q_len;
     int64_t lo_all = window > 0 ? first_pos - window + 1 : 0;
