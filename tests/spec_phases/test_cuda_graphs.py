@@ -63,7 +63,9 @@ for step, (batch, rows) in enumerate([([0, 1, 2], [1] * 3), ([0, 1, 2, 3, 4], [1
     assert torch.equal(graph_cache.k[:, :real], eager_cache.k[:, :real]), step
     assert torch.equal(graph_cache.v[:, :real], eager_cache.v[:, :real]), step
 pad = graph_cache.padding_block * bs
-assert graph_cache.k[:, pad].abs().sum() > 0           # padded rows wrote their own slot
+# padded rows wrote their own slot: in layer 0, from the padding token alone (the later layers'
+# values there come from a padded verify row's unwritten attention parts: anything, NaN too)
+assert graph_cache.k[0, pad].abs().sum() > 0
 # not served: more rows than captured, a layer subset, more requests than the largest size, a
 # wider table
 assert not graphs.serves([(1, 2, 3, 4, 5)], [tables[0]], None)
