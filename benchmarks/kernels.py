@@ -5,7 +5,8 @@ Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64) unless flags 
 context length T and queries per sequence Q (1 = decode, 9 = a verify pass of 8 drafts):
 - `dense`: F.scaled_dot_product_attention over the full fp16/bf16 K and V (what the compressed
   cache competes with),
-- `ref`: the PyTorch reference of the op, `triton`: the Triton kernel (CUDA only),
+- `ref`: the PyTorch reference of the op, `kernel`: the Triton kernel (CUDA), or for paged
+  attention on CPU the C kernel (`kernels/cpu/paged_attention.c`, float32),
 plus the bytes each variant must read and the achieved bandwidth. Times are medians of CUDA-event
 timings (`triton.testing.do_bench`) on GPU, of perf_counter loops on CPU.
 
@@ -176,6 +177,11 @@ def main() -> None:
                 row["triton_rel_err"] = rel_err(fast(query, kc, vc, meta(), scale), out_ref)
                 m_fast = meta()
                 row["triton_ms"] = bench(lambda: fast(query, kc, vc, m_fast, scale), dev, args.reps)
+            else:                                  # the C kernel (kernels/cpu/paged_attention.c)
+                fast = dispatch.cpu_kernel("paged_attention")
+                row["cpu_rel_err"] = rel_err(fast(query, kc, vc, meta(), scale), out_ref)
+                m_fast = meta()
+                row["cpu_ms"] = bench(lambda: fast(query, kc, vc, m_fast, scale), dev, args.reps)
             rows.append(row)
         # ---- encoders: one layer's new pages for all KV heads ----
         if "encode" not in args.ops:
@@ -206,18 +212,20 @@ def main() -> None:
             row["triton_ms"] = bench(lambda: fast(tiles), dev, args.reps)
         rows.append(row)
 
-    print(f"{'op':20} {'T':>6} {'Q':>2} {'dense ms':>9} {'ref ms':>9} {'triton ms':>9} "
-          f"{'tri/dense':>9} {'ref/tri':>8} {'bytes/dense':>11} {'tri GB/s':>8} {'check':>10}")
+    print(f"{'op':20} {'T':>6} {'Q':>2} {'dense ms':>9} {'ref ms':>9} {'kernel ms':>9} "
+          f"{'ker/dense':>9} {'ref/ker':>8} {'bytes/dense':>11} {'ker GB/s':>8} {'check':>10}")
     for r in rows:
-        tri = r.get("triton_ms")
-        check = r.get("triton_rel_err", r.get("triton_theta_match", r.get("triton_exact", "")))
+        tri = r.get("triton_ms", r.get("cpu_ms"))               # the kernel: Triton, or C on CPU
+        check = r.get("triton_rel_err", r.get("triton_theta_match",
+                                             r.get("triton_exact", r.get("cpu_rel_err", ""))))
+        shown = format(check, ".2e") if isinstance(check, float) else str(check)[:10]
         fmt = lambda x, f="9.3f": (format(x, f) if isinstance(x, (int, float))  # noqa: E731
                                    else format("-", ">9"))
         print(f"{r['op']:20} {r['T']:>6} {r['Q']:>2} {fmt(r.get('dense_ms'))} {fmt(r['ref_ms'])} "
               f"{fmt(tri)} {fmt(tri / r['dense_ms'] if tri and r.get('dense_ms') else None)} "
               f"{fmt(r['ref_ms'] / tri if tri else None, '8.2f')} "
               f"{fmt(r['bytes'] / r['dense_bytes'] if r.get('dense_bytes') else None, '11.3f')} "
-              f"{fmt(r['bytes'] / tri / 1e6 if tri else None, '8.1f')} {str(check)[:10]:>10}")
+              f"{fmt(r['bytes'] / tri / 1e6 if tri else None, '8.1f')} {shown:>10}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f,

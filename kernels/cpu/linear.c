@@ -34,23 +34,10 @@
 #define Q8_BLOCK_BYTES (PANEL * 4 + QBLOCK * PANEL)           /* d; then 32 k of 16 bytes */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
+#include "simd.h"
 
-#if defined(__FMA__) || defined(__AVX2__)
+#if defined(__AVX2__)
 #include <immintrin.h>
-#endif
-
-#if defined(__FMA__)
-static inline v8f fma8(v8f a, v8f b, v8f c) {
-    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-}
-#else
-static inline v8f fma8(v8f a, v8f b, v8f c) {
-    v8f r;
-    for (int l = 0; l < 8; l++)
-        r[l] = __builtin_fmaf(a[l], b[l], c[l]);
-    return r;
-}
 #endif
 
 static inline void zero_rows(v8f acc[ROWS][2]) {

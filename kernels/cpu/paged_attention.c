@@ -3,15 +3,18 @@
  * short request of the step whatever their shapes.
  *
  * One task per request, or, with fewer requests than threads (one decode), per part of a
- * request's heads, so that the threads share it. A task walks the request's keys once for its
- * q_len * (its heads) query rows (each slot's keys loaded once for all of them), soft-maxes each
- * row over the keys it sees (causal, within the sliding window) and accumulates the values in key
- * order.
+ * request's heads, so that the threads share it. A task computes its query rows one at a time:
+ * the row's scores 8 keys at once (eight dot products side by side in 8-float lanes of the head's
+ * dimensions, then summed across lanes together), its softmax over the keys it sees (causal,
+ * within the sliding window), then the values weighted in key order into registers. A slot's
+ * offset is computed once per task, not per key and row.
  *
  * Row invariance, by construction: a query row's output is computed from its own query vector
- * and the keys it sees, in a fixed order (dot products in 8 fixed lanes then a fixed tree, keys
- * summed one after another), so it does not depend on how many rows, requests or keys share the
- * call. A verify row therefore computes bit for bit what the decode it replaces would.
+ * and the keys it sees, in a fixed order (each score: fused multiply-adds in 8 lanes then the
+ * tree ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); the softmax sum in 8 lanes by the key's
+ * index mod 8 then the same tree; the values in key order), so it does not depend on how many
+ * rows, requests or keys share the call. A verify row therefore computes bit for bit what the
+ * decode it replaces would.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,117 +24,148 @@
 #include <xmmintrin.h>
 #endif
 
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
+#include "simd.h"
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        acc += *(const v8f *)(a + d) * *(const v8f *)(b + d);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; d < n; d++)
-        s += a[d] * b[d];
+#define KEYS 8                              /* keys scored together, at indices KEYS * i + l */
+
+static inline float tree8(v8f a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+/* tree8 of each of a[0..7], as one vector */
+static inline v8f tree8x8(const v8f a[8]) {
+#if defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+    const __m256 t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+    const __m256 t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                              _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8f s;
+    for (int i = 0; i < 8; i++)
+        s[i] = tree8(a[i]);
+    return s;
+#endif
+}
+
+/* q . K[j0 + i] for i < 8, K[j] at k + off[j] */
+static inline v8f scores8(const float *q, const float *k, const int64_t *off, int64_t j0,
+                          int64_t head_dim) {
+    const float *kp[KEYS];
+    v8f acc[KEYS];
+    for (int i = 0; i < KEYS; i++) {
+        kp[i] = k + off[j0 + i];
+        acc[i] = splat8(0.0f);
+    }
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 8) {
+        const v8f qv = *(const v8f *)(q + d);
+        for (int i = 0; i < KEYS; i++)
+            acc[i] = fma8(qv, *(const v8f *)(kp[i] + d), acc[i]);
+    }
+    v8f s = tree8x8(acc);
+    for (int64_t d = lanes; d < head_dim; d++)            /* dimensions past the lanes, in order */
+        for (int i = 0; i < KEYS; i++)
+            s[i] += q[d] * kp[i][d];
     return s;
 }
 
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        *(v8f *)(y + d) += a * *(const v8f *)(x + d);
-    for (; d < n; d++)
-        y[d] += a * x[d];
+/* o[0 .. 8 * nv) = inv * sum over keys lo..hi of p[j] * V[j], V[j] at v + off[j], in key order */
+static inline __attribute__((always_inline)) void weigh8(const float *p, const float *v,
+                                                         const int64_t *off, int64_t lo,
+                                                         int64_t hi, float inv, float *o,
+                                                         const int nv) {
+    v8f acc[8];
+    for (int c = 0; c < nv; c++)
+        acc[c] = splat8(0.0f);
+    for (int64_t j = lo; j <= hi; j++) {
+        const v8f pj = splat8(p[j]);
+        const float *vj = v + off[j];
+        for (int c = 0; c < nv; c++)
+            acc[c] = fma8(pj, *(const v8f *)(vj + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < nv; c++)
+        *(v8f *)(o + 8 * c) = acc[c] * inv;
 }
 
-#define PREFETCH_AHEAD 4          /* keys ahead whose K (V) lines are requested early */
-
-static inline const float *slot_ptr(const float *cache, const int64_t *table, int64_t j,
-                                    int64_t block_size, int64_t slot_floats) {
-    return cache + (table[j / block_size] * block_size + j % block_size) * slot_floats;
+/* One query row: q (head_dim floats) against the keys lo..hi (its position) of K and V (one kv
+ * head's, at k + off[j], v + off[j]); scores: scratch indexed by key (room up to hi rounded up
+ * to KEYS). */
+static void attend_row(const float *q, const float *k, const float *v, const int64_t *off,
+                       int64_t lo, int64_t hi, int64_t head_dim, float scale, float softcap,
+                       float *scores, float *o) {
+    const int64_t first = lo & ~(int64_t)(KEYS - 1), end = (hi + KEYS) & ~(int64_t)(KEYS - 1);
+    for (int64_t j0 = first; j0 < end; j0 += KEYS)
+        *(v8f *)(scores + j0) = scores8(q, k, off, j0, head_dim) * scale;
+    if (softcap > 0.0f)
+        for (int64_t j = lo; j <= hi; j++)
+            scores[j] = tanhf(scores[j] / softcap) * softcap;
+    float m = scores[lo];
+    for (int64_t j = lo + 1; j <= hi; j++)
+        m = scores[j] > m ? scores[j] : m;
+    /* e^(s - m), 0 in the lanes of keys the row does not see, summed by lane */
+    const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+    const int32_t lo32 = (int32_t)lo, hi32 = (int32_t)hi;
+    const v8i lo8 = {lo32, lo32, lo32, lo32, lo32, lo32, lo32, lo32};
+    const v8i hi8 = {hi32, hi32, hi32, hi32, hi32, hi32, hi32, hi32};
+    v8f sum = splat8(0.0f);
+    for (int64_t j0 = first; j0 < end; j0 += KEYS) {
+        const int32_t at = (int32_t)j0;
+        const v8i key = iota + (v8i){at, at, at, at, at, at, at, at};
+        const v8f e = (v8f)((v8i)exp8(*(v8f *)(scores + j0) - m) & (key >= lo8) & (key <= hi8));
+        *(v8f *)(scores + j0) = e;
+        sum += e;
+    }
+    const float inv = 1.0f / tree8(sum);
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 64) {
+        switch ((lanes - d) / 8 < 8 ? (lanes - d) / 8 : 8) {   /* a constant count each case */
+        case 8: weigh8(scores, v + d, off, lo, hi, inv, o + d, 8); break;
+        case 7: weigh8(scores, v + d, off, lo, hi, inv, o + d, 7); break;
+        case 6: weigh8(scores, v + d, off, lo, hi, inv, o + d, 6); break;
+        case 5: weigh8(scores, v + d, off, lo, hi, inv, o + d, 5); break;
+        case 4: weigh8(scores, v + d, off, lo, hi, inv, o + d, 4); break;
+        case 3: weigh8(scores, v + d, off, lo, hi, inv, o + d, 3); break;
+        case 2: weigh8(scores, v + d, off, lo, hi, inv, o + d, 2); break;
+        default: weigh8(scores, v + d, off, lo, hi, inv, o + d, 1); break;
+        }
+    }
+    for (int64_t d = lanes; d < head_dim; d++) {
+        float acc = 0.0f;
+        for (int64_t j = lo; j <= hi; j++)
+            acc += scores[j] * v[off[j] + d];
+        o[d] = acc * inv;
+    }
 }
 
-static inline void prefetch_slot(const float *slot, int64_t slot_floats) {
-    for (int64_t f = 0; f < slot_floats; f += 16)            /* one 64-byte line per 16 floats */
-        __builtin_prefetch(slot + f, 0, 1);
-}
-
-/* key j's slot in `cache`, the slot PREFETCH_AHEAD keys on requested early */
-static inline const float *walk_slot(const float *cache, const int64_t *table, int64_t j,
-                                     int64_t seq_len, int64_t block_size, int64_t slot_floats) {
-    if (j + PREFETCH_AHEAD < seq_len)
-        prefetch_slot(slot_ptr(cache, table, j + PREFETCH_AHEAD, block_size, slot_floats),
-                      slot_floats);
-    return slot_ptr(cache, table, j, block_size, slot_floats);
-}
-
-/* the query at `pos` sees key j: causal, within the sliding window (0: none) */
-static inline int visible(int64_t j, int64_t pos, int64_t window) {
-    return j <= pos && (window <= 0 || j > pos - window);
-}
-
-/* One request's heads h0 .. h0 + nh - 1: rows r = qi * nh + (h - h0) are query qi of head h (kv
- * head h / group). Keys are walked slot by slot, every kv head of a slot together (one contiguous
- * run of memory). */
+/* One request's heads h0 .. h0 + nh - 1, every query row of each. off: scratch for the slot
+ * offset of every key (seq_len rounded up to KEYS, the padding repeating the last key's). */
 static void attend_request(const float *q, int64_t q_token_stride, const float *k_cache,
                            const float *v_cache, float *out, int64_t out_token_stride,
                            const int64_t *table, int64_t q_start, int64_t q_len,
                            int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            float scale, int64_t window, float softcap, float *scores,
-                           float *acc, float *inv_sum) {
-    const int64_t group = num_heads / num_kv_heads, rows = q_len * nh;
-    const int64_t slot_floats = num_kv_heads * head_dim, first_pos = seq_len - q_len;
-    int64_t lo_all = window > 0 ? first_pos - window + 1 : 0;
-    if (lo_all < 0)
-        lo_all = 0;
-    /* scores[r * seq_len + j]: only the keys row r sees are written and read */
-    for (int64_t j = lo_all; j < seq_len; j++) {
-        const float *kj = walk_slot(k_cache, table, j, seq_len, block_size, slot_floats);
+                           int64_t *off) {
+    const int64_t group = num_heads / num_kv_heads, slot_floats = num_kv_heads * head_dim;
+    const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1);
+    for (int64_t j = 0; j < padded; j++) {
+        const int64_t key = j < seq_len ? j : seq_len - 1;
+        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_floats;
+    }
+    for (int64_t h = h0; h < h0 + nh; h++) {
+        const int64_t kv = (h / group) * head_dim;
         for (int64_t qi = 0; qi < q_len; qi++) {
-            if (!visible(j, first_pos + qi, window))
-                continue;
-            const float *qrow = q + (q_start + qi) * q_token_stride;
-            float *srow = scores + (qi * nh - h0) * seq_len + j;
-            for (int64_t h = h0; h < h0 + nh; h++) {
-                float sc = dot(qrow + h * head_dim, kj + (h / group) * head_dim, head_dim) * scale;
-                if (softcap > 0.0f)
-                    sc = tanhf(sc / softcap) * softcap;
-                srow[h * seq_len] = sc;
-            }
+            const int64_t pos = seq_len - q_len + qi;
+            int64_t lo = window > 0 ? pos - window + 1 : 0;
+            if (lo < 0)
+                lo = 0;
+            attend_row(q + (q_start + qi) * q_token_stride + h * head_dim, k_cache + kv,
+                       v_cache + kv, off, lo, pos, head_dim, scale, softcap, scores,
+                       out + (q_start + qi) * out_token_stride + h * head_dim);
         }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t pos = first_pos + r / nh;
-        int64_t lo = window > 0 ? pos - window + 1 : 0;
-        if (lo < 0)
-            lo = 0;
-        float *row = scores + r * seq_len;
-        float m = row[lo];
-        for (int64_t j = lo + 1; j <= pos; j++)
-            m = row[j] > m ? row[j] : m;
-        float sum = 0.0f;
-        for (int64_t j = lo; j <= pos; j++) {
-            row[j] = expf(row[j] - m);
-            sum += row[j];
-        }
-        inv_sum[r] = 1.0f / sum;
-    }
-    memset(acc, 0, sizeof(float) * rows * head_dim);
-    for (int64_t j = lo_all; j < seq_len; j++) {
-        const float *vj = walk_slot(v_cache, table, j, seq_len, block_size, slot_floats);
-        for (int64_t qi = 0; qi < q_len; qi++) {
-            if (!visible(j, first_pos + qi, window))
-                continue;
-            for (int64_t h = h0; h < h0 + nh; h++) {
-                const int64_t r = qi * nh + h - h0;
-                axpy(acc + r * head_dim, scores[r * seq_len + j], vj + (h / group) * head_dim,
-                     head_dim);
-            }
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        float *o = out + (q_start + r / nh) * out_token_stride + (h0 + r % nh) * head_dim;
-        for (int64_t d = 0; d < head_dim; d++)
-            o[d] = acc[r * head_dim + d] * inv_sum[r];
     }
 }
 
@@ -145,13 +179,10 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
                           float softcap, int num_threads) {
-    int64_t max_scores = 0, max_rows = 0;
+    int64_t max_keys = KEYS;                    /* the longest context, rounded up to KEYS */
     for (int64_t b = 0; b < num_reqs; b++) {
-        const int64_t rows = requests[b * 3 + 1] * num_heads;
-        if (rows * requests[b * 3 + 2] > max_scores)
-            max_scores = rows * requests[b * 3 + 2];
-        if (rows > max_rows)
-            max_rows = rows;
+        const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
+        max_keys = padded > max_keys ? padded : max_keys;
     }
     /* parts per request: 1, or with fewer requests than threads enough head parts to share */
     int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
@@ -167,10 +198,9 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
 #endif
-        float *scores = malloc(sizeof(float) * (max_scores > 0 ? max_scores : 1));
-        float *acc = malloc(sizeof(float) * (max_rows * head_dim > 0 ? max_rows * head_dim : 1));
-        float *inv_sum = malloc(sizeof(float) * (max_rows > 0 ? max_rows : 1));
-        if (!scores || !acc || !inv_sum) {
+        float *scores = malloc(sizeof(float) * max_keys);
+        int64_t *off = malloc(sizeof(int64_t) * max_keys);
+        if (!scores || !off) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -178,16 +208,15 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t b = t / parts, h0 = t % parts * part_heads;
             const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
-            if (!scores || !acc || !inv_sum || nh <= 0)
+            if (!scores || !off || nh <= 0)
                 continue;
             attend_request(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
                            tables + b * table_width, requests[b * 3], requests[b * 3 + 1],
                            requests[b * 3 + 2], h0, nh, num_heads, num_kv_heads, head_dim,
-                           block_size, scale, window, softcap, scores, acc, inv_sum);
+                           block_size, scale, window, softcap, scores, off);
         }
         free(scores);
-        free(acc);
-        free(inv_sum);
+        free(off);
 #if defined(__SSE__)
         _mm_setcsr(csr);
 #endif
