@@ -72,14 +72,16 @@ static inline v8f scores8(const float *q, const float *k, const int64_t *off, in
     return s;
 }
 
-/* o[0 .. 8 * nv) = inv * sum over keys lo..hi of p[j] * V[j], V[j] at v + off[j], in key order */
+/* acc[0 .. 8 * nv) += p[j] * V[j] for keys lo..hi in order, V[j] at v + off[j]: a row's
+ * weighted sum continued over a chunk of keys (registers in, the same chain of fused
+ * multiply-adds as one pass over all its keys) */
 static inline __attribute__((always_inline)) void weigh8(const float *p, const float *v,
                                                          const int64_t *off, int64_t lo,
-                                                         int64_t hi, float inv, float *o,
+                                                         int64_t hi, float *acc_mem,
                                                          const int nv) {
     v8f acc[8];
     for (int c = 0; c < nv; c++)
-        acc[c] = splat8(0.0f);
+        acc[c] = *(const v8f *)(acc_mem + 8 * c);
     for (int64_t j = lo; j <= hi; j++) {
         const v8f pj = splat8(p[j]);
         const float *vj = v + off[j];
@@ -87,85 +89,121 @@ static inline __attribute__((always_inline)) void weigh8(const float *p, const f
             acc[c] = fma8(pj, *(const v8f *)(vj + 8 * c), acc[c]);
     }
     for (int c = 0; c < nv; c++)
-        *(v8f *)(o + 8 * c) = acc[c] * inv;
+        *(v8f *)(acc_mem + 8 * c) = acc[c];
 }
 
-/* One query row: q (head_dim floats) against the keys lo..hi (its position) of K and V (one kv
- * head's, at k + off[j], v + off[j]); scores: scratch indexed by key (room up to hi rounded up
- * to KEYS). */
-static void attend_row(const float *q, const float *k, const float *v, const int64_t *off,
-                       int64_t lo, int64_t hi, int64_t head_dim, float scale, float softcap,
-                       float *scores, float *o) {
-    const int64_t first = lo & ~(int64_t)(KEYS - 1), end = (hi + KEYS) & ~(int64_t)(KEYS - 1);
-    for (int64_t j0 = first; j0 < end; j0 += KEYS)
-        *(v8f *)(scores + j0) = scores8(q, k, off, j0, head_dim) * scale;
+static void weigh(const float *p, const float *v, const int64_t *off, int64_t lo, int64_t hi,
+                  int64_t head_dim, float *acc) {
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 64) {
+        switch ((lanes - d) / 8 < 8 ? (lanes - d) / 8 : 8) {   /* a constant count each case */
+        case 8: weigh8(p, v + d, off, lo, hi, acc + d, 8); break;
+        case 7: weigh8(p, v + d, off, lo, hi, acc + d, 7); break;
+        case 6: weigh8(p, v + d, off, lo, hi, acc + d, 6); break;
+        case 5: weigh8(p, v + d, off, lo, hi, acc + d, 5); break;
+        case 4: weigh8(p, v + d, off, lo, hi, acc + d, 4); break;
+        case 3: weigh8(p, v + d, off, lo, hi, acc + d, 3); break;
+        case 2: weigh8(p, v + d, off, lo, hi, acc + d, 2); break;
+        default: weigh8(p, v + d, off, lo, hi, acc + d, 1); break;
+        }
+    }
+    for (int64_t d = lanes; d < head_dim; d++)            /* dimensions past the lanes */
+        for (int64_t j = lo; j <= hi; j++)
+            acc[d] += p[j] * v[off[j] + d];
+}
+
+/* a row's scores (keys first..end-1, in place) -> e^(s - max) over lo..hi, 0 elsewhere; returns
+ * 1 / their sum */
+static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, int64_t hi,
+                         float softcap) {
     if (softcap > 0.0f)
         for (int64_t j = lo; j <= hi; j++)
             scores[j] = tanhf(scores[j] / softcap) * softcap;
-    float m = scores[lo];
-    for (int64_t j = lo + 1; j <= hi; j++)
-        m = scores[j] > m ? scores[j] : m;
-    /* e^(s - m), 0 in the lanes of keys the row does not see, summed by lane */
     const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
     const int32_t lo32 = (int32_t)lo, hi32 = (int32_t)hi;
     const v8i lo8 = {lo32, lo32, lo32, lo32, lo32, lo32, lo32, lo32};
     const v8i hi8 = {hi32, hi32, hi32, hi32, hi32, hi32, hi32, hi32};
-    v8f sum = splat8(0.0f);
+    v8f most = splat8(scores[lo]);                 /* the maximum by lane (exact in any order) */
     for (int64_t j0 = first; j0 < end; j0 += KEYS) {
+        const int32_t at = (int32_t)j0;
+        const v8i key = iota + (v8i){at, at, at, at, at, at, at, at};
+        const v8i seen = (key >= lo8) & (key <= hi8);
+        const v8f s = *(const v8f *)(scores + j0);
+        const v8i more = seen & (s > most);
+        most = (v8f)(((v8i)s & more) | ((v8i)most & ~more));
+    }
+    float m = most[0];
+    for (int l = 1; l < 8; l++)
+        m = most[l] > m ? most[l] : m;
+    v8f sum = splat8(0.0f);
+    for (int64_t j0 = first; j0 < end; j0 += KEYS) {      /* summed by lane: key index mod 8 */
         const int32_t at = (int32_t)j0;
         const v8i key = iota + (v8i){at, at, at, at, at, at, at, at};
         const v8f e = (v8f)((v8i)exp8(*(v8f *)(scores + j0) - m) & (key >= lo8) & (key <= hi8));
         *(v8f *)(scores + j0) = e;
         sum += e;
     }
-    const float inv = 1.0f / tree8(sum);
-    const int64_t lanes = head_dim & ~(int64_t)7;
-    for (int64_t d = 0; d < lanes; d += 64) {
-        switch ((lanes - d) / 8 < 8 ? (lanes - d) / 8 : 8) {   /* a constant count each case */
-        case 8: weigh8(scores, v + d, off, lo, hi, inv, o + d, 8); break;
-        case 7: weigh8(scores, v + d, off, lo, hi, inv, o + d, 7); break;
-        case 6: weigh8(scores, v + d, off, lo, hi, inv, o + d, 6); break;
-        case 5: weigh8(scores, v + d, off, lo, hi, inv, o + d, 5); break;
-        case 4: weigh8(scores, v + d, off, lo, hi, inv, o + d, 4); break;
-        case 3: weigh8(scores, v + d, off, lo, hi, inv, o + d, 3); break;
-        case 2: weigh8(scores, v + d, off, lo, hi, inv, o + d, 2); break;
-        default: weigh8(scores, v + d, off, lo, hi, inv, o + d, 1); break;
-        }
-    }
-    for (int64_t d = lanes; d < head_dim; d++) {
-        float acc = 0.0f;
-        for (int64_t j = lo; j <= hi; j++)
-            acc += scores[j] * v[off[j] + d];
-        o[d] = acc * inv;
-    }
+    return 1.0f / tree8(sum);
 }
 
-/* One request's heads h0 .. h0 + nh - 1, every query row of each. off: scratch for the slot
- * offset of every key (seq_len rounded up to KEYS, the padding repeating the last key's). */
+#define CHUNK 32                   /* keys whose values every row of a kv head weighs in turn */
+
+/* One request's heads h0 .. h0 + nh - 1, every query row of each, a kv head's rows together: each
+ * block of 8 keys is scored for all of them while it is in the L1 cache, and each chunk of
+ * values weighed by all of them likewise. Scratch: off, the slot offset of every key (seq_len
+ * rounded up to KEYS, the padding repeating the last key's); scores, keys_padded floats per
+ * row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len). */
 static void attend_request(const float *q, int64_t q_token_stride, const float *k_cache,
                            const float *v_cache, float *out, int64_t out_token_stride,
                            const int64_t *table, int64_t q_start, int64_t q_len,
                            int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int64_t window, float softcap, float *scores,
-                           int64_t *off) {
+                           float scale, int64_t window, float softcap, int64_t *off,
+                           float *scores, float *acc, float *inv) {
     const int64_t group = num_heads / num_kv_heads, slot_floats = num_kv_heads * head_dim;
     const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1);
     for (int64_t j = 0; j < padded; j++) {
         const int64_t key = j < seq_len ? j : seq_len - 1;
         off[j] = (table[key / block_size] * block_size + key % block_size) * slot_floats;
     }
-    for (int64_t h = h0; h < h0 + nh; h++) {
-        const int64_t kv = (h / group) * head_dim;
-        for (int64_t qi = 0; qi < q_len; qi++) {
-            const int64_t pos = seq_len - q_len + qi;
-            int64_t lo = window > 0 ? pos - window + 1 : 0;
-            if (lo < 0)
-                lo = 0;
-            attend_row(q + (q_start + qi) * q_token_stride + h * head_dim, k_cache + kv,
-                       v_cache + kv, off, lo, pos, head_dim, scale, softcap, scores,
-                       out + (q_start + qi) * out_token_stride + h * head_dim);
+    /* rows r = (h - ha) * q_len + qi: query qi of head h; position seq_len - q_len + qi */
+    int64_t lo_any = window > 0 ? seq_len - q_len - window + 1 : 0;
+    lo_any = lo_any < 0 ? 0 : lo_any;
+    for (int64_t ha = h0; ha < h0 + nh;) {
+        const int64_t g = ha / group, hb_group = (g + 1) * group;
+        const int64_t hb = hb_group < h0 + nh ? hb_group : h0 + nh, rows = (hb - ha) * q_len;
+        const float *k = k_cache + g * head_dim, *v = v_cache + g * head_dim;
+#define ROW_LO(qi) (window > 0 && seq_len - q_len + (qi) - window + 1 > 0 ? \
+                    seq_len - q_len + (qi) - window + 1 : 0)
+        for (int64_t j0 = lo_any & ~(int64_t)(KEYS - 1); j0 < padded; j0 += KEYS)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t qi = r % q_len, hi = seq_len - q_len + qi;
+                if (j0 > hi || j0 + KEYS <= (ROW_LO(qi) & ~(int64_t)(KEYS - 1)))
+                    continue;
+                const float *qr = q + (q_start + qi) * q_token_stride + (ha + r / q_len) * head_dim;
+                *(v8f *)(scores + r * padded + j0) = scores8(qr, k, off, j0, head_dim) * scale;
+            }
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t qi = r % q_len, lo = ROW_LO(qi), hi = seq_len - q_len + qi;
+            inv[r] = softmax_row(scores + r * padded, lo & ~(int64_t)(KEYS - 1),
+                                 (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
         }
+        memset(acc, 0, sizeof(float) * rows * head_dim);
+        for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t qi = r % q_len, row_hi = seq_len - q_len + qi;
+                const int64_t lo = ROW_LO(qi) > c0 ? ROW_LO(qi) : c0;
+                const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
+                if (lo <= hi)
+                    weigh(scores + r * padded, v, off, lo, hi, head_dim, acc + r * head_dim);
+            }
+#undef ROW_LO
+        for (int64_t r = 0; r < rows; r++) {
+            float *o = out + (q_start + r % q_len) * out_token_stride + (ha + r / q_len) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++)
+                o[d] = acc[r * head_dim + d] * inv[r];
+        }
+        ha = hb;
     }
 }
 
@@ -179,11 +217,13 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
                           float softcap, int num_threads) {
-    int64_t max_keys = KEYS;                    /* the longest context, rounded up to KEYS */
+    int64_t max_keys = KEYS, max_q = 1;       /* the longest context (rounded up to KEYS), query */
     for (int64_t b = 0; b < num_reqs; b++) {
         const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
         max_keys = padded > max_keys ? padded : max_keys;
+        max_q = requests[b * 3 + 1] > max_q ? requests[b * 3 + 1] : max_q;
     }
+    const int64_t max_rows = num_heads / num_kv_heads * max_q;      /* a kv head's query rows */
     /* parts per request: 1, or with fewer requests than threads enough head parts to share */
     int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
     if (parts > num_heads)
@@ -198,9 +238,12 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
 #endif
-        float *scores = malloc(sizeof(float) * max_keys);
         int64_t *off = malloc(sizeof(int64_t) * max_keys);
-        if (!scores || !off) {
+        float *scores = malloc(sizeof(float) * max_rows * max_keys);
+        float *acc = malloc(sizeof(float) * max_rows * head_dim);
+        float *inv = malloc(sizeof(float) * max_rows);
+        const int ok = off && scores && acc && inv;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -208,15 +251,17 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t b = t / parts, h0 = t % parts * part_heads;
             const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
-            if (!scores || !off || nh <= 0)
+            if (!ok || nh <= 0)
                 continue;
             attend_request(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
                            tables + b * table_width, requests[b * 3], requests[b * 3 + 1],
                            requests[b * 3 + 2], h0, nh, num_heads, num_kv_heads, head_dim,
-                           block_size, scale, window, softcap, scores, off);
+                           block_size, scale, window, softcap, off, scores, acc, inv);
         }
-        free(scores);
         free(off);
+        free(scores);
+        free(acc);
+        free(inv);
 #if defined(__SSE__)
         _mm_setcsr(csr);
 #endif
