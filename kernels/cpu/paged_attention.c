@@ -3,11 +3,12 @@
  * short request of the step whatever their shapes.
  *
  * One task per request, or, with fewer requests than threads (one decode), per part of a
- * request's heads, so that the threads share it. A task computes its query rows one at a time:
- * the row's scores 8 keys at once (eight dot products side by side in 8-float lanes of the head's
- * dimensions, then summed across lanes together), its softmax over the keys it sees (causal,
- * within the sliding window), then the values weighted in key order into registers. A slot's
- * offset is computed once per task, not per key and row.
+ * request's heads, so that the threads share it. A task walks the request's keys once for all
+ * its query rows: each block of 8 keys is scored for every row while in the L1 cache (eight dot
+ * products side by side in 8-float lanes of the head's dimensions, then summed across lanes
+ * together), each row soft-maxed over the keys it sees (causal, within the sliding window), then
+ * each chunk of 16 values weighed into every row's sums. A slot's offset is computed once per
+ * task, not per key and row.
  *
  * Row invariance, by construction: a query row's output is computed from its own query vector
  * and the keys it sees, in a fixed order (each score: fused multiply-adds in 8 lanes then the
@@ -146,13 +147,14 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
     return 1.0f / tree8(sum);
 }
 
-#define CHUNK 32                   /* keys whose values every row of a kv head weighs in turn */
+#define CHUNK 16                      /* keys whose values every row weighs in turn (in L1) */
 
-/* One request's heads h0 .. h0 + nh - 1, every query row of each, a kv head's rows together: each
- * block of 8 keys is scored for all of them while it is in the L1 cache, and each chunk of
- * values weighed by all of them likewise. Scratch: off, the slot offset of every key (seq_len
- * rounded up to KEYS, the padding repeating the last key's); scores, keys_padded floats per
- * row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len). */
+/* One request's heads h0 .. h0 + nh - 1, every query row of each, all together in one pass over
+ * the keys (the cache is read once, slot by slot, every kv head of a slot at once): each block of 8 keys is scored for every row while it is in the L1
+ * cache, and each chunk of values weighed by every row likewise. Scratch: off, the slot offset
+ * of every key (seq_len rounded up to KEYS, the padding repeating the last key's); scores,
+ * keys_padded floats per row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len,
+ * row r = query r % q_len of head h0 + r / q_len). */
 static void attend_request(const float *q, int64_t q_token_stride, const float *k_cache,
                            const float *v_cache, float *out, int64_t out_token_stride,
                            const int64_t *table, int64_t q_start, int64_t q_len,
@@ -161,49 +163,47 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
                            float scale, int64_t window, float softcap, int64_t *off,
                            float *scores, float *acc, float *inv) {
     const int64_t group = num_heads / num_kv_heads, slot_floats = num_kv_heads * head_dim;
-    const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1);
+    const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1), rows = nh * q_len;
     for (int64_t j = 0; j < padded; j++) {
         const int64_t key = j < seq_len ? j : seq_len - 1;
         off[j] = (table[key / block_size] * block_size + key % block_size) * slot_floats;
     }
-    /* rows r = (h - ha) * q_len + qi: query qi of head h; position seq_len - q_len + qi */
-    int64_t lo_any = window > 0 ? seq_len - q_len - window + 1 : 0;
-    lo_any = lo_any < 0 ? 0 : lo_any;
-    for (int64_t ha = h0; ha < h0 + nh;) {
-        const int64_t g = ha / group, hb_group = (g + 1) * group;
-        const int64_t hb = hb_group < h0 + nh ? hb_group : h0 + nh, rows = (hb - ha) * q_len;
-        const float *k = k_cache + g * head_dim, *v = v_cache + g * head_dim;
 #define ROW_LO(qi) (window > 0 && seq_len - q_len + (qi) - window + 1 > 0 ? \
                     seq_len - q_len + (qi) - window + 1 : 0)
-        for (int64_t j0 = lo_any & ~(int64_t)(KEYS - 1); j0 < padded; j0 += KEYS)
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t qi = r % q_len, hi = seq_len - q_len + qi;
-                if (j0 > hi || j0 + KEYS <= (ROW_LO(qi) & ~(int64_t)(KEYS - 1)))
-                    continue;
-                const float *qr = q + (q_start + qi) * q_token_stride + (ha + r / q_len) * head_dim;
-                *(v8f *)(scores + r * padded + j0) = scores8(qr, k, off, j0, head_dim) * scale;
-            }
+#define KV(r) ((h0 + (r) / q_len) / group * head_dim)          /* row r's kv head, in floats */
+    const int64_t lo_any = ROW_LO(0);
+    for (int64_t j0 = lo_any & ~(int64_t)(KEYS - 1); j0 < padded; j0 += KEYS) {
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t qi = r % q_len, lo = ROW_LO(qi), hi = seq_len - q_len + qi;
-            inv[r] = softmax_row(scores + r * padded, lo & ~(int64_t)(KEYS - 1),
-                                 (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
+            const int64_t qi = r % q_len, hi = seq_len - q_len + qi;
+            if (j0 > hi || j0 + KEYS <= (ROW_LO(qi) & ~(int64_t)(KEYS - 1)))
+                continue;
+            const float *qr = q + (q_start + qi) * q_token_stride + (h0 + r / q_len) * head_dim;
+            *(v8f *)(scores + r * padded + j0) = scores8(qr, k_cache + KV(r), off, j0,
+                                                         head_dim) * scale;
         }
-        memset(acc, 0, sizeof(float) * rows * head_dim);
-        for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK)
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t qi = r % q_len, row_hi = seq_len - q_len + qi;
-                const int64_t lo = ROW_LO(qi) > c0 ? ROW_LO(qi) : c0;
-                const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
-                if (lo <= hi)
-                    weigh(scores + r * padded, v, off, lo, hi, head_dim, acc + r * head_dim);
-            }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t qi = r % q_len, lo = ROW_LO(qi), hi = seq_len - q_len + qi;
+        inv[r] = softmax_row(scores + r * padded, lo & ~(int64_t)(KEYS - 1),
+                             (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
+    }
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t qi = r % q_len, row_hi = seq_len - q_len + qi;
+            const int64_t lo = ROW_LO(qi) > c0 ? ROW_LO(qi) : c0;
+            const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
+            if (lo <= hi)
+                weigh(scores + r * padded, v_cache + KV(r), off, lo, hi, head_dim,
+                      acc + r * head_dim);
+        }
+    }
+#undef KV
 #undef ROW_LO
-        for (int64_t r = 0; r < rows; r++) {
-            float *o = out + (q_start + r % q_len) * out_token_stride + (ha + r / q_len) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++)
-                o[d] = acc[r * head_dim + d] * inv[r];
-        }
-        ha = hb;
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + (q_start + r % q_len) * out_token_stride + (h0 + r / q_len) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++)
+            o[d] = acc[r * head_dim + d] * inv[r];
     }
 }
 
@@ -223,7 +223,7 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
         max_keys = padded > max_keys ? padded : max_keys;
         max_q = requests[b * 3 + 1] > max_q ? requests[b * 3 + 1] : max_q;
     }
-    const int64_t max_rows = num_heads / num_kv_heads * max_q;      /* a kv head's query rows */
+    const int64_t max_rows = num_heads * max_q;                    /* a task's query rows */
     /* parts per request: 1, or with fewer requests than threads enough head parts to share */
     int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
     if (parts > num_heads)
