@@ -148,13 +148,34 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
 }
 
 #define CHUNK 16                      /* keys whose values every row weighs in turn (in L1) */
+#define AHEAD 16                                /* keys ahead whose slots are requested early */
+
+/* Cache lines of keys' slots requested from memory ahead of use, a few at a time between the
+ * rows' work (a burst of a whole block's lines would overflow the core's miss queue): the
+ * cursor walks slot after slot, every line of each (every kv head), in address order. */
+struct ahead {
+    const float *cache;
+    const int64_t *off;
+    int64_t key, line, end, slot_lines;
+};
+
+static inline void prefetch_lines(struct ahead *a, int64_t n) {
+    for (; n > 0 && a->key < a->end; n--) {
+        __builtin_prefetch(a->cache + a->off[a->key] + 16 * a->line, 0, 1);
+        if (++a->line == a->slot_lines) {
+            a->line = 0;
+            a->key++;
+        }
+    }
+}
 
 /* One request's heads h0 .. h0 + nh - 1, every query row of each, all together in one pass over
- * the keys (the cache is read once, slot by slot, every kv head of a slot at once): each block of 8 keys is scored for every row while it is in the L1
- * cache, and each chunk of values weighed by every row likewise. Scratch: off, the slot offset
- * of every key (seq_len rounded up to KEYS, the padding repeating the last key's); scores,
- * keys_padded floats per row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len,
- * row r = query r % q_len of head h0 + r / q_len). */
+ * the keys (slot by slot, every kv head of a slot at once, the slots AHEAD keys on requested
+ * early): each block of 8 keys is scored for every row while it is in the L1 cache, and each
+ * chunk of values weighed by every row likewise. Scratch: off, the slot offset of every key
+ * (seq_len rounded up to KEYS, the padding repeating the last key's); scores, keys_padded floats
+ * per row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len, row r = query
+ * r % q_len of head h0 + r / q_len). */
 static void attend_request(const float *q, int64_t q_token_stride, const float *k_cache,
                            const float *v_cache, float *out, int64_t out_token_stride,
                            const int64_t *table, int64_t q_start, int64_t q_len,
@@ -171,9 +192,15 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
 #define ROW_LO(qi) (window > 0 && seq_len - q_len + (qi) - window + 1 > 0 ? \
                     seq_len - q_len + (qi) - window + 1 : 0)
 #define KV(r) ((h0 + (r) / q_len) / group * head_dim)          /* row r's kv head, in floats */
-    const int64_t lo_any = ROW_LO(0);
-    for (int64_t j0 = lo_any & ~(int64_t)(KEYS - 1); j0 < padded; j0 += KEYS) {
+    const int64_t lo_any = ROW_LO(0), slot_lines = (slot_floats + 15) / 16;
+    const int64_t k_start = lo_any & ~(int64_t)(KEYS - 1);
+    struct ahead ka = {k_cache, off, k_start + AHEAD, 0, seq_len, slot_lines};
+    const int64_t k_lines = (KEYS * slot_lines + rows - 1) / rows;    /* per row, a block's lines */
+    for (int64_t j0 = k_start; j0 < padded; j0 += KEYS) {
+        if (ka.key < j0 + AHEAD)
+            ka.key = j0 + AHEAD, ka.line = 0;
         for (int64_t r = 0; r < rows; r++) {
+            prefetch_lines(&ka, k_lines);
             const int64_t qi = r % q_len, hi = seq_len - q_len + qi;
             if (j0 > hi || j0 + KEYS <= (ROW_LO(qi) & ~(int64_t)(KEYS - 1)))
                 continue;
@@ -188,8 +215,12 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
                              (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
     }
     memset(acc, 0, sizeof(float) * rows * head_dim);
+    struct ahead va = {v_cache, off, lo_any, 0, seq_len, slot_lines};
+    prefetch_lines(&va, AHEAD * slot_lines);
+    const int64_t v_lines = (CHUNK * slot_lines + rows - 1) / rows;
     for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
         for (int64_t r = 0; r < rows; r++) {
+            prefetch_lines(&va, v_lines);
             const int64_t qi = r % q_len, row_hi = seq_len - q_len + qi;
             const int64_t lo = ROW_LO(qi) > c0 ? ROW_LO(qi) : c0;
             const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
