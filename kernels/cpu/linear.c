@@ -32,6 +32,7 @@
 #define QBLOCK 32                                     /* GGUF's block of k */
 #define Q4_BLOCK_BYTES (2 * PANEL * 4 + QBLOCK * PANEL / 2)  /* d, m; then 32 k of 8 bytes */
 #define Q8_BLOCK_BYTES (PANEL * 4 + QBLOCK * PANEL)           /* d; then 32 k of 16 bytes */
+#define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
 #include "simd.h"
@@ -112,6 +113,15 @@ static inline struct block block_at(const uint8_t *panel, int layout, int64_t b)
     return blk;
 }
 
+/* block b of a quantized panel requested from memory ahead of use (the hardware's prefetcher
+ * alone left a one-row product at about half the machine's read bandwidth); b may run past the
+ * panel: a prefetch never faults */
+static inline void prefetch_block(const uint8_t *panel, int layout, int64_t b) {
+    const int64_t bytes = layout == Q4_1 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES;
+    for (int64_t line = 0; line < bytes; line += 64)
+        __builtin_prefetch(panel + b * bytes + line, 0, 1);
+}
+
 /* the 16 codes at k = j of a block, as floats (exact) */
 static inline void codes_at(const struct block *blk, int64_t j, v8f *q0, v8f *q1) {
     if (blk->layout == Q4_1)
@@ -148,6 +158,7 @@ static inline void panel_rows_quantized(const float *x, const float *xs, int64_t
                 fma_rows(x, K, b * QBLOCK + j, mr, *(const v8f *)(c + j * PANEL),
                          *(const v8f *)(c + j * PANEL + 8), s);
         } else {
+            prefetch_block(panel, layout, b + LEAD);
             const struct block blk = block_at(panel, layout, b);
             for (int64_t j = 0; j < QBLOCK; j++) {
                 v8f q0, q1;
@@ -178,6 +189,8 @@ static inline void row_pair(const float *x, const float *xs, int64_t K, const ui
                             const uint8_t *pb, int layout, v8f acc[4]) {
     acc[0] = acc[1] = acc[2] = acc[3] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t b = 0; b < K / QBLOCK; b++) {
+        prefetch_block(pa, layout, b + LEAD);
+        prefetch_block(pb, layout, b + LEAD);
         const struct block ba = block_at(pa, layout, b), bb = block_at(pb, layout, b);
         v8f sa[2] = {{0}}, sb[2] = {{0}};
         for (int64_t j = 0; j < QBLOCK; j++) {
