@@ -11,6 +11,8 @@ plus the bytes each variant must read and the achieved bandwidth. Times are medi
 timings (`triton.testing.do_bench`) on GPU, of perf_counter loops on CPU.
 
     python benchmarks/kernels.py --contexts 1024 4096 16384 --queries 1 9 --json out.json
+    python benchmarks/kernels.py --device cpu --ops paged --contexts 160 400 --queries 1 5 \
+        --layers 30 --reps 20          # the C kernel over caches in DRAM, as in a decode step
 """
 from __future__ import annotations
 
@@ -115,6 +117,8 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.7)
     ap.add_argument("--batch", type=int, default=16, help="requests in the paged-attention rows")
     ap.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="CPU paged attention: caches of this many layers, timed per layer")
     ap.add_argument("--ops", nargs="+", default=["compressed", "paged", "encode"],
                     choices=["compressed", "paged", "encode"])
     ap.add_argument("--json", default=None)
@@ -181,7 +185,11 @@ def main() -> None:
                 fast = dispatch.cpu_kernel("paged_attention")
                 row["cpu_rel_err"] = rel_err(fast(query, kc, vc, meta(), scale), out_ref)
                 m_fast = meta()
-                row["cpu_ms"] = bench(lambda: fast(query, kc, vc, m_fast, scale), dev, args.reps)
+                # one copy of the cache per layer, each call over all of them in turn: with
+                # --layers 30 the caches outgrow the last-level cache, as in a model's step
+                caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(args.layers - 1)]
+                step = lambda: [fast(query, k, v, m_fast, scale) for k, v in caches]  # noqa: E731
+                row["cpu_ms"] = bench(step, dev, args.reps) / args.layers
             rows.append(row)
         # ---- encoders: one layer's new pages for all KV heads ----
         if "encode" not in args.ops:
