@@ -1,8 +1,9 @@
 """The decoder stack on the CPU's C kernels with a step's buffers allocated once, where
 `LlamaModel.forward` goes through modules, dispatch and per-op allocation ("Python and dispatch"
-in `benchmarks/profile_step.py`, docs/BENCHMARKS.md §9.6-9.10). A step whose every query is short
-(decodes, verify rows: `paged_attention.short_requests`) runs the whole stack in one call of
-`kernels/cpu/decoder.c`; a step with a longer prompt chunk calls the kernels one by one from here.
+in `benchmarks/profile_step.py`, docs/BENCHMARKS.md §9.6-9.11). A step whose every query the C
+attention serves (decodes, verify rows, prompt chunks over contexts of up to TILED_MAX_KEYS tokens:
+`paged_attention.short_requests`) runs the whole stack in one call of `kernels/cpu/decoder.c`; a
+step with a chunk over a longer context calls the kernels one by one from here.
 
 Both call the same kernels on the same inputs in the same order as the modules do, so the hidden
 states are bitwise theirs (tests/spec_phases/test_cpu_decoder.py), whichever path a step takes.
@@ -74,8 +75,9 @@ class CpuDecoder:
                 meta: PagedAttentionMetadata, slot_mapping: torch.Tensor,
                 attention: LayerAttention, layers: list[int] | None = None) -> torch.Tensor:
         """As `LlamaModel.forward` with `runner.PagedAttention`: final-norm hidden states. A step
-        whose every query is short (decodes, verify rows) runs in one call of `decoder.c`; one
-        with a prefill chunk calls the kernels one by one (the same kernels, in the same order)."""
+        whose every query the C attention serves runs in one call of `decoder.c`; one with a
+        chunk over a longer context calls the kernels one by one (the same kernels, in the same
+        order)."""
         model, n = self.model, input_ids.shape[0]
         x = model.embed(input_ids).contiguous()             # the residual stream, updated in place
         cos, sin = model.ropes[0].table(positions)
@@ -87,7 +89,7 @@ class CpuDecoder:
              "gate_up": torch.empty(n, 2 * self.intermediate),
              "act": torch.empty(n, self.intermediate)}
         short = cpu_attention.short_requests(meta)
-        if len(run) and short is not None and short.requests.shape[0] == len(meta.seq_lens):
+        if len(run) and short is not None and short.whole:
             structs, layer_structs = self._structs(attention, meta.block_size)
             fused.forward(structs, layer_structs, torch.tensor(run, dtype=torch.int64), b, cos,
                           sin, storage.k, storage.v, slot_mapping, short.requests, short.tables)

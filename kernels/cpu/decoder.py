@@ -60,7 +60,7 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
     [rows, width] (`decoder.c`). k_cache, v_cache: float32 [layers, slots, kv heads, head_dim],
     written at `slots` (int64 [rows]); requests, tables: `paged_attention.short_requests`'s, every
-    request of the step short. seconds: None, or float64 [3] to which the call adds its time in
+    query of the step among them (`whole`). seconds: None, or float64 [3] to which the call adds its time in
     the linear layers, in attention (with the K/V write) and in the elementwise kernels
     (`benchmarks/profile_step.py`)."""
     rows = buffers["x"].shape[0]

@@ -1,11 +1,16 @@
 """Paged attention on the CPU (float32): every short query (decodes and verify rows, q_len <=
-SHORT_QUERY) in one call of the C kernel `paged_attention.c`, which reads K/V from the paged cache
-in place; long prefill chunks as the reference runs them (SDPA over their gathered blocks).
+SHORT_QUERY) and every prefill chunk over a context of at most TILED_MAX_KEYS tokens in one call
+of the C kernel `paged_attention.c`, which reads K/V from the paged cache in place (a chunk goes in
+as tiles of SHORT_QUERY rows, each tile a request of its own that ends at its last row); chunks over
+longer contexts as the reference runs them (SDPA over their gathered blocks).
 
 The reference gathers each request's blocks into a copy and batches requests by exact shape (one
 SDPA call per shape); at 16 decodes over ~150-token contexts that was a third of a step on a
 2-core AVX2 host. The kernel's rows are also invariant by construction (see the C source): a
-row's output depends only on its query and the keys it sees.
+row's output depends only on its query and the keys it sees, so tiling changes nothing in a row.
+Past ~800 keys SDPA's blocked kernel is the faster of the two on such a host (a tile's scores no
+longer fit the core's caches): `benchmarks/kernels.py --device cpu --ops paged --batch 1`,
+docs/BENCHMARKS.md §9.11.
 """
 from __future__ import annotations
 
@@ -33,11 +38,17 @@ def _kernel():
     return fn
 
 
+TILED_MAX_KEYS = 768     # prefill chunks over contexts up to this long: the C kernel, in tiles
+
+
 @dataclass(frozen=True)
 class ShortRequests:
-    """The step's short requests as the kernel reads them."""
+    """The queries the kernel serves this step, as it reads them: short requests, and prefill
+    chunks cut into tiles of at most SHORT_QUERY rows (a tile of rows a..b of a chunk is a request
+    of b - a rows whose context ends at row b's position)."""
     requests: torch.Tensor          # [n, 3] int64: first query row, q_len, seq_len
     tables: torch.Tensor            # [n, width] int64 block ids (padded with 0)
+    whole: bool                     # every query of the step is among them
 
 
 def short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
@@ -46,18 +57,23 @@ def short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
 
 
 def _short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
-    rows, tables = [], []
+    rows, tables, whole = [], [], True
     for b, seq_len in enumerate(meta.seq_lens):
         start, q_len = meta.query_start[b], meta.query_start[b + 1] - meta.query_start[b]
-        if 0 < q_len <= SHORT_QUERY:
-            rows.append((start, q_len, seq_len))
-            tables.append(meta.block_tables[b][:-(-seq_len // meta.block_size)])
+        if q_len > SHORT_QUERY and seq_len > TILED_MAX_KEYS:
+            whole = False                                      # the reference takes it
+            continue
+        table = meta.block_tables[b][:-(-seq_len // meta.block_size)]
+        for first in range(0, q_len, SHORT_QUERY):
+            rows_in = min(SHORT_QUERY, q_len - first)
+            rows.append((start + first, rows_in, seq_len - q_len + first + rows_in))
+            tables.append(table)
     if not rows:
         return None
     width = max(len(t) for t in tables)
     padded = [list(t) + [0] * (width - len(t)) for t in tables]
     return ShortRequests(torch.tensor(rows, dtype=torch.int64),
-                         torch.tensor(padded, dtype=torch.int64))
+                         torch.tensor(padded, dtype=torch.int64), whole)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -74,7 +90,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [num_slots, num_kv_heads, D] (one layer) -> [num_tokens, num_heads, D]."""
     num_heads, head_dim = q.shape[1:]
     out = torch.empty(q.shape, dtype=q.dtype)
-    for where, blocks, mask in chunk_groups(meta, window):      # prefill chunks, one by one
+    for where, blocks, mask in chunk_groups(meta, window, TILED_MAX_KEYS):  # long contexts
         out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
                                      meta.block_size, softcap)
     short = short_requests(meta)

@@ -29,10 +29,13 @@ from specserve.kernels.metadata import PagedAttentionMetadata
 SHORT_QUERY = 16
 
 
-def chunk_groups(meta: PagedAttentionMetadata, window: int = 0) -> list[tuple]:
-    """The long prefill chunks, one group each: (query slice, block ids [1, n], mask [1, 1, Q,
-    n * block_size] or None: causal from the top left), built once per step and window."""
-    return meta.memo(f"reference_chunks_{window}", lambda: _chunk_groups(meta, window))
+def chunk_groups(meta: PagedAttentionMetadata, window: int = 0,
+                 longer_than: int = 0) -> list[tuple]:
+    """The long prefill chunks (those whose context has more than `longer_than` tokens), one
+    group each: (query slice, block ids [1, n], mask [1, 1, Q, n * block_size] or None: causal
+    from the top left), built once per step, window and bound."""
+    return meta.memo(f"reference_chunks_{window}_{longer_than}",
+                     lambda: _chunk_groups(meta, window, longer_than))
 
 
 @dataclass(frozen=True)
@@ -73,13 +76,13 @@ def _visible(kpos: torch.Tensor, qpos: torch.Tensor, window: int) -> torch.Tenso
     return visible & (kpos > qpos - window) if window else visible
 
 
-def _chunk_groups(meta: PagedAttentionMetadata, window: int) -> list[tuple]:
+def _chunk_groups(meta: PagedAttentionMetadata, window: int, longer_than: int) -> list[tuple]:
     dev, bs = meta.device, meta.block_size
     groups = []
     for b, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start[b], meta.query_start[b + 1]
         q_len = q_end - q_start
-        if q_len <= SHORT_QUERY:
+        if q_len <= SHORT_QUERY or seq_len <= longer_than:
             continue
         blocks = torch.tensor(_blocks(meta.block_tables[b], seq_len, bs), dtype=torch.int64,
                               device=dev)

@@ -69,11 +69,12 @@ def test_takes_strided_queries():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_do_not_depend_on_what_shares_the_call(threads):
-    """A verify row computes bit for bit what the decode at its position computes alone, and a
-    request's rows are the same with or without neighbours (any thread count)."""
+    """A verify row, or a prompt chunk's row (the chunk cut into tiles), computes bit for bit
+    what the decode at its position computes alone, and a request's rows are the same with or
+    without neighbours (any thread count)."""
     torch.set_num_threads(threads)
     block_size, num_heads, num_kv, dim = 16, 9, 3, 64
-    shapes = [(150, 5), (40, 1), (211, 16), (97, 3)]
+    shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40), (35, 35)]
     q, k_cache, v_cache, query_start, tables = make_batch(shapes, block_size, num_heads, num_kv,
                                                           dim, num_blocks=64)
     scale = dim ** -0.5
@@ -90,6 +91,23 @@ def test_rows_do_not_depend_on_what_shares_the_call(threads):
             q[query_start[b]:query_start[b + 1]], k_cache, v_cache,
             meta_of([shapes[b]], [0, num_q], [tables[b]], block_size), scale)
         assert torch.equal(own, batch[query_start[b]:query_start[b + 1]])
+
+
+def test_chunks_over_long_contexts_go_to_the_reference(monkeypatch):
+    """A prompt chunk over more than TILED_MAX_KEYS tokens of context is the reference's (SDPA
+    over its gathered blocks, bit for bit); one over fewer is cut into tiles of SHORT_QUERY rows
+    for the C kernel, each tile ending at its last row's position."""
+    monkeypatch.setattr(cpu_paged, "TILED_MAX_KEYS", 30)
+    shapes = [(40, 30), (9, 1), (28, 20)]
+    q, k_cache, v_cache, query_start, tables = make_batch(shapes, 4, 6, 2, 16)
+    meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
+    got = cpu_paged.paged_attention(q, k_cache, v_cache, meta(), 0.25)
+    want = reference(q, k_cache, v_cache, meta(), 0.25)
+    assert torch.equal(got[:30], want[:30])                       # the long context's chunk
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    short = cpu_paged.short_requests(meta())
+    assert not short.whole
+    assert short.requests.tolist() == [[30, 1, 9], [31, 16, 24], [47, 4, 28]]
 
 
 def test_dispatch_picks_the_c_kernel_on_cpu_and_reference_when_forced(monkeypatch):

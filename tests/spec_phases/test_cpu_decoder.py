@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specserve.kernels.cpu import paged_attention as cpu_attention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases import cpu_decoder
 from specserve.spec_phases.loader import build_random_model, tiny_config
@@ -33,10 +34,14 @@ def runners(model):
 
 
 @pytest.mark.parametrize("bias,windows", [(False, ()), (True, ()), (False, (0, 8))])
-def test_bitwise_the_modules_over_mixed_steps(bias, windows, monkeypatch):
-    """Steps with a prefill chunk call the kernels one by one, steps of short queries alone the
-    whole stack in one call (`kernels/cpu/decoder.c`): both bitwise the modules, with attention
-    bias and with a sliding window on one layer."""
+@pytest.mark.parametrize("tiled_max_keys", [cpu_attention.TILED_MAX_KEYS, 30])
+def test_bitwise_the_modules_over_mixed_steps(bias, windows, tiled_max_keys, monkeypatch):
+    """Steps whose every query the C attention serves (decodes, verify rows, prompt chunks over
+    short contexts, in tiles) run the whole stack in one call (`kernels/cpu/decoder.c`); a step
+    with a chunk over a longer context (here: over 30 tokens, the bound lowered) calls the
+    kernels one by one: both bitwise the modules, with attention bias and with a sliding window
+    on one layer."""
+    monkeypatch.setattr(cpu_attention, "TILED_MAX_KEYS", tiled_max_keys)
     model = packed_model(attention_bias=bias, windows=windows)
     fast, modules = runners(model)
     whole = []
@@ -55,12 +60,13 @@ def test_bitwise_the_modules_over_mixed_steps(bias, windows, monkeypatch):
         assert torch.equal(got, want)
         assert torch.equal(fast.storage.k, modules.storage.k)
         assert torch.equal(fast.storage.v, modules.storage.v)
-    # the first and last steps (every query <= SHORT_QUERY rows), not the 40-token prompt's
-    assert whole == [model.config.num_layers] * 2
+    # every step, or with the bound at 30 tokens all but the 40-token prompt's
+    one_call_steps = 3 if tiled_max_keys >= 40 else 2
+    assert whole == [model.config.num_layers] * one_call_steps
     skip = [1]                                                        # self-speculation's subset
     assert torch.equal(fast.forward([(3,)], [41], [tables[2]], skip),
                        modules.forward([(3,)], [41], [tables[2]], skip))
-    assert whole[2:] == [1]
+    assert whole[one_call_steps:] == [1]
 
 
 def test_taken_only_where_it_serves(monkeypatch):
