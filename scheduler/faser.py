@@ -168,6 +168,13 @@ class DraftLengthController:
             p[depth:] = p[depth - 1]
         return p
 
+    def first_prob(self, request_id: str) -> float:
+        """`probs(request_id)[0]` without building the array (on every step's critical path)."""
+        p = self.accept.get(request_id)
+        if p is None:
+            return float(self.prior[0])
+        return float(p[0] if self.depth.get(request_id, self.k_max) > 0 else p[-1])
+
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         probed = request_id in self.probing
         self.probing.discard(request_id)
@@ -244,25 +251,29 @@ class DraftLengthController:
         loss, while k = 1 for every request shares it. Vectorised (numpy over all candidate drafts):
         it runs on every step's critical path."""
         n = len(request_ids)
-        limits = np.minimum(np.asarray(caps, dtype=np.int64), self.k_max)
-        most = int(limits.max(initial=0))
-        if not most:
+        limits = [min(c, self.k_max) for c in caps]
+        most = max(limits, default=0)
+        if most <= 0:
+            return [0] * n
+        # a step's predicted time is linear in its depth d: base_d = base_0 + c2 * d
+        base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
+        # the most valuable draft is some request's first (P(all drafts so far accepted) only
+        # falls along a chain); if it loses even against the dearest depth's base (a first draft
+        # at depth d pays only if gain * base_d > n * price, and base_d rises with d), none pays:
+        # the usual case under load, decided from one number per request, without the arrays
+        firsts = (self.first_prob(r) if probs is None else probs[i, 0]
+                  for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0)
+        if max(firsts) * (base0 + self.cost.coef[2] * most) <= n * self.cost.draft_price():
             return [0] * n
         if probs is None:
             probs = np.stack([self.probs(r) for r in request_ids])
         chain = np.cumprod(probs, axis=1)                                            # [n, k_max]
+        limits = np.asarray(limits, dtype=np.int64)
         valid = (np.arange(self.k_max)[None, :] < limits[:, None]) & (chain > 0)
         if not valid.any():
             return [0] * n
-        # a step's predicted time is linear in its depth d: base_d = base_0 + c2 * d
-        base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
         depths = np.arange(1, most + 1)
         base = base0 + self.cost.coef[2] * depths
-        # the most valuable draft loses even against the dearest depth's base (a first draft at
-        # depth d pays only if gain * base_d > n * price, and base_d rises with d): none pays,
-        # the usual case under load, decided without the arrays below
-        if chain[valid].max() * base[-1] <= n * self.cost.draft_price():
-            return [0] * n
         req, pos = np.nonzero(valid)
         gain = chain[req, pos]
         # by value; a request's drafts stay in position order

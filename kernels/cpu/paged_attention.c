@@ -147,6 +147,11 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
     return 1.0f / tree8(sum);
 }
 
+/* the first key the query at `pos` sees: within the sliding window (0: none) */
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
 #define CHUNK 16                      /* keys whose values every row weighs in turn (in L1) */
 #define AHEAD 16                                /* keys ahead whose slots are requested early */
 
@@ -189,10 +194,8 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
         const int64_t key = j < seq_len ? j : seq_len - 1;
         off[j] = (table[key / block_size] * block_size + key % block_size) * slot_floats;
     }
-#define ROW_LO(qi) (window > 0 && seq_len - q_len + (qi) - window + 1 > 0 ? \
-                    seq_len - q_len + (qi) - window + 1 : 0)
-#define KV(r) ((h0 + (r) / q_len) / group * head_dim)          /* row r's kv head, in floats */
-    const int64_t lo_any = ROW_LO(0), slot_lines = (slot_floats + 15) / 16;
+    const int64_t first_pos = seq_len - q_len;           /* query qi sits at first_pos + qi */
+    const int64_t lo_any = first_key(first_pos, window), slot_lines = (slot_floats + 15) / 16;
     const int64_t k_start = lo_any & ~(int64_t)(KEYS - 1);
     struct ahead ka = {k_cache, off, k_start + AHEAD, 0, seq_len, slot_lines};
     const int64_t k_lines = (KEYS * slot_lines + rows - 1) / rows;    /* per row, a block's lines */
@@ -201,16 +204,16 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
             ka.key = j0 + AHEAD, ka.line = 0;
         for (int64_t r = 0; r < rows; r++) {
             prefetch_lines(&ka, k_lines);
-            const int64_t qi = r % q_len, hi = seq_len - q_len + qi;
-            if (j0 > hi || j0 + KEYS <= (ROW_LO(qi) & ~(int64_t)(KEYS - 1)))
+            const int64_t qi = r % q_len, hi = first_pos + qi, h = h0 + r / q_len;
+            if (j0 > hi || j0 + KEYS <= (first_key(hi, window) & ~(int64_t)(KEYS - 1)))
                 continue;
-            const float *qr = q + (q_start + qi) * q_token_stride + (h0 + r / q_len) * head_dim;
-            *(v8f *)(scores + r * padded + j0) = scores8(qr, k_cache + KV(r), off, j0,
-                                                         head_dim) * scale;
+            const float *qr = q + (q_start + qi) * q_token_stride + h * head_dim;
+            *(v8f *)(scores + r * padded + j0) =
+                scores8(qr, k_cache + h / group * head_dim, off, j0, head_dim) * scale;
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t qi = r % q_len, lo = ROW_LO(qi), hi = seq_len - q_len + qi;
+        const int64_t hi = first_pos + r % q_len, lo = first_key(hi, window);
         inv[r] = softmax_row(scores + r * padded, lo & ~(int64_t)(KEYS - 1),
                              (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
     }
@@ -221,16 +224,14 @@ static void attend_request(const float *q, int64_t q_token_stride, const float *
     for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
         for (int64_t r = 0; r < rows; r++) {
             prefetch_lines(&va, v_lines);
-            const int64_t qi = r % q_len, row_hi = seq_len - q_len + qi;
-            const int64_t lo = ROW_LO(qi) > c0 ? ROW_LO(qi) : c0;
+            const int64_t row_hi = first_pos + r % q_len, row_lo = first_key(row_hi, window);
+            const int64_t lo = row_lo > c0 ? row_lo : c0;
             const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
             if (lo <= hi)
-                weigh(scores + r * padded, v_cache + KV(r), off, lo, hi, head_dim,
-                      acc + r * head_dim);
+                weigh(scores + r * padded, v_cache + (h0 + r / q_len) / group * head_dim, off,
+                      lo, hi, head_dim, acc + r * head_dim);
         }
     }
-#undef KV
-#undef ROW_LO
     for (int64_t r = 0; r < rows; r++) {
         float *o = out + (q_start + r % q_len) * out_token_stride + (h0 + r / q_len) * head_dim;
         for (int64_t d = 0; d < head_dim; d++)
