@@ -1,4 +1,5 @@
-/* The decoder stack of a step whose every query is short (decodes and verify rows) in one call:
+/* The decoder stack in one call, for a step whose every query paged_attention_short serves
+ * (decodes, verify rows, prompt chunks over short contexts cut into tiles of 16 rows):
  * for each layer, RMSNorm (with the residual add), the QKV projection, RoPE, the K/V write into
  * the paged cache, paged attention, the output projection, RMSNorm, the gate-up projection,
  * SwiGLU and the down projection, then the final norm. It runs the same kernels, on the same
@@ -59,9 +60,9 @@ struct decoder_buffers {
 /* layers: the model's; run: the indices of those to run, in order (num_run of them, >= 1);
  * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim], slots[rows] where each row's
  * K/V go; cos, sin: [rows, head_dim]; requests, tables: as paged_attention_short takes them
- * (every request short); seconds: NULL, or [3] to which the time in the linear layers, in
- * attention (with the K/V write) and in the elementwise kernels is added (profiling). Returns 0,
- * or -1 where a kernel could not get scratch memory. */
+ * (every query of the step among them); seconds: NULL, or [3] to which the time in the linear
+ * layers, in attention (with the K/V write) and in the elementwise kernels is added (profiling).
+ * Returns 0, or -1 where a kernel could not get scratch memory. */
 int decoder_forward(const struct decoder_model *m, const struct decoder_layer *layers,
                     const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
                     int64_t rows, const float *cos, const float *sin, float *k_cache,

@@ -60,9 +60,9 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
     [rows, width] (`decoder.c`). k_cache, v_cache: float32 [layers, slots, kv heads, head_dim],
     written at `slots` (int64 [rows]); requests, tables: `paged_attention.short_requests`'s, every
-    query of the step among them (`whole`). seconds: None, or float64 [3] to which the call adds its time in
-    the linear layers, in attention (with the K/V write) and in the elementwise kernels
-    (`benchmarks/profile_step.py`)."""
+    query of the step among them (`whole`). seconds: None, or float64 [3] to which the call adds
+    its time in the linear layers, in attention (with the K/V write) and in the elementwise
+    kernels (`benchmarks/profile_step.py`)."""
     rows = buffers["x"].shape[0]
     ptrs = Buffers(*(buffers[name].data_ptr() for name, _ in Buffers._fields_))
     status = _kernel()(ctypes.byref(model), layers, run.data_ptr(), run.shape[0],

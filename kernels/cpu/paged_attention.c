@@ -249,13 +249,17 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
                           float softcap, int num_threads) {
-    int64_t max_keys = KEYS, max_q = 1;       /* the longest context (rounded up to KEYS), query */
+    /* scratch per thread: the longest context (rounded up to KEYS), the most query rows of a
+     * task, the most scores of one (a request's rows times its keys: a long context's decode
+     * and a short context's verify rows never need their product) */
+    int64_t max_keys = KEYS, max_rows = 1, max_scores = KEYS;
     for (int64_t b = 0; b < num_reqs; b++) {
         const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
+        const int64_t rows = num_heads * requests[b * 3 + 1];
         max_keys = padded > max_keys ? padded : max_keys;
-        max_q = requests[b * 3 + 1] > max_q ? requests[b * 3 + 1] : max_q;
+        max_rows = rows > max_rows ? rows : max_rows;
+        max_scores = rows * padded > max_scores ? rows * padded : max_scores;
     }
-    const int64_t max_rows = num_heads * max_q;                    /* a task's query rows */
     /* parts per request: 1, or with fewer requests than threads enough head parts to share */
     int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
     if (parts > num_heads)
@@ -271,7 +275,7 @@ int paged_attention_short(const float *q, int64_t q_token_stride, const float *k
         _mm_setcsr(csr | 0x8040);
 #endif
         int64_t *off = malloc(sizeof(int64_t) * max_keys);
-        float *scores = malloc(sizeof(float) * max_rows * max_keys);
+        float *scores = malloc(sizeof(float) * max_scores);
         float *acc = malloc(sizeof(float) * max_rows * head_dim);
         float *inv = malloc(sizeof(float) * max_rows);
         const int ok = off && scores && acc && inv;

@@ -25,6 +25,7 @@ from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
 
 FAILURES = (BuildError,)
+TILED_MAX_KEYS = 768     # prefill chunks over contexts up to this long: the C kernel, in tiles
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -36,9 +37,6 @@ def _kernel():
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                    _i64, ctypes.c_float, _i64, ctypes.c_float, ctypes.c_int]
     return fn
-
-
-TILED_MAX_KEYS = 768     # prefill chunks over contexts up to this long: the C kernel, in tiles
 
 
 @dataclass(frozen=True)
