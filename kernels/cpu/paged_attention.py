@@ -8,9 +8,8 @@ The reference gathers each request's blocks into a copy and batches requests by 
 SDPA call per shape); at 16 decodes over ~150-token contexts that was a third of a step on a
 2-core AVX2 host. The kernel's rows are also invariant by construction (see the C source): a
 row's output depends only on its query and the keys it sees, so tiling changes nothing in a row.
-Past ~800 keys SDPA's blocked kernel is the faster of the two on such a host (a tile's scores no
-longer fit the core's caches): `benchmarks/kernels.py --device cpu --ops paged --batch 1`,
-docs/BENCHMARKS.md §9.11.
+Past ~800 keys SDPA's blocked kernel was the faster of the two on such a host in a probe (a
+tile's scores no longer fit the core's caches); below, the tiles win (docs/BENCHMARKS.md §9.11).
 """
 from __future__ import annotations
 
