@@ -6,20 +6,25 @@
                 Positions it never reached read as its deepest observed one (optimism that
                 explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
-    cost        T(step) = c0 + c1 * tokens + c2 * max_k + c3 * swap + c4 * drafts + c5 * prefill
-                fitted online (non-negative least squares) on measured steps (tokens: the rows of
-                decodes and verification, drafts included; prefill: the rows of prompt chunks,
-                priced apart because many rows share each weight read: one price for both made a
-                draft's verify row look as cheap as a prompt row, a fraction of what it costs;
-                c2: sequential draft passes and c4: a draft row in them, both ~0 for n-gram and
-                token recycling; c3: VeriCache's host -> device bytes, predicted from the last
-                step). A drafter that runs the model reports each draft pass (rows, seconds):
-                c2 + c4 * rows is then fitted on the passes alone, and c0, c1, c3, c5 on the rest
-                of the step
+    cost        T(step) = c0 + c1 * rows + c2 * max_k + c3 * swap + c4 * pass_rows + c5 * prefill
+                          + c6 * drafts + c7 * [drafts > 0]
+                fitted online (non-negative least squares) on measured steps. rows: one per
+                decoding or verifying request; drafts: the verify rows of drafts, priced apart
+                (an extra row of a request already in the step costs less than a request's row:
+                its weights are read anyway, its sampling and bookkeeping shared); c7: what a
+                step that verifies any draft pays once (multi-row attention, acceptance, on a GPU
+                a larger captured graph): on the CPU at 8 requests the first draft of a step cost
+                ~5 ms, each further one ~1.3 ms, and one price per draft made single drafts look
+                cheap and several dear. prefill: the rows of prompt chunks, priced apart because
+                many rows share each weight read. c2: sequential draft passes and c4: a row in
+                them, both 0 for n-gram and token recycling; c3: VeriCache's host -> device
+                bytes, predicted from the last step. A drafter that runs the model reports each
+                draft pass (rows, seconds): c2 + c4 * rows is then fitted on the passes alone,
+                and the rest on the rest of the step
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
                 marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the
-                best depth (a drafter with a per-pass cost, c2 > 0, shares that cost across the
-                batch).
+                best depth (the per-step costs c7 and c2 * d are shared across the batch's
+                drafts).
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays
                 live. A probe rejected doubles that request's interval (8, 16, ... 64 steps), one
                 accepted resets it: on text that never repeats, probes at a fixed interval cost a
@@ -40,20 +45,21 @@ import numpy as np
 
 
 class CostModel:
-    """Step time ~ c0 + c1 * num_tokens + c2 * max_draft_len + c3 * swap_bytes + c4 * draft_tokens
-    + c5 * prefill_tokens, refitted from recent steps. num_tokens counts the rows of decodes and
-    verification, drafts included; draft_tokens the drafts alone; prefill_tokens the rows of prompt
-    chunks (cheaper per row: a GEMM over many rows reads each weight once for all of them). With
-    one token count only, a draft of a drafter that runs the model (lossy_kv, layer_skip: a row in
-    each draft pass besides its verify row) was priced like a plain decode row, the average the fit
-    sees, and drafting looked cheaper than it is exactly when many requests decode. swap_bytes:
-    full-KV bytes staged host -> device for verification (VeriCache); 0 elsewhere. A step's swap
-    does not depend on its draft lengths, but it raises the price of the step they share, which
-    makes drafts worth more: the controller sees it through the goodput ratio."""
+    """Step time ~ c0 + c1 * rows + c2 * max_draft_len + c3 * swap_bytes + c4 * pass_rows
+    + c5 * prefill_tokens + c6 * draft_tokens + c7 * [draft_tokens > 0], refitted from recent
+    steps (columns as in the module docstring). The callers' num_tokens counts the rows of decodes
+    and verification, drafts included; draft_tokens the drafts alone; prefill_tokens the rows of
+    prompt chunks. A drafter that runs the model (lossy_kv, layer_skip) also pays a row in each
+    draft pass (c4, fitted on the passes it reports). swap_bytes: full-KV bytes staged host ->
+    device for verification (VeriCache); 0 elsewhere. A step's swap does not depend on its draft
+    lengths, but it raises the price of the step they share, which makes drafts worth more: the
+    controller sees it through the goodput ratio. Until steps with drafts are seen, c6 follows c1
+    (a draft's verify row priced as a row)."""
 
     def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0,
-                 c4: float = 0.0, c5: float = 0.0, window: int = 256):
-        self.coef = np.array([c0, c1, c2, c3, c4, c5])
+                 c4: float = 0.0, c5: float = 0.0, c6: float | None = None, c7: float = 0.0,
+                 window: int = 256):
+        self.coef = np.array([c0, c1, c2, c3, c4, c5, c1 if c6 is None else c6, c7])
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
         self.unfitted = 0                           # samples observed since the last fit
         # (rows, seconds) per draft pass
@@ -61,12 +67,17 @@ class CostModel:
 
     def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0,
                 draft_tokens: int = 0, prefill_tokens: int = 0) -> float:
-        return float(self.coef @ np.array([1.0, num_tokens, max_draft_len, swap_bytes,
-                                           draft_tokens, prefill_tokens]))
+        return float(self.coef @ np.array([1.0, num_tokens - draft_tokens, max_draft_len,
+                                           swap_bytes, draft_tokens, prefill_tokens,
+                                           draft_tokens, float(draft_tokens > 0)]))
 
     def draft_price(self) -> float:
-        """What one more draft adds at a fixed depth: its verify row (a token) and its draft row."""
-        return float(self.coef[1] + self.coef[4])
+        """What one more draft adds at a fixed depth: its draft row and its verify row."""
+        return float(self.coef[4] + self.coef[6])
+
+    def step_price(self) -> float:
+        """What a step verifying any draft pays once, besides its drafts and passes."""
+        return float(self.coef[7])
 
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
                 draft_tokens: int = 0, draft_passes: list[tuple[int, float]] | None = None,
@@ -75,15 +86,16 @@ class CostModel:
         reports them. Then the passes alone fit c2 (per pass) and c4 (per row): a pass of r rows
         costs c2 + c4 * r, which the step-level fit cannot separate when every request drafts the
         same k (max_k and drafts move together) and whose scale it confuses with prefill steps and
-        long contexts. The rest of the step (verify, sampling, cache upkeep) then fits c0, c1, c3
-        and c5 with c2, c4 fixed."""
+        long contexts. The rest of the step (verify, sampling, cache upkeep) then fits the other
+        coefficients with c2, c4 fixed. Without passes c4 keeps its value (0: no draft rows)."""
         if draft_passes:
             self.passes.extend((float(r), float(s)) for r, s in draft_passes)
             self._fit_passes()
             seconds = max(seconds - sum(s for _, s in draft_passes), 0.0)
-            max_draft_len = draft_tokens = 0          # priced by the pass fit: columns held at zero
-        self.samples.append((1.0, float(num_tokens), float(max_draft_len), float(swap_bytes),
-                             float(draft_tokens), float(prefill_tokens), seconds))
+            max_draft_len = 0                         # priced by the pass fit: held at zero
+        self.samples.append((1.0, float(num_tokens - draft_tokens), float(max_draft_len),
+                             float(swap_bytes), 0.0, float(prefill_tokens), float(draft_tokens),
+                             float(draft_tokens > 0), seconds))
         # refit every 4 new samples while the window fills, then every 1/16 of the window (once
         # full, `len % 4 == 0` had refitted on every step: on a GPU's few-millisecond steps the
         # fits cost more than the drafts they chose could win, docs/BENCHMARKS.md §7.5)
@@ -111,7 +123,7 @@ class CostModel:
     def fit(self) -> None:
         """Non-negative least squares over the regressors that varied (the others keep their value).
 
-        Exact NNLS by enumeration (six coefficients): every subset of the free columns that keeps
+        Exact NNLS by enumeration (eight coefficients): every subset of the free columns that keeps
         the intercept is solved, solutions with a negative coefficient are discarded, the smallest
         residual wins and, on a tie, the smaller subset. Clamping an unconstrained solution is wrong
         when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly,
@@ -138,6 +150,8 @@ class CostModel:
         self.coef[[j for j in free if j]] = 0.0
         self.coef[best[2]] = best[3]
         self.coef[0] = max(self.coef[0], 1e-6)
+        if 6 not in free:               # no drafts in the window: a draft's row priced as a row
+            self.coef[6] = self.coef[1]
 
 
 class DraftLengthController:
@@ -246,16 +260,16 @@ class DraftLengthController:
         order of marginal value, P(all drafts up to it accepted), each request at most d, while
         goodput rises; keep the best depth. With the depth fixed the marginal values only fall and
         the goodput bar only rises, so stopping at the first loss is exact for that depth. One
-        greedy pass over all depths at once would be myopic for a drafter with a real per-pass cost
-        (c2 > 0: lossy_kv, layer_skip): the first draft of the batch pays c2 alone and looks like a
-        loss, while k = 1 for every request shares it. Vectorised (numpy over all candidate drafts):
-        it runs on every step's critical path."""
+        greedy pass over all depths at once would be myopic where a step pays for drafting once
+        (c7, and c2 > 0 per pass: lossy_kv, layer_skip): the batch's first draft pays it alone and
+        looks like a loss, while k = 1 for every request shares it. Vectorised (numpy over all
+        candidate drafts): it runs on every step's critical path."""
         n = len(request_ids)
         limits = [min(c, self.k_max) for c in caps]
         most = max(limits, default=0)
         if most <= 0:
             return [0] * n
-        # a step's predicted time is linear in its depth d: base_d = base_0 + c2 * d
+        # a step's predicted time at depth d >= 1 before its drafts: base_d = base_0 + c7 + c2 * d
         base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
         # the most valuable draft is some request's first (P(all drafts so far accepted) only
         # falls along a chain); if it loses even against the dearest depth's base (a first draft
@@ -263,7 +277,8 @@ class DraftLengthController:
         # the usual case under load, decided from one number per request, without the arrays
         firsts = (self.first_prob(r) if probs is None else probs[i, 0]
                   for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0)
-        if max(firsts) * (base0 + self.cost.coef[2] * most) <= n * self.cost.draft_price():
+        dearest = base0 + self.cost.step_price() + self.cost.coef[2] * most
+        if max(firsts) * dearest <= n * self.cost.draft_price():
             return [0] * n
         if probs is None:
             probs = np.stack([self.probs(r) for r in request_ids])
@@ -273,7 +288,7 @@ class DraftLengthController:
         if not valid.any():
             return [0] * n
         depths = np.arange(1, most + 1)
-        base = base0 + self.cost.coef[2] * depths
+        base = base0 + self.cost.step_price() + self.cost.coef[2] * depths
         req, pos = np.nonzero(valid)
         gain = chain[req, pos]
         # by value; a request's drafts stay in position order

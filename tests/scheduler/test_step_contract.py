@@ -160,8 +160,8 @@ def test_drafts_the_grammar_cut_count_as_drafted_and_rejected_but_not_as_compute
     assert (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_masked_tokens) == (
         k, 0, k - 1)
     assert sched.controller.probs("a")[0] < before                 # acceptance estimate fell
-    tokens = sched.controller.cost.samples[-1][1]
-    assert tokens == plan.num_tokens + 1                            # 1 draft row computed, not k
+    sample = sched.controller.cost.samples[-1]
+    assert (sample[1], sample[6]) == (plan.num_tokens, 1)           # 1 draft row computed, not k
 
 
 def test_the_cost_model_sees_prompt_rows_apart_and_each_decode_row_once(monkeypatch):
@@ -189,7 +189,8 @@ def test_the_cost_model_sees_prompt_rows_apart_and_each_decode_row_once(monkeypa
             r.request_id: SampledTokens([41 + step], r.num_draft_tokens)
             for r in plan.requests if r.sample}, step_time_s=0.01))
         sample = sched.controller.cost.samples[-1]
-        assert sample[1] == chunk["a"] + chunk["c"] + drafts == 2 + drafts     # decode rows
+        assert sample[1] == chunk["a"] + chunk["c"] == 2                       # decode rows
+        assert sample[6] == drafts                                             # draft rows
         assert sample[5] == chunk["b"] > 1                                     # prompt rows
         chunks.append(chunk["b"])
     # step 1 chose before b was admitted; step 2 while b's prompt had 30 - chunks[0] rows left
