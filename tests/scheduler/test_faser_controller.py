@@ -381,3 +381,27 @@ def test_refits_every_4_samples_while_the_window_fills_then_every_sixteenth_of_i
     full = [i for i, n in enumerate(fits) if n == 256]
     # once full (256 samples), every 16 new ones: (600 - 256) // 16 refits at most, not 344
     assert len(full) <= (600 - 256) // 16 + 1 and len(full) >= (600 - 256) // 16 - 1
+
+
+def test_the_enumerated_fit_equals_scipy_nnls():
+    """The fit solves every subset of columns at once through scaled normal equations: on noisy
+    steps whose true prices include zeros (the unconstrained fit would go negative there) it must
+    land where a textbook NNLS does."""
+    from scipy.optimize import nnls
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        model = CostModel()
+        truth = np.array([0.02, 0.003, 0.0, 1e-10, 0.0, 0.0004, 0.001, 0.0])
+        truth[rng.choice([1, 5, 6, 7], 2, replace=False)] = 0.0
+        for _ in range(96):
+            rows, drafts = int(rng.integers(1, 16)), int(rng.integers(0, 9))
+            depth, swap = min(drafts, int(rng.integers(1, 5))), int(rng.integers(0, 10**8))
+            prefill = int(rng.integers(0, 200)) * int(rng.random() < 0.3)
+            x = np.array([1, rows, depth, swap, 0, prefill, drafts, drafts > 0], dtype=float)
+            model.samples.append((*x, float(x @ truth + rng.normal(0, 2e-4))))
+        model.fit()
+        data = np.array(model.samples)
+        cols = [0, 1, 2, 3, 5, 6, 7]
+        scale = np.abs(data[:, cols]).max(axis=0)
+        ref, _ = nnls(data[:, cols] / scale, data[:, -1])
+        assert np.allclose(model.coef[cols], ref / scale, rtol=1e-6, atol=1e-12), trial
