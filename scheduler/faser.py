@@ -96,11 +96,12 @@ class CostModel:
         self.samples.append((1.0, float(num_tokens - draft_tokens), float(max_draft_len),
                              float(swap_bytes), 0.0, float(prefill_tokens), float(draft_tokens),
                              float(draft_tokens > 0), seconds))
-        # refit every 4 new samples while the window fills, then every 1/16 of the window (once
-        # full, `len % 4 == 0` had refitted on every step: on a GPU's few-millisecond steps the
-        # fits cost more than the drafts they chose could win, docs/BENCHMARKS.md §7.5)
+        # refit once the samples have grown by a quarter since the last fit (at least 4), then
+        # every quarter of the full window: on a GPU's 2-3 ms steps refits every 4 to 16 steps
+        # took ~0.2 ms a step, and the choice they steer cannot win that back
+        # (docs/BENCHMARKS.md §7.5, §7.6)
         self.unfitted += 1
-        if len(self.samples) >= 8 and self.unfitted >= max(4, len(self.samples) // 16):
+        if len(self.samples) >= 8 and self.unfitted >= max(4, len(self.samples) // 4):
             self.fit()
             self.unfitted = 0
 
@@ -125,10 +126,10 @@ class CostModel:
 
         Exact NNLS by enumeration (eight coefficients): every subset of the free columns that keeps
         the intercept is solved, solutions with a negative coefficient are discarded, the smallest
-        residual wins and, on a tie, the smaller subset (then the first in enumeration order). Clamping an unconstrained solution is wrong
-        when columns are collinear: at batch 1 with an n-gram drafter, tokens = 1 + max_k exactly,
-        and a split like c1 = 9 ms, c2 = -8.7 ms clamped to c2 = 0 prices each draft token 30x too
-        high.
+        residual wins and, on a tie, the smaller subset (then the first in enumeration order).
+        Clamping an unconstrained solution is wrong when columns are collinear: at batch 1 with an
+        n-gram drafter, tokens = 1 + max_k exactly, and a split like c1 = 9 ms, c2 = -8.7 ms
+        clamped to c2 = 0 prices each draft token 30x too high.
         """
         data = np.array(self.samples)
         n = len(self.coef)
@@ -274,15 +275,25 @@ class DraftLengthController:
             return [0] * n
         # a step's predicted time at depth d >= 1 before its drafts: base_d = base_0 + c7 + c2 * d
         base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
-        # the most valuable draft is some request's first (P(all drafts so far accepted) only
-        # falls along a chain); if it loses even against the dearest depth's base (a first draft
-        # at depth d pays only if gain * base_d > n * price, and base_d rises with d), none pays:
-        # the usual case under load, decided from one number per request, without the arrays
-        firsts = (self.first_prob(r) if probs is None else probs[i, 0]
-                  for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0)
-        dearest = base0 + self.cost.step_price() + self.cost.coef[2] * most
-        if max(firsts) * dearest <= n * self.cost.draft_price():
+        # whether any draft can pay, from one number per request (the usual case under load,
+        # decided without the arrays): every set of drafts at depth d has goodput
+        # (n + S) / (base_d + price * m), S the sum of its m values
+        # - a mediant of n / base_d <= n / base_0 and S / (price * m) <= g / price, g the most
+        #   valuable draft (some request's first: P(all drafts so far accepted) only falls along
+        #   a chain), so it beats n / base_0 only if g / price does;
+        # - at most (n + d * F) / base_d, F the sum of first probabilities (no chain value
+        #   exceeds its first), monotone in d: where it loses at d = 1 and at the deepest d, the
+        #   per-step costs (c7, c2 * d) are more than every draft together could win
+        firsts = [self.first_prob(r) if probs is None else float(probs[i, 0])
+                  for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0]
+        price, step, per_pass = self.cost.draft_price(), self.cost.step_price(), self.cost.coef[2]
+        if max(firsts) * base0 <= n * price:
             return [0] * n
+        total = sum(firsts)
+        if all((n + d * total) * base0 <= n * (base0 + step + per_pass * d) for d in (1, most)):
+            return [0] * n
+        if per_pass == 0:
+            return self._allocate_flat(request_ids, limits, probs, base0 + step, price, n / base0)
         if probs is None:
             probs = np.stack([self.probs(r) for r in request_ids])
         chain = np.cumprod(probs, axis=1)                                            # [n, k_max]
@@ -290,19 +301,19 @@ class DraftLengthController:
         valid = (np.arange(self.k_max)[None, :] < limits[:, None]) & (chain > 0)
         if not valid.any():
             return [0] * n
-        depths = np.arange(1, most + 1)
-        base = base0 + self.cost.step_price() + self.cost.coef[2] * depths
         req, pos = np.nonzero(valid)
         gain = chain[req, pos]
         # by value; a request's drafts stay in position order
         order = np.lexsort((req, pos, -gain))
         req, pos, gain = req[order], pos[order], gain[order]
         best = n / base0
+        depths = np.arange(1, most + 1)
+        base = base0 + step + per_pass * depths
         # every depth at once: row d-1 takes the candidates of position < d, in value order
         take = pos[None, :] < depths[:, None]                                  # [depths, cands]
         counts = np.cumsum(take, axis=1)
         goodput = ((n + np.cumsum(np.where(take, gain, 0.0), axis=1))
-                   / (base[:, None] + self.cost.draft_price() * counts))
+                   / (base[:, None] + price * counts))
         # each taken candidate against the goodput before it (the depth's last taken, or none)
         cand = np.arange(len(gain))
         last = np.maximum.accumulate(np.where(take, cand, -1), axis=1)
@@ -322,3 +333,30 @@ class DraftLengthController:
         if not value[d] > best:
             return [0] * n
         return np.bincount(req[taken[d]], minlength=n).tolist()
+
+    def _allocate_flat(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
+                       base: float, price: float, best: float) -> list[int]:
+        """`_allocate` where no cost grows with depth (c2 = 0: n-gram, token recycling): every
+        depth's base is the same and the deepest depth's candidates hold every other's, so one
+        greedy over all candidates decides (what it takes is what the shallowest depth reaching
+        it would take: the same drafts, the same goodput). Plain Python: at a few dozen
+        candidates numpy's per-call overhead made the vectorised form several times slower, on
+        every step's critical path."""
+        n = len(request_ids)
+        candidates = []
+        for i, (r, k) in enumerate(zip(request_ids, limits)):
+            chain = 1.0
+            for j, p in enumerate((self.probs(r) if probs is None else probs[i])[:k].tolist()):
+                chain *= p
+                if not chain > 0:
+                    break
+                candidates.append((-chain, j, i))     # by value, then position, then request
+        candidates.sort()
+        ks, value, goodput, taken = [0] * n, float(n), n / base, 0
+        for neg, _, i in candidates:
+            better = (value - neg) / (base + price * (taken + 1))
+            if not better > goodput:
+                break
+            value, goodput, taken = value - neg, better, taken + 1
+            ks[i] += 1
+        return ks if taken and goodput > best else [0] * n
