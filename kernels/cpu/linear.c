@@ -35,11 +35,7 @@
 #define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
-#include "simd.h"
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"                                 /* v8f, fma8, exp8; <immintrin.h> */
 
 static inline void zero_rows(v8f acc[ROWS][2]) {
     for (int64_t r = 0; r < ROWS; r++)
