@@ -231,8 +231,8 @@ def test_a_draft_row_is_priced_apart_from_a_request_row():
 
 
 def test_a_step_that_verifies_drafts_pays_once_for_it():
-    """Measured on the CPU at 8 requests: a step's first draft cost ~5 ms, each further one ~1.3,
-    a request's row ~4. The fit recovers the once-per-step price (c7) beside the draft row's
+    """Prices shaped as one CPU run at 8 requests measured them (BENCHMARKS §9.11: a step's first
+    draft ~5 ms, each further one ~1.3, a request's row ~4). The fit recovers the once-per-step price (c7) beside the draft row's
     (c6); a lone request accepting 80% then gets no single draft (8.8 tokens for 37.5 ms lose to
     8 for 32.5), eight of them share the step's price and draft, and a chain of four pays alone."""
     truth = dict(c0=0.0005, c1=0.004, c6=0.0013, c7=0.0037)
