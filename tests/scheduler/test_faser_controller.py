@@ -323,21 +323,28 @@ def _greedy_allocation(ctl, ids, caps, other, swap):
     return best_ks
 
 
+def _random_batch(rng, coef, most):
+    """A controller with the prices `coef` and 1..most requests of random acceptance (a tenth
+    of them at 0), their caps and the step's other rows."""
+    n = int(rng.integers(1, most))
+    ctl = DraftLengthController(8, cost=CostModel(*coef))
+    ids = [f"r{i}" for i in range(n)]
+    for r in ids:
+        ctl.accept[r] = np.clip(rng.uniform() + rng.normal(0, 0.1, 8), 0,
+                                1) * (rng.random() > 0.1)
+    caps = [int(c) for c in rng.integers(0, 9, n)]
+    return ctl, ids, caps, int(rng.integers(n, 3 * n))
+
+
 def test_vectorised_allocation_equals_the_plain_greedy():
     rng = np.random.default_rng(4)
     for _ in range(500):
-        n = int(rng.integers(1, 33))
         coef = [rng.uniform(0.001, 0.3), rng.uniform(0, 0.01),
                 rng.choice([0.0, rng.uniform(0, 0.1)]),
                 rng.choice([0.0, 1e-9]), rng.choice([0.0, rng.uniform(0, 0.01)]), 0.0,
                 rng.uniform(0, 0.01), rng.choice([0.0, rng.uniform(0, 0.05)])]
-        ctl = DraftLengthController(8, cost=CostModel(*coef))
-        ids = [f"r{i}" for i in range(n)]
-        for r in ids:
-            ctl.accept[r] = np.clip(rng.uniform() + rng.normal(0, 0.1, 8), 0,
-                                    1) * (rng.random() > 0.1)
-        caps = [int(c) for c in rng.integers(0, 9, n)]
-        other, swap = int(rng.integers(n, 3 * n)), int(rng.integers(0, 10**8))
+        ctl, ids, caps, other = _random_batch(rng, coef, 33)
+        swap = int(rng.integers(0, 10**8))
         assert (ctl._allocate(ids, caps, other, swap)
                 == _greedy_allocation(ctl, ids, caps, other, swap))
 
@@ -348,17 +355,10 @@ def test_the_flat_allocation_equals_the_allocation_over_depths():
     cost too small to change any price)."""
     rng = np.random.default_rng(11)
     for _ in range(300):
-        n = int(rng.integers(1, 40))
         coef = [rng.uniform(0.001, 0.3), rng.uniform(0, 0.01), 0.0, 0.0,
                 rng.choice([0.0, rng.uniform(0, 0.01)]), 0.0, rng.uniform(0, 0.01),
                 rng.choice([0.0, rng.uniform(0, 0.05)])]
-        ctl = DraftLengthController(8, cost=CostModel(*coef))
-        ids = [f"r{i}" for i in range(n)]
-        for r in ids:
-            ctl.accept[r] = np.clip(rng.uniform() + rng.normal(0, 0.1, 8), 0,
-                                    1) * (rng.random() > 0.1)
-        caps = [int(c) for c in rng.integers(0, 9, n)]
-        other = int(rng.integers(n, 3 * n))
+        ctl, ids, caps, other = _random_batch(rng, coef, 40)
         flat = ctl._allocate(ids, caps, other)
         ctl.cost.coef[2] = 1e-300
         assert ctl._allocate(ids, caps, other) == flat
