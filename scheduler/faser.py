@@ -38,9 +38,13 @@ batch-size threshold, so no cliff.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
+
+
+FIT_SHARE = 0.01                # the cost model's fits: at most this share of the steps' time
 
 
 class CostModel:
@@ -61,6 +65,9 @@ class CostModel:
         self.coef = np.array([c0, c1, c2, c3, c4, c5, c1 if c6 is None else c6, c7])
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
         self.unfitted = 0                           # samples observed since the last fit
+        self.unfitted_s = 0.0                       # their steps' seconds
+        self.fit_s = 0.0                            # what the last fit took
+        self.clock = time.perf_counter
         # (rows, seconds) per draft pass
         self.passes: deque[tuple[float, float]] = deque(maxlen=window)
 
@@ -87,6 +94,8 @@ class CostModel:
         same k (max_k and drafts move together) and whose scale it confuses with prefill steps and
         long contexts. The rest of the step (verify, sampling, cache upkeep) then fits the other
         coefficients with c2, c4 fixed. Without passes c4 keeps its value (0: no draft rows)."""
+        self.unfitted += 1
+        self.unfitted_s += seconds
         if draft_passes:
             self.passes.extend((float(r), float(s)) for r, s in draft_passes)
             self._fit_passes()
@@ -95,14 +104,16 @@ class CostModel:
         self.samples.append((1.0, float(num_tokens - draft_tokens), float(max_draft_len),
                              float(swap_bytes), 0.0, float(prefill_tokens), float(draft_tokens),
                              float(draft_tokens > 0), seconds))
-        # refit once the samples have grown by a quarter since the last fit (at least 4), then
-        # every quarter of the full window: on a GPU's 2-3 ms steps refits every 4 to 16 steps
-        # took ~0.2 ms a step, and the choice they steer cannot win that back
-        # (docs/BENCHMARKS.md §7.5, §7.6)
-        self.unfitted += 1
-        if len(self.samples) >= 8 and self.unfitted >= max(4, len(self.samples) // 4):
+        # refit every 4 steps or more, when the fits have taken at most FIT_SHARE of the steps'
+        # time since the last one: every 4 steps of the CPU's 30-70 ms, every few dozen of a GPU's
+        # 2-3 ms (refits every 4 to 16 steps took ~0.2 ms a GPU step, more than the choice they
+        # steer could win back: docs/BENCHMARKS.md §7.5, §7.6)
+        if (len(self.samples) >= 8 and self.unfitted >= 4
+                and self.fit_s <= FIT_SHARE * self.unfitted_s):
+            start = self.clock()
             self.fit()
-            self.unfitted = 0
+            self.fit_s = self.clock() - start
+            self.unfitted, self.unfitted_s = 0, 0.0
 
     def _fit_passes(self) -> None:
         """c2 + c4 * rows over the recent draft passes, both >= 0 (NNLS on two columns)."""

@@ -232,9 +232,10 @@ def test_a_draft_row_is_priced_apart_from_a_request_row():
 
 def test_a_step_that_verifies_drafts_pays_once_for_it():
     """Prices shaped as one CPU run at 8 requests measured them (BENCHMARKS §9.11: a step's first
-    draft ~5 ms, each further one ~1.3, a request's row ~4). The fit recovers the once-per-step price (c7) beside the draft row's
-    (c6); a lone request accepting 80% then gets no single draft (8.8 tokens for 37.5 ms lose to
-    8 for 32.5), eight of them share the step's price and draft, and a chain of four pays alone."""
+    draft ~5 ms, each further one ~1.3, a request's row ~4). The fit recovers the once-per-step
+    price (c7) beside the draft row's (c6); a lone request accepting 80% then gets no single
+    draft (8.8 tokens for 37.5 ms lose to 8 for 32.5), eight of them share the step's price and
+    draft, and a chain of four pays alone."""
     truth = dict(c0=0.0005, c1=0.004, c6=0.0013, c7=0.0037)
     model = CostModel()
     rng = np.random.default_rng(6)
@@ -392,19 +393,20 @@ def test_pass_fit_stays_non_negative():
     assert model.coef[2] > 0 and model.coef[4] == 0.0
 
 
-def test_refits_as_the_window_grows_by_a_quarter_then_every_quarter_of_it(monkeypatch):
-    model = CostModel(window=256)
+@pytest.mark.parametrize("step_s, gap", [(0.06, 4), (0.0021, 96)])
+def test_refits_once_the_fits_have_taken_a_hundredth_of_the_steps_time(monkeypatch, step_s, gap):
+    """Every 4 steps where a fit is small beside them (the CPU's 30-70 ms steps); on a GPU's
+    few-millisecond steps only once the steps since the last fit took 100 times that fit (2 ms
+    here: 96 steps of 2.1 ms)."""
+    model = CostModel()
     fits = []
+    ticks = iter(np.arange(0.0, 1e3, 0.002))           # each fit "takes" 2 ms of this clock
+    model.clock = lambda: float(next(ticks))
     monkeypatch.setattr(model, "fit", lambda: fits.append(len(model.samples)))
-    for tokens in range(600):
-        model.observe(1 + tokens % 7, tokens % 3, 0.01)
-    assert fits[:5] == [8, 12, 16, 21, 27]
-    filling = [n for n in fits if n < 256]
-    assert all(b - a == max(4, b // 4) for a, b in zip(filling, filling[1:]))
-    assert len(filling) <= 16
-    # once full (256 samples), every 64 new ones: (600 - 256) // 64 refits, not 344
-    full = [i for i, n in enumerate(fits) if n == 256]
-    assert (600 - 256) // 64 - 1 <= len(full) <= (600 - 256) // 64 + 1
+    for i in range(600):
+        model.observe(1 + i % 7, i % 3, step_s)
+    # the first at 8 samples, then every `gap` steps (the window holds 256 samples)
+    assert fits == [min(8 + gap * i, 256) for i in range(1 + (600 - 8) // gap)]
 
 
 def test_the_enumerated_fit_equals_scipy_nnls():
