@@ -365,6 +365,34 @@ def test_the_flat_allocation_equals_the_allocation_over_depths():
         assert ctl._allocate(ids, caps, other) == flat
 
 
+def test_nothing_pays_is_decided_without_the_arrays(monkeypatch):
+    """Under load, or where a step's drafting costs more than the batch could win, the answer
+    comes from one first probability per request (no per-request arrays on the step's critical
+    path: on the GPU's 2-3 ms steps they cost more than the step's drafts could win). Prices as
+    fitted on the H100 (a 2.7 ms per-pass cost beside 2 ms steps): requests accepting 42% pay for
+    no pass (the batch's capacity bound); a draft priced above what a row earns pays nowhere
+    (the mediant bound)."""
+    ids = [f"r{i}" for i in range(8)]
+
+    def no_arrays(request_id):
+        raise AssertionError("the per-request arrays were built")
+
+    dear_pass = DraftLengthController(8, cost=CostModel(0.0014, 0.00008, 0.0027, c5=0.00016))
+    dear_row = DraftLengthController(8, cost=CostModel(0.02, 0.002, c6=0.01))
+    for ctl in (dear_pass, dear_row):
+        for r in ids:
+            ctl.observe(r, 1, 0)
+        assert ctl.first_prob("r0") == pytest.approx(0.42)
+        monkeypatch.setattr(ctl, "probs", no_arrays)
+        assert ctl._allocate(ids, [8] * 8, 8) == [0] * 8
+    cheap = DraftLengthController(8, cost=CostModel(0.0014, 0.00008, 0.0001, c5=0.00016))
+    for r in ids:
+        cheap.observe(r, 1, 0)
+    monkeypatch.setattr(cheap, "probs", no_arrays)
+    with pytest.raises(AssertionError, match="arrays"):     # a cheap pass: the full search runs
+        cheap._allocate(ids, [8] * 8, 8)
+
+
 def test_measured_draft_passes_price_passes_apart_from_the_rest_of_the_step():
     """Every request drafts the same k (max_k and drafts move together) and one huge prefill step
     sits among the samples: the step-level fit cannot tell a pass's fixed cost from its per-row
