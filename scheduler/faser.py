@@ -33,7 +33,7 @@
                 drafter whose pass costs a forward, staggered probes would add a pass to nearly
                 every step). No probe where drafting could not pay even if every draft were
                 accepted (the cost model says so).
-Under load c1 * tokens dominates, every extra draft lowers goodput and k falls to 0 by itself: no
+Under load c1 * rows dominates, every extra draft lowers goodput and k falls to 0 by itself: no
 batch-size threshold, so no cliff.
 """
 from __future__ import annotations
