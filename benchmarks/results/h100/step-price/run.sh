@@ -1,4 +1,5 @@
 # device run: FASER old/new A/B on the GPU, graphs regression, e2e float32
+# (.dev/old/faser.py: 7f36048's scheduler/faser.py, in an ignored folder carried to the machine)
 . benchmarks/results/h200/setup.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
