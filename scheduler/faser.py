@@ -23,7 +23,9 @@
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
                 marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the
                 best depth (the per-step costs c7 and c2 * d are shared across the batch's
-                drafts).
+                drafts), and draft only where it promises MARGIN more goodput than no draft: the
+                drafting the model calls a gain of a few percent also pays what the model does
+                not see (the controller's own time, the acceptance estimate's optimism).
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays
                 live. A probe rejected doubles that request's interval (8, 16, ... 64 steps), one
                 accepted resets it: on text that never repeats, probes at a fixed interval cost a
@@ -44,7 +46,15 @@ from collections import deque
 import numpy as np
 
 
-FIT_SHARE = 0.01                # the cost model's fits: at most this share of the steps' time
+FIT_SHARE = 0.003               # the cost model's fits: at most this share of the steps' time
+# the goodput gain a step's drafts must promise over drafting none. What the model leaves out:
+# the controller's own time (choose, observe, refits: ~1 ms of a ~40 ms step at 8 requests on
+# the AVX2 host, ~2.5%) and its acceptance estimate's optimism (~5% more accepted drafts
+# predicted than realised at 8 requests); docs/BENCHMARKS.md §9.13
+MARGIN = 0.03
+# candidates x depths up to which `_allocate`'s search runs in plain Python (faster below it, numpy
+# above: docs/BENCHMARKS.md §9.13)
+PYTHON_SEARCH = 1024
 
 
 class CostModel:
@@ -105,9 +115,10 @@ class CostModel:
                              float(swap_bytes), 0.0, float(prefill_tokens), float(draft_tokens),
                              float(draft_tokens > 0), seconds))
         # refit every 4 steps or more, when the fits have taken at most FIT_SHARE of the steps'
-        # time since the last one: every 4 steps of the CPU's 30-70 ms, every few dozen of a GPU's
-        # 2-3 ms (refits every 4 to 16 steps took ~0.2 ms a GPU step, more than the choice they
-        # steer could win back: docs/BENCHMARKS.md §7.5, §7.6)
+        # time since the last one: about every 0.5-0.7 s of steps, a dozen of the CPU's ~40-60
+        # ms at 8 requests, a few hundred of a GPU's 2-3 ms (refits every 4 to 16 steps took
+        # ~0.2 ms a GPU step, more than the choice they steer could win back: docs/BENCHMARKS.md
+        # §7.5, §7.6; at 1% a CPU step at 8 requests still paid ~0.3 ms: §9.13)
         if (len(self.samples) >= 8 and self.unfitted >= 4
                 and self.fit_s <= FIT_SHARE * self.unfitted_s):
             start = self.clock()
@@ -171,8 +182,9 @@ class CostModel:
 class DraftLengthController:
     def __init__(self, k_max: int, ema: float = 0.3, prior: float = 0.6,
                  cost: CostModel | None = None,
-                 probe_every: int = 8, probe_backoff: int = 8):
+                 probe_every: int = 8, probe_backoff: int = 8, margin: float = MARGIN):
         self.k_max, self.ema, self.probe_every = k_max, ema, probe_every
+        self.margin = margin
         self.longest_interval = probe_every * probe_backoff
         # steps in a row given k = 0
         self.idle: dict[str, int] = {}
@@ -277,8 +289,8 @@ class DraftLengthController:
         greedy pass over all depths at once would be myopic where a step pays for drafting once
         (c7, and c2 > 0 per pass: lossy_kv, layer_skip): the batch's first draft pays it alone and
         looks like a loss, while k = 1 for every request shares it. It runs on every step's
-        critical path: the search over depths is vectorised (numpy over all candidate drafts);
-        where no cost grows with depth `_allocate_flat` decides alone."""
+        critical path: what decides that nothing pays comes first, from one number per request;
+        `_greedy` searches the rest."""
         n = len(request_ids)
         limits = [min(c, self.k_max) for c in caps]
         most = max(limits, default=0)
@@ -295,16 +307,69 @@ class DraftLengthController:
         # - at most (n + d * F) / base_d, F the sum of first probabilities (no chain value
         #   exceeds its first), monotone in d: where it loses at d = 1 and at the deepest d, the
         #   per-step costs (c7, c2 * d) are more than every draft together could win
+        # (both against the bar: n / base_0 raised by the margin)
         firsts = [self.first_prob(r) if probs is None else float(probs[i, 0])
                   for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0]
-        price, step, per_pass = self.cost.draft_price(), self.cost.step_price(), self.cost.coef[2]
-        if max(firsts) * base0 <= n * price:
+        price, step = self.cost.draft_price(), self.cost.step_price()
+        per_pass = float(self.cost.coef[2])
+        bar = (1.0 + self.margin) * n
+        if max(firsts) * base0 <= bar * price:
             return [0] * n
         total = sum(firsts)
-        if all((n + d * total) * base0 <= n * (base0 + step + per_pass * d) for d in (1, most)):
+        if all((n + d * total) * base0 <= bar * (base0 + step + per_pass * d) for d in (1, most)):
             return [0] * n
-        if per_pass == 0:
-            return self._allocate_flat(request_ids, limits, probs, base0 + step, price, n / base0)
+        best = bar / base0
+        if per_pass == 0 or sum(limits) * most <= PYTHON_SEARCH:
+            return self._greedy(request_ids, limits, probs, base0 + step, per_pass, price, best)
+        return self._greedy_arrays(request_ids, limits, probs, base0 + step, per_pass, price,
+                                   best)
+
+    def _greedy(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
+                base: float, per_pass: float, price: float, best: float) -> list[int]:
+        """`_allocate`'s search: the candidate drafts in order of value (then position, then
+        request), and for each depth d a greedy over those at positions < d on a step of
+        base + per_pass * d; a depth counts where one of its drafts at position d - 1 is taken,
+        and the first depth whose goodput beats `best` by the most wins. Where no cost grows with
+        depth (per_pass = 0) the deepest depth's candidates hold every other's, and its greedy
+        alone decides (what it takes is what the shallowest depth reaching it would take).
+        Plain Python: a few dozen candidates on every step's critical path, where numpy's
+        per-call overhead made a vectorised search several times slower (docs/BENCHMARKS.md
+        §9.13)."""
+        n = len(request_ids)
+        candidates = []
+        for i, (r, k) in enumerate(zip(request_ids, limits)):
+            chain = 1.0
+            for j, p in enumerate((self.probs(r) if probs is None else probs[i])[:k].tolist()):
+                chain *= p
+                if not chain > 0:
+                    break
+                candidates.append((-chain, j, i))
+        candidates.sort()
+        most = max(limits)
+        chosen = [0] * n
+        for d in (range(1, most + 1) if per_pass else (most,)):
+            step = base + per_pass * d
+            ks, value, goodput, taken, reached = [0] * n, float(n), n / step, 0, not per_pass
+            for neg, j, i in candidates:
+                if j >= d:
+                    continue
+                better = (value - neg) / (step + price * (taken + 1))
+                if not better > goodput:
+                    break
+                value, goodput, taken = value - neg, better, taken + 1
+                ks[i] += 1
+                reached = reached or j == d - 1
+            if taken and reached and goodput > best:
+                best, chosen = goodput, ks
+        return chosen
+
+    def _greedy_arrays(self, request_ids: list[str], limits: list[int],
+                       probs: np.ndarray | None, base: float, per_pass: float, price: float,
+                       best: float) -> list[int]:
+        """`_greedy` vectorised over every depth and candidate at once: where there are many
+        (64 requests drafting 8 with a per-pass cost: 0.5 against 1 ms in Python)."""
+        n = len(request_ids)
+        most = max(limits)
         if probs is None:
             probs = np.stack([self.probs(r) for r in request_ids])
         chain = np.cumprod(probs, axis=1)                                            # [n, k_max]
@@ -317,9 +382,8 @@ class DraftLengthController:
         # by value; a request's drafts stay in position order
         order = np.lexsort((req, pos, -gain))
         req, pos, gain = req[order], pos[order], gain[order]
-        best = n / base0
         depths = np.arange(1, most + 1)
-        base = base0 + step + per_pass * depths
+        base = base + per_pass * depths
         # every depth at once: row d-1 takes the candidates of position < d, in value order
         take = pos[None, :] < depths[:, None]                                  # [depths, cands]
         counts = np.cumsum(take, axis=1)
@@ -344,30 +408,3 @@ class DraftLengthController:
         if not value[d] > best:
             return [0] * n
         return np.bincount(req[taken[d]], minlength=n).tolist()
-
-    def _allocate_flat(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
-                       base: float, price: float, best: float) -> list[int]:
-        """`_allocate` where no cost grows with depth (c2 = 0: n-gram, token recycling): every
-        depth's base is the same and the deepest depth's candidates hold every other's, so one
-        greedy over all candidates decides (what it takes is what the shallowest depth reaching
-        it would take: the same drafts, the same goodput). Plain Python: at a few dozen
-        candidates numpy's per-call overhead made the vectorised form several times slower, on
-        every step's critical path."""
-        n = len(request_ids)
-        candidates = []
-        for i, (r, k) in enumerate(zip(request_ids, limits)):
-            chain = 1.0
-            for j, p in enumerate((self.probs(r) if probs is None else probs[i])[:k].tolist()):
-                chain *= p
-                if not chain > 0:
-                    break
-                candidates.append((-chain, j, i))     # by value, then position, then request
-        candidates.sort()
-        ks, value, goodput, taken = [0] * n, float(n), n / base, 0
-        for neg, _, i in candidates:
-            better = (value - neg) / (base + price * (taken + 1))
-            if not better > goodput:
-                break
-            value, goodput, taken = value - neg, better, taken + 1
-            ks[i] += 1
-        return ks if taken and goodput > best else [0] * n
