@@ -266,9 +266,12 @@ async def open_stream(raw: Request, ctx: ServingContext, requests: list[EngineRe
 async def respond(raw: Request, ctx: ServingContext, job, requests: list[EngineRequest], n: int,
                   stream: bool):
     """Stream the job's SSE events, or collect its whole JSON body (499 if the client left
-    first)."""
+    first: before the first token when streaming)."""
     if stream:
-        engine_stream = await open_stream(raw, ctx, requests, n)
+        try:
+            engine_stream = await open_stream(raw, ctx, requests, n)
+        except ClientDisconnected:             # gone before the first token (aborted already)
+            return Response(status_code=499)
         return sse_response(job.events(engine_stream), ctx, engine_stream.close)
     try:
         return JSONResponse(await run_unless_disconnected(raw, job.collect(requests)))

@@ -74,6 +74,30 @@ def test_non_streaming_client_gone_aborts(make_server, tokenizer):
     assert {r.request_id for r in engine.submitted} == engine.aborted
 
 
+def test_stream_gone_before_its_first_token_aborts_without_an_error(make_server, tokenizer,
+                                                                   caplog):
+    """A streaming client that leaves while its request waits for the first token (a load test's
+    window closing on queued requests): the request is aborted and the server logs no error."""
+    engine = FakeEngine(tokenizer, step_delay=1.0)
+    server = make_server(engine)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            tasks = [asyncio.create_task(client.post(server.url + "/v1/completions", json={
+                "prompt": f"x {i}", "max_tokens": 400, "stream": True})) for i in range(3)]
+            while len(engine.submitted) < 3:
+                await asyncio.sleep(0.01)
+            for task in tasks:
+                task.cancel()                      # closes the connection
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(run())
+        wait_until(lambda: idle_and_clean(server), "the abandoned streams to be aborted")
+    assert {r.request_id for r in engine.submitted} == engine.aborted
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_finished_streams_are_not_aborted(server):
     for stream in (True, False):
         r = httpx.post(server.url + "/v1/completions",
