@@ -1,6 +1,7 @@
 """Speculation against plain decoding on distinct chat prompts (the compare harness' workload B),
 in-process, one closed batch (a benchmark, not a test): every request runs `--max-tokens` tokens,
-greedy; output tokens/s, steps, drafted and accepted tokens, for each method in the order given
+greedy; output tokens/s, steps, the engine's own time per step outside the worker (schedule,
+commit and the FASER controller), drafted and accepted tokens, for each method in the order given
 (repeat a method to alternate: `off ngram off ngram`), and the median step time by the number of
 draft rows the step verified (decode steps only: no prompt tokens), which prices a verify row
 against a decode row.
@@ -40,6 +41,7 @@ def run(prompts: list[list[int]], spec: dict | None, max_tokens: int, concurrenc
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     pending = list(enumerate(prompts))                      # `concurrency` of them in flight
     in_flight = tokens = steps = drafted = accepted = drafting_steps = 0
+    host = 0.0                    # a step's time outside the worker: schedule, commit, FASER
     by_drafts: dict[int, list[float]] = {}        # decode steps' times by their draft rows
     start = time.perf_counter()
     full: tuple[int, float] | None = None         # tokens and time while every slot was busy
@@ -50,7 +52,9 @@ def run(prompts: list[list[int]], spec: dict | None, max_tokens: int, concurrenc
             in_flight += 1
         if full is None and in_flight < concurrency:
             full = tokens, time.perf_counter() - start
+        t = time.perf_counter()
         step = core.step()
+        host += time.perf_counter() - t - step.stats.step_time_s
         steps += 1
         in_flight -= sum(o.finished for o in step.outputs)
         tokens += sum(len(o.new_token_ids) for o in step.outputs)
@@ -66,7 +70,8 @@ def run(prompts: list[list[int]], spec: dict | None, max_tokens: int, concurrenc
     # the closed loop's tail (fewer requests than slots) waits on its slowest request: the rate
     # while every slot was busy is what a server under steady load sees
     busy = f" ({full[0] / full[1]:.1f} while every slot was busy)" if full and full[1] else ""
-    return (f"{tokens / elapsed:.1f} tok/s{busy}, {steps} steps ({1000 * elapsed / steps:.1f} ms), "
+    return (f"{tokens / elapsed:.1f} tok/s{busy}, {steps} steps ({1000 * elapsed / steps:.1f} ms, "
+            f"{1000 * host / steps:.2f} of them outside the worker), "
             f"drafted {drafted}, accepted {accepted} in {drafting_steps} steps; ms per step by "
             f"draft rows (steps): {times}")
 
