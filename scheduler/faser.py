@@ -48,9 +48,9 @@ import numpy as np
 
 FIT_SHARE = 0.003               # the cost model's fits: at most this share of the steps' time
 # the goodput gain a step's drafts must promise over drafting none. What the model leaves out:
-# the controller's own time (choose, observe, refits: ~1 ms of a ~40 ms step at 8 requests on
-# the AVX2 host, ~2.5%) and its acceptance estimate's optimism (~5% more accepted drafts
-# predicted than realised at 8 requests); docs/BENCHMARKS.md §9.13
+# the controller's own time (choose, observe, refits: 0.5-0.6 ms of a ~40 ms step at 8 requests
+# on the AVX2 host, 0.8-1.0 before §9.13's cuts) and its acceptance estimate's optimism (~5%
+# more accepted drafts predicted than realised at 8 requests, §9.12); docs/BENCHMARKS.md §9.13
 MARGIN = 0.03
 # candidates x depths up to which `_allocate`'s search runs in plain Python (faster below it, numpy
 # above: docs/BENCHMARKS.md §9.13)
@@ -329,12 +329,12 @@ class DraftLengthController:
         """`_allocate`'s search: the candidate drafts in order of value (then position, then
         request), and for each depth d a greedy over those at positions < d on a step of
         base + per_pass * d; a depth counts where one of its drafts at position d - 1 is taken,
-        and the first depth whose goodput beats `best` by the most wins. Where no cost grows with
-        depth (per_pass = 0) the deepest depth's candidates hold every other's, and its greedy
-        alone decides (what it takes is what the shallowest depth reaching it would take).
-        Plain Python: a few dozen candidates on every step's critical path, where numpy's
-        per-call overhead made a vectorised search several times slower (docs/BENCHMARKS.md
-        §9.13)."""
+        and the depth of the highest goodput wins (the first on a tie) where it beats `best`
+        (else no draft). Where no cost grows with depth (per_pass = 0) the deepest depth's
+        candidates hold every other's, and its greedy alone decides (what it takes is what the
+        shallowest depth reaching it would take). Plain Python: a few dozen candidates on every
+        step's critical path, where numpy's per-call overhead made a vectorised search several
+        times slower (docs/BENCHMARKS.md §9.13)."""
         n = len(request_ids)
         candidates = []
         for i, (r, k) in enumerate(zip(request_ids, limits)):

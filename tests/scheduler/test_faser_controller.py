@@ -318,7 +318,7 @@ def test_drafts_must_promise_the_margin():
 
 
 def _greedy_allocation(ctl, ids, caps, other, swap):
-    """The allocation written plainly, one draft at a time (what the vectorised one must equal)."""
+    """The allocation written plainly, one draft at a time (what both searches must equal)."""
     drafts = []
     for i, r in enumerate(ids):
         chain = np.cumprod(ctl.probs(r)[:min(caps[i], ctl.k_max)])

@@ -78,7 +78,7 @@ def test_stream_gone_before_its_first_token_aborts_without_an_error(make_server,
                                                                    caplog):
     """A streaming client that leaves while its request waits for the first token (a load test's
     window closing on queued requests): the request is aborted and the server logs no error."""
-    engine = FakeEngine(tokenizer, step_delay=1.0)
+    engine = FakeEngine(tokenizer, step_delay=3.0)        # the first token long after the cancel
     server = make_server(engine)
 
     async def run():
