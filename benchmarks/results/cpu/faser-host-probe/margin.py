@@ -1,49 +1,27 @@
 """Probe: FASER's margin in-process, the compare harness' closed loop (c = 8, its 32 requests of
-workload A or B), against spec off, alternated; output tokens/s while every slot was busy.
+workload A or B), against spec off, alternated: `benchmarks/chat_speculation.py`'s loop, the
+controller's margin set on each engine it builds.
 
     python benchmarks/results/cpu/faser-host-probe/margin.py B,A 2 0.03,0.1,0.2
 """
 import sys
-import time
+from pathlib import Path
 
 from specserve.loadtests import compare
-from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
-from specserve.scheduler.messages import EngineRequest
 from specserve.server.tokenizer import load_tokenizer
-from specserve.spec_phases.sampling_params import SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "adaptive": True}
-
-
-def params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))           # benchmarks/
+import chat_speculation  # noqa: E402
 
 
-def run(tokenizer, specs, margin: float | None, concurrency: int = 8) -> tuple[float, int, int]:
-    core = EngineCore(EngineConfig(speculative=None if margin is None
-                                   else SpeculativeConfig(**NGRAM)))
-    if margin is not None:
+def with_margin(margin: float):
+    """An EngineCore factory whose FASER controller uses `margin`."""
+    def build(config):
+        core = EngineCore(config)
         core.scheduler.controller.margin = margin
-    core.add_request(EngineRequest("warm-up", tokenizer.encode(specs[0].prompt), params(8)))
-    core.run_until_idle()
-    pending = [(i, tokenizer.encode(s.prompt), s.max_tokens) for i, s in enumerate(specs)]
-    in_flight = tokens = drafted = accepted = 0
-    start, full = time.perf_counter(), None
-    while pending or core.has_unfinished():
-        while pending and in_flight < concurrency:
-            i, ids, max_tokens = pending.pop(0)
-            core.add_request(EngineRequest(f"r{i}", ids, params(max_tokens)))
-            in_flight += 1
-        if full is None and in_flight < concurrency:
-            full = tokens, time.perf_counter() - start
-        step = core.step()
-        in_flight -= sum(o.finished for o in step.outputs)
-        tokens += sum(len(o.new_token_ids) for o in step.outputs)
-        drafted += step.stats.num_draft_tokens
-        accepted += step.stats.num_accepted_tokens
-    full = full or (tokens, time.perf_counter() - start)
-    return full[0] / full[1], drafted, accepted
+        return core
+    return build
 
 
 def main() -> None:
@@ -51,11 +29,15 @@ def main() -> None:
     loads = compare.workloads(0, 32)
     margins = [None] + [float(m) for m in sys.argv[3].split(",")]
     for wl in sys.argv[1].split(","):
+        prompts = [tokenizer.encode(s.prompt) for s in loads[wl]]
+        max_tokens = loads[wl][0].max_tokens                     # every request of a workload
         for rep in range(int(sys.argv[2])):
             for margin in margins:
-                rate, drafted, accepted = run(tokenizer, loads[wl], margin)
-                print(f"{wl} rep{rep} margin {margin}: {rate:.1f} tok/s busy, drafted {drafted} "
-                      f"accepted {accepted}", flush=True)
+                chat_speculation.EngineCore = EngineCore if margin is None else with_margin(margin)
+                method = "off" if margin is None else "adaptive"
+                result = chat_speculation.run(prompts, chat_speculation.METHODS[method],
+                                              max_tokens, 8)
+                print(f"{wl} rep{rep} margin {margin}: {result}", flush=True)
 
 
 if __name__ == "__main__":
