@@ -24,87 +24,154 @@
  * scratch panel instead.
  */
 #include <stdint.h>
+#include <omp.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"                                 /* v8f, fma8, exp8; <immintrin.h> */
+
 #define PANEL 16
-#define ROWS 6
 #define QBLOCK 32                                     /* GGUF's block of k */
 #define Q4_BLOCK_BYTES (2 * PANEL * 4 + QBLOCK * PANEL / 2)  /* d, m; then 32 k of 8 bytes */
 #define Q8_BLOCK_BYTES (PANEL * 4 + QBLOCK * PANEL)           /* d; then 32 k of 16 bytes */
 #define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
+#define MANY_ROWS 192           /* above this many rows a panel's codes are unpacked once */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
-#include "simd.h"                                 /* v8f, fma8, exp8; <immintrin.h> */
+/* A panel's 16 columns at one k (or one row's 16 sums): one 512-bit vector where the compiler
+ * targets AVX-512, else two 8-float halves. Each lane does the same fused multiply-adds in the
+ * same order either way: the two builds agree bit for bit. ROWS rows share a register block (the
+ * sums of a block of k and the row's totals: 2 * ROWS vectors, of the 32 AVX-512 registers or the
+ * 16 AVX2 ones); GROUP panels go together at one row (four independent chains of additions). */
+#if defined(__AVX512F__)
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef v16f prow;
+#define ROWS 12
+#define GROUP 4
 
-static inline void zero_rows(v8f acc[ROWS][2]) {
+static inline prow prow_fma(prow a, prow b, prow c) {
+    return (prow)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+
+static inline prow prow_splat(float x) {
+    return (prow)_mm512_set1_ps(x);
+}
+
+static inline prow prow_load(const void *p) {
+    prow v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void prow_store(float *out, prow v) {
+    memcpy(out, &v, sizeof v);
+}
+
+/* 16 4-bit codes (8 bytes: columns c and c + 8 in the low and high nibble of byte c) */
+static inline prow unpack_q4(const uint8_t *p) {
+    int64_t bytes;
+    memcpy(&bytes, p, 8);                               /* the 8 bytes twice: lanes 0-7, 8-15 */
+    const __m512i twice = _mm512_cvtepu8_epi32(_mm_set1_epi64x(bytes));
+    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(twice, shift),
+                                           _mm512_set1_epi32(0x0F));
+    return (prow)_mm512_cvtepi32_ps(codes);
+}
+
+static inline prow unpack_q8(const int8_t *p) {
+    return (prow)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+typedef struct {
+    v8f lo, hi;
+} prow;
+#define ROWS 6
+#define GROUP 2
+
+static inline prow prow_fma(prow a, prow b, prow c) {
+    return (prow){fma8(a.lo, b.lo, c.lo), fma8(a.hi, b.hi, c.hi)};
+}
+
+static inline prow prow_splat(float x) {
+    return (prow){splat8(x), splat8(x)};
+}
+
+static inline prow prow_load(const void *p) {
+    prow v;
+    memcpy(&v.lo, p, 32);
+    memcpy(&v.hi, (const uint8_t *)p + 32, 32);
+    return v;
+}
+
+static inline void prow_store(float *out, prow v) {
+    memcpy(out, &v.lo, 32);
+    memcpy(out + 8, &v.hi, 32);
+}
+
+static inline prow unpack_q4(const uint8_t *p) {
+    prow q;
+#if defined(__AVX2__)
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    q.lo = (v8f)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
+    q.hi = (v8f)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+#else
+    for (int l = 0; l < 8; l++) {
+        q.lo[l] = (float)(p[l] & 0x0F);
+        q.hi[l] = (float)(p[l] >> 4);
+    }
+#endif
+    return q;
+}
+
+static inline prow unpack_q8(const int8_t *p) {
+    prow q;
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    q.lo = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    q.hi = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+#else
+    for (int l = 0; l < 8; l++) {
+        q.lo[l] = (float)p[l];
+        q.hi[l] = (float)p[l + 8];
+    }
+#endif
+    return q;
+}
+#endif
+
+static inline void zero_rows(prow acc[ROWS]) {
     for (int64_t r = 0; r < ROWS; r++)
-        acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+        acc[r] = prow_splat(0.0f);
 }
 
 /* column k of mr rows of x times the panel's 16 weights at k, added to each row's sums */
-static inline void fma_rows(const float *x, int64_t K, int64_t k, int64_t mr, v8f w0, v8f w1,
-                            v8f acc[ROWS][2]) {
-    for (int64_t r = 0; r < mr; r++) {
-        const float xv = x[r * K + k];
-        const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-        acc[r][0] = fma8(xb, w0, acc[r][0]);
-        acc[r][1] = fma8(xb, w1, acc[r][1]);
-    }
+static inline void fma_rows(const float *x, int64_t K, int64_t k, int64_t mr, prow w,
+                            prow acc[ROWS]) {
+    for (int64_t r = 0; r < mr; r++)
+        acc[r] = prow_fma(prow_splat(x[r * K + k]), w, acc[r]);
 }
 
 /* rows m0 .. m0 + mr - 1 (mr <= ROWS) against one panel */
 static inline void panel_rows(const float *x, int64_t K, const float *panel, int64_t mr,
-                              v8f acc[ROWS][2]) {
+                              prow acc[ROWS]) {
     zero_rows(acc);
     for (int64_t k = 0; k < K; k++)
-        fma_rows(x, K, k, mr, *(const v8f *)(panel + k * PANEL),
-                 *(const v8f *)(panel + k * PANEL + 8), acc);
-}
-
-/* 16 4-bit codes (8 bytes: columns c and c + 8 in the low and high nibble of byte c) */
-static inline void unpack16(const uint8_t *p, v8f *q0, v8f *q1) {
-#if defined(__AVX2__)
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *q0 = (v8f)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
-    *q1 = (v8f)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-#else
-    for (int l = 0; l < 8; l++) {
-        (*q0)[l] = (float)(p[l] & 0x0F);
-        (*q1)[l] = (float)(p[l] >> 4);
-    }
-#endif
-}
-
-static inline void unpack16_i8(const int8_t *p, v8f *q0, v8f *q1) {
-#if defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    *q0 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    *q1 = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-#else
-    for (int l = 0; l < 8; l++) {
-        (*q0)[l] = (float)p[l];
-        (*q1)[l] = (float)p[l + 8];
-    }
-#endif
+        fma_rows(x, K, k, mr, prow_load(panel + k * PANEL), acc);
 }
 
 /* a block of a quantized panel: its 16 columns' scales d (and minimums m, Q4_1), then codes */
 struct block {
-    v8f d0, d1, m0, m1;
+    prow d, m;
     const uint8_t *codes;
-    int layout;
 };
 
 static inline struct block block_at(const uint8_t *panel, int layout, int64_t b) {
-    struct block blk = {.layout = layout};
+    struct block blk = {.codes = NULL};
     const uint8_t *p = panel + b * (layout == Q4_1 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
-    memcpy(&blk.d0, p, 32);
-    memcpy(&blk.d1, p + 32, 32);
-    if (layout == Q4_1) {
-        memcpy(&blk.m0, p + 64, 32);
-        memcpy(&blk.m1, p + 96, 32);
-    }
+    blk.d = prow_load(p);
+    if (layout == Q4_1)
+        blk.m = prow_load(p + 64);
     blk.codes = p + (layout == Q4_1 ? 128 : 64);
     return blk;
 }
@@ -119,89 +186,80 @@ static inline void prefetch_block(const uint8_t *panel, int layout, int64_t b) {
 }
 
 /* the 16 codes at k = j of a block, as floats (exact) */
-static inline void codes_at(const struct block *blk, int64_t j, v8f *q0, v8f *q1) {
-    if (blk->layout == Q4_1)
-        unpack16(blk->codes + j * 8, q0, q1);
-    else
-        unpack16_i8((const int8_t *)(blk->codes + j * PANEL), q0, q1);
+static inline prow codes_at(const struct block *blk, int layout, int64_t j) {
+    if (layout == Q4_1)
+        return unpack_q4(blk->codes + j * 8);
+    return unpack_q8((const int8_t *)(blk->codes + j * PANEL));
 }
 
 /* a block's code sums s (one row, 16 columns) into the row's sums: acc + d * s (+ m * sx, Q4_1,
  * sx the row's sum of x over the block), one fused multiply-add after the other */
-static inline void finish_block(const struct block *blk, float sx, const v8f s[2], v8f acc[2]) {
-    acc[0] = fma8(blk->d0, s[0], acc[0]);
-    acc[1] = fma8(blk->d1, s[1], acc[1]);
-    if (blk->layout == Q4_1) {
-        const v8f sb = {sx, sx, sx, sx, sx, sx, sx, sx};
-        acc[0] = fma8(blk->m0, sb, acc[0]);
-        acc[1] = fma8(blk->m1, sb, acc[1]);
-    }
+static inline prow finish_block(const struct block *blk, int layout, float sx, prow s,
+                                prow acc) {
+    acc = prow_fma(blk->d, s, acc);
+    if (layout == Q4_1)
+        acc = prow_fma(blk->m, prow_splat(sx), acc);
+    return acc;
 }
 
 /* rows against one quantized panel ([K / QBLOCK] blocks); its codes unpacked in registers or,
  * given `codes` ([K, PANEL] floats, `panel_codes`), read from there; xs: the rows' block sums */
 static inline void panel_rows_quantized(const float *x, const float *xs, int64_t K,
                                         const uint8_t *panel, const float *codes, int layout,
-                                        int64_t mr, v8f acc[ROWS][2]) {
+                                        int64_t mr, prow acc[ROWS]) {
     const int64_t blocks = K / QBLOCK;
     zero_rows(acc);
     for (int64_t b = 0; b < blocks; b++) {
-        v8f s[ROWS][2];
+        prow s[ROWS];
         zero_rows(s);
         if (codes) {
             const float *c = codes + b * QBLOCK * PANEL;
             for (int64_t j = 0; j < QBLOCK; j++)
-                fma_rows(x, K, b * QBLOCK + j, mr, *(const v8f *)(c + j * PANEL),
-                         *(const v8f *)(c + j * PANEL + 8), s);
+                fma_rows(x, K, b * QBLOCK + j, mr, prow_load(c + j * PANEL), s);
         } else {
             prefetch_block(panel, layout, b + LEAD);
             const struct block blk = block_at(panel, layout, b);
-            for (int64_t j = 0; j < QBLOCK; j++) {
-                v8f q0, q1;
-                codes_at(&blk, j, &q0, &q1);
-                fma_rows(x, K, b * QBLOCK + j, mr, q0, q1, s);
-            }
+            for (int64_t j = 0; j < QBLOCK; j++)
+                fma_rows(x, K, b * QBLOCK + j, mr, codes_at(&blk, layout, j), s);
         }
         const struct block blk = block_at(panel, layout, b);
         for (int64_t r = 0; r < mr; r++)
-            finish_block(&blk, xs[r * blocks + b], s[r], acc[r]);
+            acc[r] = finish_block(&blk, layout, xs[r * blocks + b], s[r], acc[r]);
     }
 }
 
 static inline void panel_rows_q4(const float *x, const float *xs, int64_t K, const uint8_t *panel,
-                                 const float *codes, int64_t mr, v8f acc[ROWS][2]) {
+                                 const float *codes, int64_t mr, prow acc[ROWS]) {
     panel_rows_quantized(x, xs, K, panel, codes, Q4_1, mr, acc);
 }
 
 static inline void panel_rows_q8(const float *x, const float *xs, int64_t K, const uint8_t *panel,
-                                 const float *codes, int64_t mr, v8f acc[ROWS][2]) {
+                                 const float *codes, int64_t mr, prow acc[ROWS]) {
     panel_rows_quantized(x, xs, K, panel, codes, Q8_0, mr, acc);
 }
 
-/* one row against two quantized panels at once: four independent chains of fused multiply-adds
- * (one panel's two leave the FMA latency exposed at one row); each element's sum is the same
- * sequence as in panel_rows_quantized */
-static inline void row_pair(const float *x, const float *xs, int64_t K, const uint8_t *pa,
-                            const uint8_t *pb, int layout, v8f acc[4]) {
-    acc[0] = acc[1] = acc[2] = acc[3] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+/* one row against GROUP quantized panels at once: independent chains of fused multiply-adds (one
+ * panel's leave the FMA latency exposed at one row); each element's sum is the same sequence as
+ * in panel_rows_quantized */
+static inline void row_group(const float *x, const float *xs, int64_t K,
+                             const uint8_t *const panels[GROUP], int layout, prow acc[GROUP]) {
+    for (int g = 0; g < GROUP; g++)
+        acc[g] = prow_splat(0.0f);
     for (int64_t b = 0; b < K / QBLOCK; b++) {
-        prefetch_block(pa, layout, b + LEAD);
-        prefetch_block(pb, layout, b + LEAD);
-        const struct block ba = block_at(pa, layout, b), bb = block_at(pb, layout, b);
-        v8f sa[2] = {{0}}, sb[2] = {{0}};
-        for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f qa0, qa1, qb0, qb1;
-            codes_at(&ba, j, &qa0, &qa1);
-            codes_at(&bb, j, &qb0, &qb1);
-            const float xv = x[b * QBLOCK + j];
-            const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-            sa[0] = fma8(xb, qa0, sa[0]);
-            sa[1] = fma8(xb, qa1, sa[1]);
-            sb[0] = fma8(xb, qb0, sb[0]);
-            sb[1] = fma8(xb, qb1, sb[1]);
+        struct block blk[GROUP];
+        prow s[GROUP];
+        for (int g = 0; g < GROUP; g++) {
+            prefetch_block(panels[g], layout, b + LEAD);
+            blk[g] = block_at(panels[g], layout, b);
+            s[g] = prow_splat(0.0f);
         }
-        finish_block(&ba, xs[b], sa, acc);
-        finish_block(&bb, xs[b], sb, acc + 2);
+        for (int64_t j = 0; j < QBLOCK; j++) {
+            const prow xb = prow_splat(x[b * QBLOCK + j]);
+            for (int g = 0; g < GROUP; g++)
+                s[g] = prow_fma(xb, codes_at(&blk[g], layout, j), s[g]);
+        }
+        for (int g = 0; g < GROUP; g++)
+            acc[g] = finish_block(&blk[g], layout, xs[b], s[g], acc[g]);
     }
 }
 
@@ -209,12 +267,8 @@ static inline void row_pair(const float *x, const float *xs, int64_t K, const ui
 static void panel_codes(const uint8_t *panel, int layout, int64_t K, float *out) {
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         const struct block blk = block_at(panel, layout, b);
-        for (int64_t j = 0; j < QBLOCK; j++) {
-            v8f q0, q1;
-            codes_at(&blk, j, &q0, &q1);
-            memcpy(out + (b * QBLOCK + j) * PANEL, &q0, 32);
-            memcpy(out + (b * QBLOCK + j) * PANEL + 8, &q1, 32);
-        }
+        for (int64_t j = 0; j < QBLOCK; j++)
+            prow_store(out + (b * QBLOCK + j) * PANEL, codes_at(&blk, layout, j));
     }
 }
 
@@ -229,26 +283,32 @@ static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
         }
 }
 
-static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t n0, int64_t N,
-                              const float *bias, float *y) {
+static inline void store_rows(const prow *acc, int64_t m0, int64_t mr, int64_t n0,
+                              int64_t N, const float *bias, float *y) {
     const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t r = 0; r < mr; r++) {
         float out[PANEL];
-        memcpy(out, &acc[r][0], sizeof(float) * 8);
-        memcpy(out + 8, &acc[r][1], sizeof(float) * 8);
+        prow_store(out, acc[r]);
         float *row = y + (m0 + r) * N + n0;
         for (int64_t c = 0; c < width; c++)
             row[c] = bias ? out[c] + bias[n0 + c] : out[c];
     }
 }
 
-#define ROW_CASES(fn, ...)                                                                \
-    switch (mr) {        /* a constant row count per call: fully unrolled inner loops */     \
-    case 6: fn(__VA_ARGS__, 6, acc); break;                                                   \
-    case 5: fn(__VA_ARGS__, 5, acc); break;                                                   \
-    case 4: fn(__VA_ARGS__, 4, acc); break;                                                   \
-    case 3: fn(__VA_ARGS__, 3, acc); break;                                                   \
-    case 2: fn(__VA_ARGS__, 2, acc); break;                                                   \
+/* a constant row count per call: fully unrolled inner loops */
+#define ROW_CASE(n, fn, ...) case n: fn(__VA_ARGS__, n, acc); break;
+#if ROWS == 12
+#define WIDE_CASES(fn, ...)                                                                   \
+    ROW_CASE(12, fn, __VA_ARGS__) ROW_CASE(11, fn, __VA_ARGS__) ROW_CASE(10, fn, __VA_ARGS__)  \
+    ROW_CASE(9, fn, __VA_ARGS__) ROW_CASE(8, fn, __VA_ARGS__) ROW_CASE(7, fn, __VA_ARGS__)
+#else
+#define WIDE_CASES(fn, ...)
+#endif
+#define ROW_CASES(fn, ...)                                                                    \
+    switch (mr) {                                                                             \
+    WIDE_CASES(fn, __VA_ARGS__)                                                               \
+    ROW_CASE(6, fn, __VA_ARGS__) ROW_CASE(5, fn, __VA_ARGS__) ROW_CASE(4, fn, __VA_ARGS__)     \
+    ROW_CASE(3, fn, __VA_ARGS__) ROW_CASE(2, fn, __VA_ARGS__)                                 \
     default: fn(__VA_ARGS__, 1, acc); break;                                                  \
     }
 
@@ -257,7 +317,7 @@ static inline void store_rows(v8f acc[ROWS][2], int64_t m0, int64_t mr, int64_t 
 static inline void panel_block(const float *x, const float *xs, int64_t M, int64_t K,
                                const void *panel, const float *codes, int layout, int64_t n0,
                                int64_t N, const float *bias, float *y) {
-    v8f acc[ROWS][2];
+    prow acc[ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int64_t mr = M - m0 < ROWS ? M - m0 : ROWS;
         const float *xm = x + m0 * K, *xsm = xs + m0 * (K / QBLOCK);
@@ -363,24 +423,23 @@ int linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int
     if (!xs)
         return -1;
     block_sums(x, M, K, xs);
-    if (M == 1) {                                   /* a single decode: panels two at a time */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-        for (int64_t pp = 0; pp < (panels + 1) / 2; pp++) {
-            const int64_t p = 2 * pp;
-            if (p + 1 == panels) {
-                panel_block(x, xs, 1, K, base + p * panel_bytes, NULL, layout, p * PANEL, N,
-                            bias, y);
-                continue;
+    if (M == 1) {              /* a single decode: each thread's panels GROUP at a time */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+        {
+            const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+            const int64_t end = panels * (t + 1) / n;
+            for (int64_t p = panels * t / n; p < end; p += GROUP) {
+                const int64_t used = end - p < GROUP ? end - p : GROUP;
+                const uint8_t *group[GROUP];
+                prow acc[GROUP];
+                for (int64_t g = 0; g < GROUP; g++)   /* a short last group repeats its last */
+                    group[g] = base + (p + (g < used ? g : used - 1)) * panel_bytes;
+                row_group(x, xs, K, group, layout, acc);
+                for (int64_t g = 0; g < used; g++)
+                    store_rows(acc + g, 0, 1, (p + g) * PANEL, N, bias, y);
             }
-            v8f acc[4], pair[ROWS][2];
-            row_pair(x, xs, K, base + p * panel_bytes, base + (p + 1) * panel_bytes, layout,
-                     acc);
-            pair[0][0] = acc[0], pair[0][1] = acc[1];
-            store_rows(pair, 0, 1, p * PANEL, N, bias, y);
-            pair[0][0] = acc[2], pair[0][1] = acc[3];
-            store_rows(pair, 0, 1, (p + 1) * PANEL, N, bias, y);
         }
-    } else if (M > 32 * ROWS) {        /* many row blocks: each panel's codes unpacked once */
+    } else if (M > MANY_ROWS) {        /* many row blocks: each panel's codes unpacked once */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && panels > 1)
         {
             float *codes = malloc(sizeof(float) * K * PANEL);     /* NULL: unpack in registers */

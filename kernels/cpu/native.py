@@ -1,8 +1,9 @@
 """Build and load the CPU kernels written in C (`kernels/cpu/*.c`): compiled once per machine with
 the system C compiler (`cc`, or $CC) for this CPU (-march=native, OpenMP), cached under
 `~/.cache/specserve/kernels` (`SPECSERVE_CACHE_DIR`) by a key of the source (with the sources it
-includes: `decoder.c` is built from the others'), the compiler's version and the CPU's flags, and
-loaded with ctypes. A build takes about a second.
+includes: `decoder.c` is built from the others'), the compiler's version, the CPU's flags and the
+compiler flags, and loaded with ctypes. A build takes about a second. `SPECSERVE_CFLAGS` adds
+flags after the defaults (`-mno-avx512f` builds the AVX2 form of the kernels on an AVX-512 CPU).
 
 The shared library links libgomp.so.1; torch has already loaded its own copy under that name, so
 the kernels share torch's OpenMP thread pool instead of starting a second one.
@@ -16,6 +17,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -78,8 +80,9 @@ def build(name: str) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"{cc} --version failed: {exc}") from exc
     text = _source_text(source)
+    flags = [*FLAGS, *shlex.split(os.environ.get("SPECSERVE_CFLAGS", ""))]
     key = hashlib.sha256("\0".join([text, version, _cpu_flags(), platform.machine(),
-                                    " ".join(FLAGS)]).encode()).hexdigest()[:16]
+                                    " ".join(flags)]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{key}.so"
     if target.exists():
         return target
@@ -90,7 +93,7 @@ def build(name: str) -> Path:
         raise BuildError(f"cannot write the kernel cache {target.parent}: {exc}") from exc
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True,
                               text=True, timeout=300)
         if done.returncode:
             raise BuildError(f"{cc} failed on {source.name}: {done.stderr.strip()[-2000:]}")

@@ -149,3 +149,30 @@ def test_q8_0_panels_and_their_rows_are_the_dequantized_weights(out_features, in
     for bad in (-1, out_features):                  # never a read outside the panels
         with pytest.raises(IndexError):
             cpu_linear.weight_rows(quantized, torch.tensor([0, bad]))
+
+
+def test_the_avx2_build_gives_the_native_builds_bits(monkeypatch, tmp_path):
+    """linear.c keeps a panel row in one 512-bit vector on AVX-512 CPUs and in two 8-float halves
+    elsewhere, with different row blocks and panel groups: each lane's sum is the same sequence of
+    fused multiply-adds, so a build without AVX-512 (`SPECSERVE_CFLAGS`) gives the same bits (on
+    an AVX2 host both builds are the AVX2 form)."""
+    g = torch.Generator().manual_seed(5)
+    blocks4, _ = q4_1_weight(200, 576, 11)
+    blocks8, _ = q8_0_weight(200, 576, 12)
+    weights = [cpu_linear.pack(torch.randn(200, 576, generator=g)),
+               cpu_linear.pack_q4_1(blocks4, 576), cpu_linear.pack_q8_0(blocks8, 576)]
+    x, b = torch.randn(300, 576, generator=g), torch.randn(200, generator=g)
+    rows = (1, 3, 13, 16, 100, 300)
+    native_out = [[cpu_linear.linear(x[:m], w, b) for m in rows] for w in weights]
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECSERVE_CFLAGS", "-mno-avx512f")
+    for cached in (native.library, cpu_linear._lib):
+        cached.cache_clear()
+    try:
+        for w, outs in zip(weights, native_out):
+            for m, want in zip(rows, outs):
+                assert torch.equal(cpu_linear.linear(x[:m], w, b), want), (w.layout, m)
+        assert list(tmp_path.glob("kernels/linear-*.so"))                 # built with the flag
+    finally:
+        for cached in (native.library, cpu_linear._lib):
+            cached.cache_clear()
