@@ -37,80 +37,37 @@
 #define Q8_BLOCK_BYTES (PANEL * 4 + QBLOCK * PANEL)           /* d; then 32 k of 16 bytes */
 #define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
 #define MANY_ROWS 192           /* above this many rows a panel's codes are unpacked once */
+#define GROUP 2                 /* panels together at one row: independent chains of sums */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
-/* A panel's 16 columns at one k (or one row's 16 sums): one 512-bit vector where the compiler
- * targets AVX-512, else two 8-float halves. Each lane does the same fused multiply-adds in the
- * same order either way: the two builds agree bit for bit. ROWS rows share a register block (the
- * sums of a block of k and the row's totals: 2 * ROWS vectors, of the 32 AVX-512 registers or the
- * 16 AVX2 ones); GROUP panels go together at one row (four independent chains of additions). */
-#if defined(__AVX512F__)
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
-typedef v16f prow;
-#define ROWS 12
-#define GROUP 4
+/* A panel's 16 columns at one k (or a row's 16 sums) as two 8-float halves: the one-row path's
+ * form on every CPU (at one row its 256-bit operations issue on more ports than 512-bit ones,
+ * and the code conversion, not the multiply-add, bounds it) and the row blocks' on CPUs without
+ * AVX-512. */
+typedef struct {
+    v8f lo, hi;
+} phalf;
 
-static inline prow prow_fma(prow a, prow b, prow c) {
-    return (prow)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+static inline phalf half_fma(phalf a, phalf b, phalf c) {
+    return (phalf){fma8(a.lo, b.lo, c.lo), fma8(a.hi, b.hi, c.hi)};
 }
 
-static inline prow prow_splat(float x) {
-    return (prow)_mm512_set1_ps(x);
+static inline phalf half_splat(float x) {
+    return (phalf){splat8(x), splat8(x)};
 }
 
-static inline prow prow_load(const void *p) {
-    prow v;
-    memcpy(&v, p, sizeof v);
-    return v;
+static inline phalf half_load(const void *p) {
+    return (phalf){*(const v8f *)p, *(const v8f *)((const float *)p + 8)};
 }
 
-static inline void prow_store(float *out, prow v) {
-    memcpy(out, &v, sizeof v);
+static inline void half_store(float *out, phalf v) {
+    *(v8f *)out = v.lo;
+    *(v8f *)(out + 8) = v.hi;
 }
 
 /* 16 4-bit codes (8 bytes: columns c and c + 8 in the low and high nibble of byte c) */
-static inline prow unpack_q4(const uint8_t *p) {
-    int64_t bytes;
-    memcpy(&bytes, p, 8);                               /* the 8 bytes twice: lanes 0-7, 8-15 */
-    const __m512i twice = _mm512_cvtepu8_epi32(_mm_set1_epi64x(bytes));
-    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(twice, shift),
-                                           _mm512_set1_epi32(0x0F));
-    return (prow)_mm512_cvtepi32_ps(codes);
-}
-
-static inline prow unpack_q8(const int8_t *p) {
-    return (prow)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#else
-typedef struct {
-    v8f lo, hi;
-} prow;
-#define ROWS 6
-#define GROUP 2
-
-static inline prow prow_fma(prow a, prow b, prow c) {
-    return (prow){fma8(a.lo, b.lo, c.lo), fma8(a.hi, b.hi, c.hi)};
-}
-
-static inline prow prow_splat(float x) {
-    return (prow){splat8(x), splat8(x)};
-}
-
-static inline prow prow_load(const void *p) {
-    prow v;
-    memcpy(&v.lo, p, 32);
-    memcpy(&v.hi, (const uint8_t *)p + 32, 32);
-    return v;
-}
-
-static inline void prow_store(float *out, prow v) {
-    memcpy(out, &v.lo, 32);
-    memcpy(out + 8, &v.hi, 32);
-}
-
-static inline prow unpack_q4(const uint8_t *p) {
-    prow q;
+static inline phalf half_q4(const uint8_t *p) {
+    phalf q;
 #if defined(__AVX2__)
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     q.lo = (v8f)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
@@ -124,8 +81,8 @@ static inline prow unpack_q4(const uint8_t *p) {
     return q;
 }
 
-static inline prow unpack_q8(const int8_t *p) {
-    prow q;
+static inline phalf half_q8(const int8_t *p) {
+    phalf q;
 #if defined(__AVX2__)
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
     q.lo = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -138,6 +95,55 @@ static inline prow unpack_q8(const int8_t *p) {
 #endif
     return q;
 }
+
+/* The row blocks' form of 16 columns: one 512-bit vector where the compiler targets AVX-512, else
+ * the two halves. Each lane does the same fused multiply-adds in the same order in every form: the
+ * builds agree bit for bit. ROWS rows share a register block (the sums of a block of k and the
+ * rows' totals: 2 * ROWS vectors, of the 32 AVX-512 registers or the 16 AVX2 ones). */
+#if defined(__AVX512F__)
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef v16f prow;
+#define ROWS 12
+
+static inline prow prow_fma(prow a, prow b, prow c) {
+    return (prow)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+
+static inline prow prow_splat(float x) {
+    return (prow)_mm512_set1_ps(x);
+}
+
+static inline prow prow_load(const void *p) {
+    return *(const prow *)p;
+}
+
+static inline void prow_store(float *out, prow v) {
+    *(prow *)out = v;
+}
+
+static inline prow prow_q4(const uint8_t *p) {
+    int64_t bytes;
+    memcpy(&bytes, p, 8);                               /* the 8 bytes twice: lanes 0-7, 8-15 */
+    const __m512i twice = _mm512_cvtepu8_epi32(_mm_set1_epi64x(bytes));
+    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(twice, shift),
+                                           _mm512_set1_epi32(0x0F));
+    return (prow)_mm512_cvtepi32_ps(codes);
+}
+
+static inline prow prow_q8(const int8_t *p) {
+    return (prow)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+typedef phalf prow;
+#define ROWS 6
+
+static inline prow prow_fma(prow a, prow b, prow c) { return half_fma(a, b, c); }
+static inline prow prow_splat(float x) { return half_splat(x); }
+static inline prow prow_load(const void *p) { return half_load(p); }
+static inline void prow_store(float *out, prow v) { half_store(out, v); }
+static inline prow prow_q4(const uint8_t *p) { return half_q4(p); }
+static inline prow prow_q8(const int8_t *p) { return half_q8(p); }
 #endif
 
 static inline void zero_rows(prow acc[ROWS]) {
@@ -188,8 +194,8 @@ static inline void prefetch_block(const uint8_t *panel, int layout, int64_t b) {
 /* the 16 codes at k = j of a block, as floats (exact) */
 static inline prow codes_at(const struct block *blk, int layout, int64_t j) {
     if (layout == Q4_1)
-        return unpack_q4(blk->codes + j * 8);
-    return unpack_q8((const int8_t *)(blk->codes + j * PANEL));
+        return prow_q4(blk->codes + j * 8);
+    return prow_q8((const int8_t *)(blk->codes + j * PANEL));
 }
 
 /* a block's code sums s (one row, 16 columns) into the row's sums: acc + d * s (+ m * sx, Q4_1,
@@ -240,9 +246,11 @@ static inline void panel_rows_q8(const float *x, const float *xs, int64_t K, con
 
 /* one row against GROUP quantized panels at once: independent chains of fused multiply-adds (one
  * panel's leave the FMA latency exposed at one row); each element's sum is the same sequence as
- * in panel_rows_quantized */
+ * in panel_rows_quantized. out: the GROUP panels' 16 sums. */
 static inline void row_group(const float *x, const float *xs, int64_t K,
-                             const uint8_t *const panels[GROUP], int layout, prow acc[GROUP]) {
+                             const uint8_t *const panels[GROUP], int layout,
+                             float out[GROUP][PANEL]) {
+    prow acc[GROUP];
     for (int g = 0; g < GROUP; g++)
         acc[g] = prow_splat(0.0f);
     for (int64_t b = 0; b < K / QBLOCK; b++) {
@@ -261,6 +269,39 @@ static inline void row_group(const float *x, const float *xs, int64_t K,
         for (int g = 0; g < GROUP; g++)
             acc[g] = finish_block(&blk[g], layout, xs[b], s[g], acc[g]);
     }
+    for (int g = 0; g < GROUP; g++)
+        prow_store(out[g], acc[g]);
+}
+
+/* row_group for Q4_1 panels in halves on every CPU: at one row the 4-bit codes' conversion bounds
+ * the loop, and its 256-bit form issues on more ports than the 512-bit one (a Q8_0 code converts
+ * in one instruction, and there the 512-bit form is faster). The same sums in the same order. */
+static inline void row_group_q4(const float *x, const float *xs, int64_t K,
+                                const uint8_t *const panels[GROUP], float out[GROUP][PANEL]) {
+    phalf acc[GROUP];
+    for (int g = 0; g < GROUP; g++)
+        acc[g] = half_splat(0.0f);
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        phalf s[GROUP];
+        for (int g = 0; g < GROUP; g++) {
+            prefetch_block(panels[g], Q4_1, b + LEAD);
+            s[g] = half_splat(0.0f);
+        }
+        for (int64_t j = 0; j < QBLOCK; j++) {
+            const phalf xb = half_splat(x[b * QBLOCK + j]);
+            for (int g = 0; g < GROUP; g++) {
+                const uint8_t *codes = panels[g] + b * Q4_BLOCK_BYTES + 128 + j * 8;
+                s[g] = half_fma(xb, half_q4(codes), s[g]);
+            }
+        }
+        for (int g = 0; g < GROUP; g++) {       /* acc + d * s + m * sx, as finish_block */
+            const uint8_t *blk = panels[g] + b * Q4_BLOCK_BYTES;
+            acc[g] = half_fma(half_load(blk), s[g], acc[g]);
+            acc[g] = half_fma(half_load(blk + 64), half_splat(xs[b]), acc[g]);
+        }
+    }
+    for (int g = 0; g < GROUP; g++)
+        half_store(out[g], acc[g]);
 }
 
 /* a quantized panel's codes as floats in panel layout [K, PANEL] (exact) */
@@ -283,15 +324,20 @@ static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
         }
 }
 
+/* 16 sums of row `row` into y's columns n0 .. (those there are), plus the bias */
+static inline void store_row(const float out[PANEL], int64_t row, int64_t n0, int64_t N,
+                             const float *bias, float *y) {
+    const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int64_t c = 0; c < width; c++)
+        y[row * N + n0 + c] = bias ? out[c] + bias[n0 + c] : out[c];
+}
+
 static inline void store_rows(const prow *acc, int64_t m0, int64_t mr, int64_t n0,
                               int64_t N, const float *bias, float *y) {
-    const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t r = 0; r < mr; r++) {
         float out[PANEL];
         prow_store(out, acc[r]);
-        float *row = y + (m0 + r) * N + n0;
-        for (int64_t c = 0; c < width; c++)
-            row[c] = bias ? out[c] + bias[n0 + c] : out[c];
+        store_row(out, m0 + r, n0, N, bias, y);
     }
 }
 
@@ -431,12 +477,15 @@ int linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int
             for (int64_t p = panels * t / n; p < end; p += GROUP) {
                 const int64_t used = end - p < GROUP ? end - p : GROUP;
                 const uint8_t *group[GROUP];
-                prow acc[GROUP];
+                float out[GROUP][PANEL];
                 for (int64_t g = 0; g < GROUP; g++)   /* a short last group repeats its last */
                     group[g] = base + (p + (g < used ? g : used - 1)) * panel_bytes;
-                row_group(x, xs, K, group, layout, acc);
+                if (layout == Q4_1)
+                    row_group_q4(x, xs, K, group, out);
+                else
+                    row_group(x, xs, K, group, layout, out);
                 for (int64_t g = 0; g < used; g++)
-                    store_rows(acc + g, 0, 1, (p + g) * PANEL, N, bias, y);
+                    store_row(out[g], 0, (p + g) * PANEL, N, bias, y);
             }
         }
     } else if (M > MANY_ROWS) {        /* many row blocks: each panel's codes unpacked once */
