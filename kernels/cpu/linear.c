@@ -20,8 +20,8 @@
  * dequantized weight's within float32 rounding (a different order of the same sums, like any
  * GEMM's), and still the same for a row whatever M is. GGUF Q8_0 (w = d * q, q an int8; a typical
  * embedding and LM head) likewise, acc + d * s: d of the 16 columns, then 16 codes per k. With
- * many rows (more than 32 register blocks) each panel's codes are converted once into a float
- * scratch panel instead.
+ * many rows (above MANY_ROWS, on CPUs without AVX-512) each panel's codes are converted once into
+ * a float scratch panel instead.
  */
 #include <stdint.h>
 #include <omp.h>
@@ -36,7 +36,6 @@
 #define Q4_BLOCK_BYTES (2 * PANEL * 4 + QBLOCK * PANEL / 2)  /* d, m; then 32 k of 8 bytes */
 #define Q8_BLOCK_BYTES (PANEL * 4 + QBLOCK * PANEL)           /* d; then 32 k of 16 bytes */
 #define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
-#define MANY_ROWS 192           /* above this many rows a panel's codes are unpacked once */
 #define GROUP 2                 /* panels together at one row: independent chains of sums */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
@@ -104,6 +103,7 @@ static inline phalf half_q8(const int8_t *p) {
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef v16f prow;
 #define ROWS 12
+#define MANY_ROWS INT64_MAX      /* codes unpacked in registers were ahead up to 1,024 rows */
 
 static inline prow prow_fma(prow a, prow b, prow c) {
     return (prow)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -137,6 +137,7 @@ static inline prow prow_q8(const int8_t *p) {
 #else
 typedef phalf prow;
 #define ROWS 6
+#define MANY_ROWS 192           /* above this many rows a panel's codes are unpacked once */
 
 static inline prow prow_fma(prow a, prow b, prow c) { return half_fma(a, b, c); }
 static inline prow prow_splat(float x) { return half_splat(x); }

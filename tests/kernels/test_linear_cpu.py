@@ -92,10 +92,10 @@ def test_q4_1_codes_are_ggufs_values():
 
 def assert_quantized_panels(quantized, dequantized, x, b):
     """Every row of a quantized panel's results is the same whatever the row count (one row:
-    panels in pairs; a few row blocks: codes unpacked in registers; many: a float copy of each
-    panel's codes) and within float32 rounding of the dequantized weight's: no more than 1e-6 of
-    sum |x| |w| from the float64 product (float32's unit roundoff is 6e-8)."""
-    full = cpu_linear.linear(x, quantized, b)                       # 200 rows: the float copy
+    panels in pairs; a few row blocks: codes unpacked in registers; many, without AVX-512: a
+    float copy of each panel's codes) and within float32 rounding of the dequantized weight's: no
+    more than 1e-6 of sum |x| |w| from the float64 product (float32's unit roundoff is 6e-8)."""
+    full = cpu_linear.linear(x, quantized, b)               # 200 rows: the float copy (AVX2)
     for m in (0, 1, 2, 5, 6, 7, 16, 24, 25, 40, 192):
         assert torch.equal(cpu_linear.linear(x[:m], quantized, b), full[:m]), m
     assert torch.equal(cpu_linear.linear(x[17:18], quantized, b)[0], full[17])
