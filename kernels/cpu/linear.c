@@ -23,7 +23,6 @@
  * many rows (above MANY_ROWS, on CPUs without AVX-512) each panel's codes are converted once into
  * a float scratch panel instead.
  */
-#include <stdint.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,10 +38,8 @@
 #define GROUP 2                 /* panels together at one row: independent chains of sums */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
-/* A panel's 16 columns at one k (or a row's 16 sums) as two 8-float halves: the one-row path's
- * form on every CPU (at one row its 256-bit operations issue on more ports than 512-bit ones,
- * and the code conversion, not the multiply-add, bounds it) and the row blocks' on CPUs without
- * AVX-512. */
+/* A panel's 16 columns at one k (or a row's 16 sums) as two 8-float halves: the form of one row
+ * against Q4_1 panels on every CPU (`row_group_q4`) and of everything on CPUs without AVX-512. */
 typedef struct {
     v8f lo, hi;
 } phalf;
