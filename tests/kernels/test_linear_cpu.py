@@ -154,10 +154,11 @@ def test_q8_0_panels_and_their_rows_are_the_dequantized_weights(out_features, in
 
 
 def test_the_avx2_build_gives_the_native_builds_bits(monkeypatch, tmp_path):
-    """linear.c keeps a panel row in one 512-bit vector on AVX-512 CPUs and in two 8-float halves
-    elsewhere, with different row blocks and panel groups: each lane's sum is the same sequence of
-    fused multiply-adds, so a build without AVX-512 (`SPECSERVE_CFLAGS`) gives the same bits (on
-    an AVX2 host both builds are the AVX2 form; off x86, the flag is another optimisation level)."""
+    """linear.c keeps a panel row in one 512-bit vector on AVX-512 CPUs (12-row blocks, codes
+    unpacked in registers at any row count) and in two 8-float halves elsewhere (6-row blocks, a
+    float copy of the codes above 192 rows): each lane's sum is the same sequence of fused
+    multiply-adds, so a build without AVX-512 (`SPECSERVE_CFLAGS`) gives the same bits (on an AVX2
+    host both builds are the AVX2 form; off x86, the flag is another optimisation level)."""
     g = torch.Generator().manual_seed(5)
     blocks4, _ = q4_1_weight(200, 576, 11)
     blocks8, _ = q8_0_weight(200, 576, 12)
