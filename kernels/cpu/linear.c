@@ -34,6 +34,7 @@
 #define QBLOCK 32                                     /* GGUF's block of k */
 #define Q4_BLOCK_BYTES (2 * PANEL * 4 + QBLOCK * PANEL / 2)  /* d, m; then 32 k of 8 bytes */
 #define Q8_BLOCK_BYTES (PANEL * 4 + QBLOCK * PANEL)           /* d; then 32 k of 16 bytes */
+#define SCALES (PANEL * 4)      /* a block's d (or m) of its 16 columns, in bytes */
 #define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
 #define GROUP 2                 /* panels together at one row: independent chains of sums */
 enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
@@ -175,8 +176,8 @@ static inline struct block block_at(const uint8_t *panel, int layout, int64_t b)
     const uint8_t *p = panel + b * (layout == Q4_1 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
     blk.d = prow_load(p);
     if (layout == Q4_1)
-        blk.m = prow_load(p + 64);
-    blk.codes = p + (layout == Q4_1 ? 128 : 64);
+        blk.m = prow_load(p + SCALES);
+    blk.codes = p + (layout == Q4_1 ? 2 : 1) * SCALES;
     return blk;
 }
 
@@ -288,14 +289,14 @@ static inline void row_group_q4(const float *x, const float *xs, int64_t K,
         for (int64_t j = 0; j < QBLOCK; j++) {
             const phalf xb = half_splat(x[b * QBLOCK + j]);
             for (int g = 0; g < GROUP; g++) {
-                const uint8_t *codes = panels[g] + b * Q4_BLOCK_BYTES + 128 + j * 8;
+                const uint8_t *codes = panels[g] + b * Q4_BLOCK_BYTES + 2 * SCALES + j * 8;
                 s[g] = half_fma(xb, half_q4(codes), s[g]);
             }
         }
         for (int g = 0; g < GROUP; g++) {       /* acc + d * s + m * sx, as finish_block */
             const uint8_t *blk = panels[g] + b * Q4_BLOCK_BYTES;
             acc[g] = half_fma(half_load(blk), s[g], acc[g]);
-            acc[g] = half_fma(half_load(blk + 64), half_splat(xs[b]), acc[g]);
+            acc[g] = half_fma(half_load(blk + SCALES), half_splat(xs[b]), acc[g]);
         }
     }
     for (int g = 0; g < GROUP; g++)
@@ -433,8 +434,8 @@ void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, con
             uint8_t *blk = dst + b * bytes;
             memcpy(blk + 4 * c, d + n * blocks + b, 4);
             if (layout == Q4_1)
-                memcpy(blk + 64 + 4 * c, m + n * blocks + b, 4);
-            uint8_t *out = blk + (layout == Q4_1 ? 128 : 64);
+                memcpy(blk + SCALES + 4 * c, m + n * blocks + b, 4);
+            uint8_t *out = blk + (layout == Q4_1 ? 2 : 1) * SCALES;
             for (int64_t j = 0; j < QBLOCK; j++) {
                 const uint8_t q = codes[n * K + b * QBLOCK + j];
                 if (layout == Q4_1)
