@@ -24,7 +24,8 @@ PANEL = 16                      # output columns per packed panel (linear.c)
 QBLOCK = 32                     # GGUF's quantization block along the input dimension
 Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-bit codes
 Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
-LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2}      # linear.c's enum layout
+# linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
+LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -103,16 +104,19 @@ def q4_1_codes(blocks: torch.Tensor, in_features: int
     return codes, d, m
 
 
-def pack_q4_1(blocks: torch.Tensor, in_features: int) -> PackedWeight:
+def pack_q4_1(blocks: torch.Tensor, in_features: int, int8: bool = False) -> PackedWeight:
     """GGUF Q4_1 blocks [out, in / 32 * 20] uint8 (rows in the model's order) packed for the C
-    kernel, which dequantizes them in registers; needs `c_kernel_available()`."""
+    kernel, which dequantizes them in registers (float32 activations) or, `int8`, sums their codes
+    against the activations quantized to int8 per row (`linear_i8.c`); needs
+    `c_kernel_available()`."""
     codes, d, m = q4_1_codes(blocks, in_features)
     out_features = codes.shape[0]
+    layout = "q4_1_i8" if int8 else "q4_1"
     data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
                        2 * PANEL * 4 + QBLOCK * PANEL // 2, dtype=torch.uint8)
-    _lib().linear_pack_quantized(LAYOUTS["q4_1"], codes.data_ptr(), d.data_ptr(), m.data_ptr(),
+    _lib().linear_pack_quantized(LAYOUTS[layout], codes.data_ptr(), d.data_ptr(), m.data_ptr(),
                                  out_features, in_features, data.data_ptr())
-    return PackedWeight(data, out_features, in_features, "q4_1")
+    return PackedWeight(data, out_features, in_features, layout)
 
 
 def q8_0_codes(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,23 +129,24 @@ def q8_0_codes(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, to
     return codes, d
 
 
-def pack_q8_0(blocks: torch.Tensor, in_features: int) -> PackedWeight:
-    """GGUF Q8_0 blocks [out, in / 32 * 34] uint8 packed for the C kernel; needs
-    `c_kernel_available()`."""
+def pack_q8_0(blocks: torch.Tensor, in_features: int, int8: bool = False) -> PackedWeight:
+    """GGUF Q8_0 blocks [out, in / 32 * 34] uint8 packed for the C kernel (`int8`: as
+    `pack_q4_1`); needs `c_kernel_available()`."""
     codes, d = q8_0_codes(blocks, in_features)
     out_features = codes.shape[0]
+    layout = "q8_0_i8" if int8 else "q8_0"
     data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
                        PANEL * 4 + QBLOCK * PANEL, dtype=torch.uint8)
-    _lib().linear_pack_quantized(LAYOUTS["q8_0"], codes.data_ptr(), d.data_ptr(), None,
+    _lib().linear_pack_quantized(LAYOUTS[layout], codes.data_ptr(), d.data_ptr(), None,
                                  out_features, in_features, data.data_ptr())
-    return PackedWeight(data, out_features, in_features, "q8_0")
+    return PackedWeight(data, out_features, in_features, layout)
 
 
 def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """Rows of a C-packed weight (float32 or Q8_0 panels), exactly the (dequantized) weight's:
     [len(rows), in] (a tied embedding's lookup read from the packed LM head, so the matrix is held
     once)."""
-    if packed.layout not in ("f32", "q8_0"):
+    if packed.layout not in ("f32", "q8_0", "q8_0_i8"):
         raise ValueError(f"weight_rows reads float32 or Q8_0 panels, not {packed.layout}")
     rows = rows.to(torch.int64).contiguous()
     if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < packed.out_features):

@@ -1,0 +1,324 @@
+/* Linear layers on int8 dot products: GGUF Q4_1 and Q8_0 weights against activations quantized
+ * per row in blocks of 32 along k (as llama.cpp's quantized dot products do). Included by
+ * linear.c, whose `linear_forward` hands these layouts here.
+ *
+ * Activations: each row's block of 32 x becomes 32 int8 codes a = round(x * 127 / amax) and a
+ * scale e = amax / 127 (amax the block's largest |x|), with t = sum of the codes. Per block and
+ * column the kernel sums codes times codes in int32, exactly, then (float) each block's share:
+ *   Q4_1 (w = d * q + m, q in 0..15):  acc + d * (e * sum(q * a)) + m * (e * t)
+ *   Q8_0 (w = d * q, q an int8):       acc + d * (e * (sum(u * a) - 128 * t)),  u = q + 128
+ * one fused multiply-add after another, block after block. Integer sums are exact in any order,
+ * so the result of a row depends on its own x alone: not on how many rows share the call, which
+ * rows they are, nor on how the sums are split among registers. Every form (AVX512-VNNI
+ * `vpdpbusd`, or plain C elsewhere) gives the same bits.
+ *
+ * Packed layouts, per panel of 16 columns and block of 32 k (the scales as float32):
+ *   Q4_1_I8 (384 bytes): d[16], m[16], then 4 chunks of 64 bytes; chunk c's byte 4 * col + i
+ *     holds q(col, 8c + i) in its low nibble and q(col, 8c + 4 + i) in its high one;
+ *   Q8_0_I8 (576 bytes): d[16], then 8 groups of 64 bytes; group g's byte 4 * col + i holds
+ *     u(col, 4g + i).
+ * A 64-byte row of codes is then one vector of 16 lanes of 4 k each: `vpdpbusd` against a row's
+ * 4 activation codes broadcast to every lane adds 4 products to each column's sum.
+ */
+#include <math.h>
+
+#define I8_Q4_BYTES (2 * SCALES + QBLOCK * PANEL / 2)
+#define I8_Q8_BYTES (SCALES + QBLOCK * PANEL)
+#define I8_TILE 8           /* rows x panels of one register tile */
+#define I8_CHUNK_BYTES (256 << 10)  /* activation codes swept against a thread's panels at once */
+
+/* a call's quantized rows: codes [M, K], per row and block the scale e and e * t, and t */
+struct i8_rows {
+    const int8_t *q;
+    const float *e, *et;
+    const int32_t *t;
+    int64_t K;
+};
+
+static inline int64_t i8_block_bytes(int layout) {
+    return layout == Q4_1_I8 ? I8_Q4_BYTES : I8_Q8_BYTES;
+}
+
+/* one block of 32 x -> codes, scale, the scale times the codes' sum, the codes' sum */
+static inline void i8_quantize_block(const float *x, int8_t *q, float *e, float *et,
+                                     int32_t *t) {
+#if defined(__AVX512F__)
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0),
+                                                          _mm512_abs_ps(x1)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < QBLOCK; j++)
+        amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        const int32_t v = (int32_t)nearbyintf(x[j] * inv);     /* to nearest, ties to even */
+        q[j] = (int8_t)v;
+        sum += v;
+    }
+#endif
+    *e = amax / 127.0f;
+    *et = *e * (float)sum;
+    *t = sum;
+}
+
+static void i8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *e, float *et,
+                        int32_t *t, int num_threads) {
+    const int64_t blocks = K / QBLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && M > 16)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t i = r * blocks + b;
+            i8_quantize_block(x + r * K + b * QBLOCK, q + r * K + b * QBLOCK, e + i, et + i,
+                              t + i);
+        }
+}
+
+/* One block's finish into a (row, panel)'s 16 sums, as the header says; isum the block's int32
+ * code sums (Q8_0: before the 128 * t correction). The same operations in every form. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef __m512i i8_sums;
+
+static inline __m512 i8_finish(const uint8_t *blk, int layout, __m512i isum, float e, float et,
+                               int32_t t, __m512 acc) {
+    if (layout == Q8_0_I8)
+        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * t));
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(e));
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk), s, acc);
+    if (layout == Q4_1_I8)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk + SCALES), _mm512_set1_ps(et), acc);
+    return acc;
+}
+
+static inline __m512i i8_bcast(const int8_t *a) {
+    int32_t v;
+    memcpy(&v, a, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* MR rows (from row m0) x NP panels, every block: out[r][p] the 16 sums. Two int32 chains per
+ * (row, panel) (the lower and upper halves of a block's k) keep the dot-product unit busy. */
+static inline __attribute__((always_inline)) void
+i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int layout,
+        const int MR, const int NP, __m512 acc[I8_TILE]) {
+    const int64_t K = a->K, blocks = K / QBLOCK, bytes = i8_block_bytes(layout);
+    for (int i = 0; i < MR * NP; i++)
+        acc[i] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i lo[I8_TILE], hi[I8_TILE];
+        for (int i = 0; i < MR * NP; i++)
+            lo[i] = hi[i] = _mm512_setzero_si512();
+        for (int p = 0; p < NP; p++) {
+            const uint8_t *codes = panels[p] + b * bytes + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
+            __builtin_prefetch(panels[p] + (b + 4) * bytes, 0, 1);
+            __builtin_prefetch(panels[p] + (b + 4) * bytes + 256, 0, 1);
+            for (int c = 0; c < 4; c++) {
+                __m512i w0, w1;
+                if (layout == Q4_1_I8) {
+                    const __m512i v = _mm512_loadu_si512(codes + 64 * c);
+                    w0 = _mm512_and_si512(v, nibble);
+                    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                } else {
+                    w0 = _mm512_loadu_si512(codes + 128 * c);
+                    w1 = _mm512_loadu_si512(codes + 128 * c + 64);
+                }
+                for (int r = 0; r < MR; r++) {
+                    const int8_t *x = a->q + (m0 + r) * K + b * QBLOCK + 8 * c;
+                    lo[r * NP + p] = _mm512_dpbusd_epi32(lo[r * NP + p], w0, i8_bcast(x));
+                    hi[r * NP + p] = _mm512_dpbusd_epi32(hi[r * NP + p], w1, i8_bcast(x + 4));
+                }
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = (m0 + r) * blocks + b;
+            for (int p = 0; p < NP; p++)
+                acc[r * NP + p] = i8_finish(panels[p] + b * bytes, layout,
+                                            _mm512_add_epi32(lo[r * NP + p], hi[r * NP + p]),
+                                            a->e[i], a->et[i], a->t[i], acc[r * NP + p]);
+        }
+    }
+}
+
+static inline void i8_store(const __m512 *acc, int i, float out[PANEL]) {
+    _mm512_storeu_ps(out, acc[i]);
+}
+#else
+/* plain C: the same integer sums (exact) and the same float operations, lane by lane */
+typedef float i8_acc[PANEL];
+
+static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
+                                   const uint8_t *const *panels, int layout, int MR, int NP,
+                                   i8_acc acc[I8_TILE]) {
+    const int64_t K = a->K, blocks = K / QBLOCK, bytes = i8_block_bytes(layout);
+    for (int i = 0; i < MR * NP; i++)
+        for (int l = 0; l < PANEL; l++)
+            acc[i][l] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int p = 0; p < NP; p++) {
+            const uint8_t *blk = panels[p] + b * bytes;
+            const uint8_t *codes = blk + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
+            for (int r = 0; r < MR; r++) {
+                const int8_t *x = a->q + (m0 + r) * K + b * QBLOCK;
+                const int64_t i = (m0 + r) * blocks + b;
+                for (int l = 0; l < PANEL; l++) {
+                    int32_t isum = 0;
+                    for (int k = 0; k < QBLOCK; k++) {
+                        const int g = k / 4, j = k % 4;
+                        const int32_t w = layout == Q4_1_I8
+                            ? (codes[64 * (g / 2) + 4 * l + j] >> (4 * (g % 2))) & 0x0F
+                            : codes[64 * g + 4 * l + j];
+                        isum += w * x[k];
+                    }
+                    if (layout == Q8_0_I8)
+                        isum -= 128 * a->t[i];
+                    float d, m;
+                    memcpy(&d, blk + 4 * l, 4);
+                    const float s = (float)isum * a->e[i];
+                    float v = __builtin_fmaf(d, s, acc[r * NP + p][l]);
+                    if (layout == Q4_1_I8) {
+                        memcpy(&m, blk + SCALES + 4 * l, 4);
+                        v = __builtin_fmaf(m, a->et[i], v);
+                    }
+                    acc[r * NP + p][l] = v;
+                }
+            }
+        }
+}
+
+#define i8_tile(a, m0, panels, layout, MR, NP, acc) \
+    i8_tile_generic(a, m0, panels, layout, MR, NP, acc)
+
+static inline void i8_store(const i8_acc *acc, int i, float out[PANEL]) {
+    memcpy(out, acc[i], sizeof(float) * PANEL);
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef __m512 i8_tile_acc;
+#else
+typedef i8_acc i8_tile_acc;
+#endif
+
+/* rows m0 .. m0 + mr - 1 against np panels (p0 on; mr * np <= I8_TILE), into y */
+static inline void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr,
+                                  const uint8_t *base, int64_t panel_bytes, int64_t p0, int np,
+                                  int layout, int64_t N, const float *bias, float *y) {
+    const uint8_t *panels[I8_TILE];
+    for (int p = 0; p < np; p++)
+        panels[p] = base + (p0 + p) * panel_bytes;
+    i8_tile_acc acc[I8_TILE];
+    switch (mr * 16 + np) {                   /* constant tile shapes: fully unrolled loops */
+    case 1 * 16 + 4: i8_tile(a, m0, panels, layout, 1, 4, acc); break;
+    case 1 * 16 + 3: i8_tile(a, m0, panels, layout, 1, 3, acc); break;
+    case 1 * 16 + 2: i8_tile(a, m0, panels, layout, 1, 2, acc); break;
+    case 2 * 16 + 2: i8_tile(a, m0, panels, layout, 2, 2, acc); break;
+    case 3 * 16 + 2: i8_tile(a, m0, panels, layout, 3, 2, acc); break;
+    case 2 * 16 + 1: i8_tile(a, m0, panels, layout, 2, 1, acc); break;
+    case 3 * 16 + 1: i8_tile(a, m0, panels, layout, 3, 1, acc); break;
+    case 4 * 16 + 1: i8_tile(a, m0, panels, layout, 4, 1, acc); break;
+    case 5 * 16 + 1: i8_tile(a, m0, panels, layout, 5, 1, acc); break;
+    case 6 * 16 + 1: i8_tile(a, m0, panels, layout, 6, 1, acc); break;
+    case 7 * 16 + 1: i8_tile(a, m0, panels, layout, 7, 1, acc); break;
+    case 8 * 16 + 1: i8_tile(a, m0, panels, layout, 8, 1, acc); break;
+    default: i8_tile(a, m0, panels, layout, 1, 1, acc); break;
+    }
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) {
+            float out[PANEL];
+            i8_store(acc, r * np + p, out);
+            store_row(out, m0 + r, (p0 + p) * PANEL, N, bias, y);
+        }
+}
+
+/* x [M, K] float32 against a Q4_1_I8 / Q8_0_I8 packed weight: y [M, N] (+ bias). Returns 0, or -1
+ * where the quantized rows could not get memory (y untouched). */
+static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t *base,
+                             int layout, int64_t N, const float *bias, float *y,
+                             int num_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
+    const int64_t panel_bytes = blocks * i8_block_bytes(layout);
+    int8_t *q = malloc((size_t)(M * K) + 64);
+    float *scales = malloc(sizeof(float) * (size_t)(2 * M * blocks + 1));
+    int32_t *t = malloc(sizeof(int32_t) * (size_t)(M * blocks + 1));
+    if (!q || !scales || !t) {
+        free(q);
+        free(scales);
+        free(t);
+        return -1;
+    }
+    i8_quantize(x, M, K, q, scales, scales + M * blocks, t, num_threads);
+    const struct i8_rows a = {q, scales, scales + M * blocks, t, K};
+    /* rows per tile: 1 row x 4 panels, 2 x 2, 3 x 2, else up to 8 rows x 1 panel */
+    const int64_t mr_max = M == 1 ? 1 : M <= 3 ? M : I8_TILE;
+    const int np_max = M == 1 ? 4 : M <= 3 ? 2 : 1;
+    const int64_t chunk = I8_CHUNK_BYTES / K > I8_TILE ? I8_CHUNK_BYTES / K : I8_TILE;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && panels > 1)
+    {
+        const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+        const int64_t begin = panels * th / nt, end = panels * (th + 1) / nt;
+        for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+            const int64_t r1 = M - r0 < chunk ? M : r0 + chunk;
+            for (int64_t p = begin; p < end; p += np_max) {
+                const int np = (int)(end - p < np_max ? end - p : np_max);
+                for (int64_t m0 = r0; m0 < r1; m0 += mr_max) {
+                    const int64_t mr = r1 - m0 < mr_max ? r1 - m0 : mr_max;
+                    i8_rows_panels(&a, m0, mr, base, panel_bytes, p, np, layout, N, bias, y);
+                }
+            }
+        }
+    }
+    free(q);
+    free(scales);
+    free(t);
+    return 0;
+}
+
+/* codes [N, K] (Q4_1: 0..15; Q8_0: int8), d and (Q4_1) m [N, K / QBLOCK] -> the layouts above
+ * (padding columns: d = m = 0, code 0) */
+static void linear_pack_i8(int layout, const uint8_t *codes, const float *d, const float *m,
+                           int64_t N, int64_t K, uint8_t *packed) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
+    const int64_t bytes = i8_block_bytes(layout);
+    memset(packed, 0, (size_t)(panels * blocks * bytes));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t col = n % PANEL;
+        uint8_t *dst = packed + (n / PANEL) * blocks * bytes;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = dst + b * bytes;
+            memcpy(blk + 4 * col, d + n * blocks + b, 4);
+            if (layout == Q4_1_I8)
+                memcpy(blk + SCALES + 4 * col, m + n * blocks + b, 4);
+            uint8_t *out = blk + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
+            for (int64_t k = 0; k < QBLOCK; k++) {
+                const uint8_t c = codes[n * K + b * QBLOCK + k];
+                const int64_t g = k / 4, at = 4 * col + k % 4;
+                if (layout == Q4_1_I8)
+                    out[64 * (g / 2) + at] |= (uint8_t)((c & 0x0F) << (4 * (g % 2)));
+                else
+                    out[64 * g + at] = (uint8_t)(c ^ 0x80);     /* int8 q -> q + 128 */
+            }
+        }
+    }
+}
+
+/* row n of a Q8_0_I8 weight, d * q exactly as gguf dequantizes it: out [K] */
+static void linear_row_q8_i8(const uint8_t *packed, int64_t K, int64_t n, float *out) {
+    const int64_t blocks = K / QBLOCK, col = n % PANEL;
+    const uint8_t *panel = packed + (n / PANEL) * blocks * I8_Q8_BYTES;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * I8_Q8_BYTES;
+        float d;
+        memcpy(&d, blk + 4 * col, 4);
+        for (int64_t k = 0; k < QBLOCK; k++)
+            out[b * QBLOCK + k] = d * (float)((int32_t)blk[SCALES + 64 * (k / 4) + 4 * col
+                                                           + k % 4] - 128);
+    }
+}

@@ -1,0 +1,104 @@
+"""The int8 dot-product forms of the CPU linear layer (kernels/cpu/linear_i8.c): GGUF Q4_1 / Q8_0
+codes summed against activations quantized per row in blocks of 32. They compute exactly the
+quantized product the header states (checked against a float64 model of it), a row's bits never
+depend on the rows beside it, the thread count or the build's vector form, and the product stays
+close to the float32 one (the accuracy the speed costs)."""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels.cpu import linear as cpu_linear
+from specserve.kernels.cpu import native
+from tests.kernels.test_linear_cpu import q4_1_weight, q8_0_weight
+
+
+def quantized_rows(x: torch.Tensor):
+    """x [M, K] -> codes [M, K / 32, 32] (float64), scale e [M, K / 32], as linear_i8.c makes
+    them: round(x * (127 / amax)) to nearest, ties to even; e = amax / 127 (float32)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    codes = torch.round(blocks * inv.unsqueeze(-1))
+    return codes.double(), (amax / 127.0).double()
+
+
+def model_product(x, codes, d, m):
+    """The header's product in float64: sum over blocks of d * e * sum(q * a) (+ m * e * t)."""
+    a, e = quantized_rows(x)
+    q = codes.double().reshape(codes.shape[0], -1, 32)                   # [N, B, 32]
+    sums = torch.einsum("mbk,nbk->mnb", a, q) * e.unsqueeze(1)            # [M, N, B]
+    out = (sums * d.double().unsqueeze(0)).sum(-1)
+    if m is not None:
+        out += ((a.sum(-1) * e).unsqueeze(1) * m.double().unsqueeze(0)).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 64), (200, 1536)])
+def test_int8_forms_compute_the_quantized_product(threads, layout, out_features, in_features):
+    torch.set_num_threads(threads)
+    make, pack = ((q4_1_weight, cpu_linear.pack_q4_1) if layout == "q4_1"
+                  else (q8_0_weight, cpu_linear.pack_q8_0))
+    blocks, dequantized = make(out_features, in_features, out_features)
+    packed = pack(blocks, in_features, int8=True)
+    assert packed.layout == f"{layout}_i8"
+    assert packed.data.nbytes == pack(blocks, in_features).data.nbytes       # the same bytes
+    if layout == "q4_1":
+        codes, d, m = cpu_linear.q4_1_codes(blocks, in_features)
+    else:
+        (codes, d), m = cpu_linear.q8_0_codes(blocks, in_features), None
+    g = torch.Generator().manual_seed(9)
+    x, b = torch.randn(300, in_features, generator=g), torch.randn(out_features, generator=g)
+    x[3, :32] = 0.0                                           # an all-zero block: scale 0
+    full = cpu_linear.linear(x, packed, b)
+    for rows in (0, 1, 2, 3, 4, 5, 8, 9, 17, 64, 65, 130):                 # every tile shape
+        assert torch.equal(cpu_linear.linear(x[:rows], packed, b), full[:rows]), rows
+    assert torch.equal(cpu_linear.linear(x[201:202], packed, b)[0], full[201])
+    want = model_product(x, codes, d, m) + b.double()
+    scale = F.linear(x.double().abs(), dequantized.double().abs()) + b.double().abs() + 1e-30
+    assert float(((full.double() - want).abs() / scale).max()) <= 1e-5
+    # against the float32 product of the dequantized weight: int8 activations' rounding only
+    exact = F.linear(x.double(), dequantized.double(), b.double())
+    assert float(((full.double() - exact).abs() / scale).max()) <= 2e-2
+    assert float((full.double() - exact).norm() / exact.norm()) <= 1e-2
+
+
+def test_rows_of_the_int8_q8_0_head_are_the_dequantized_rows():
+    blocks, dequantized = q8_0_weight(100, 576, 4)
+    packed = cpu_linear.pack_q8_0(blocks, 576, int8=True)
+    rows = torch.tensor([0, 5, 17, 99, 5])
+    assert torch.equal(cpu_linear.weight_rows(packed, rows), dequantized[rows])
+    with pytest.raises(IndexError):
+        cpu_linear.weight_rows(packed, torch.tensor([100]))
+
+
+def test_the_plain_c_form_gives_the_dot_product_forms_bits(monkeypatch, tmp_path):
+    """Where the CPU has AVX512-VNNI the sums run on `vpdpbusd`; a build without it
+    (`SPECSERVE_CFLAGS`) takes the plain C form, whose integer sums and float steps are the same:
+    the same bits (off x86 both builds are the C form)."""
+    g = torch.Generator().manual_seed(6)
+    blocks4, _ = q4_1_weight(200, 576, 21)
+    blocks8, _ = q8_0_weight(200, 576, 22)
+    weights = [cpu_linear.pack_q4_1(blocks4, 576, int8=True),
+               cpu_linear.pack_q8_0(blocks8, 576, int8=True)]
+    x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
+    rows = (1, 2, 3, 7, 70)
+    native_out = [[cpu_linear.linear(x[:m], w, b) for m in rows] for w in weights]
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    monkeypatch.setenv("SPECSERVE_CFLAGS", "-mno-avx512vnni -mno-avx512f" if x86 else "-O2")
+    for cached in (native.library, cpu_linear._lib):
+        cached.cache_clear()
+    try:
+        for w, outs in zip(weights, native_out):
+            for m, want in zip(rows, outs):
+                assert torch.equal(cpu_linear.linear(x[:m], w, b), want), (w.layout, m)
+        assert list(tmp_path.glob("kernels/linear-*.so"))
+    finally:
+        for cached in (native.library, cpu_linear._lib):
+            cached.cache_clear()
