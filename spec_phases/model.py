@@ -184,15 +184,16 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
 
-def pack_weight(weight: torch.Tensor, gguf_blocks: tuple[str, torch.Tensor] | None
-                ) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, gguf_blocks: tuple[str, torch.Tensor] | None,
+                int8: bool = False) -> PackedWeight:
     """A weight packed for the CPU: from its GGUF blocks (Q4_1, Q8_0) where the loader kept them
-    and the C kernel runs, else from the dense weight (`kernels/cpu/linear.py`)."""
+    and the C kernel runs (`int8`: summed on int8 dot products against per-row quantized
+    activations), else from the dense weight (`kernels/cpu/linear.py`)."""
     if (gguf_blocks is not None and weight.dtype == torch.float32
             and cpu_linear.c_kernel_available()):
         layout, blocks = gguf_blocks
         pack = {"q4_1": cpu_linear.pack_q4_1, "q8_0": cpu_linear.pack_q8_0}[layout]
-        return pack(blocks, weight.shape[1])
+        return pack(blocks, weight.shape[1], int8=int8)
     return cpu_linear.pack(weight)
 
 
@@ -208,10 +209,10 @@ class Linear(nn.Linear):
     # float32 rounding)
     gguf_blocks: tuple[str, torch.Tensor] | None = None
 
-    def pack(self) -> None:
-        """Pack the weight (its GGUF blocks where it has them) and drop the dense copy (nothing
-        reads it once packed), so the weights are held once."""
-        self.packed = pack_weight(self.weight, self.gguf_blocks)
+    def pack(self, int8: bool = False) -> None:
+        """Pack the weight (its GGUF blocks where it has them; `int8`: see `pack_weight`) and drop
+        the dense copy (nothing reads it once packed), so the weights are held once."""
+        self.packed = pack_weight(self.weight, self.gguf_blocks, int8)
         self.gguf_blocks = None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
@@ -347,19 +348,20 @@ class LlamaModel(nn.Module):
         cap = self.config.family.final_softcap
         return softcap(logits, cap) if cap else logits
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self, int8: bool = False) -> bool:
         """Pack every linear layer and the LM head for the CPU (`Linear`: the C kernel for fp32,
-        oneDNN for bf16). Each then holds only its packed weight; a tied embedding reads its rows
-        back from the C-packed head (oneDNN's layout is opaque: there the embedding keeps its
-        dense copy). Returns False (and changes nothing) where unsupported."""
+        oneDNN for bf16; `int8`: GGUF blocks on int8 dot products). Each then holds only its
+        packed weight; a tied embedding reads its rows back from the C-packed head (oneDNN's
+        layout is opaque: there the embedding keeps its dense copy). Returns False (and changes
+        nothing) where unsupported."""
         weight = self.embed_tokens.weight
         if weight.device.type != "cpu" or not cpu_linear.packing_available(weight.dtype):
             return False
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(int8)
         head = weight if self.lm_head is None else self.lm_head.weight
-        self._lm_head_packed = pack_weight(head, self.gguf_head)
+        self._lm_head_packed = pack_weight(head, self.gguf_head, int8)
         self.gguf_head = None
         if self.lm_head is not None:             # untied: the packed copy is its only reader
             self.lm_head.weight = nn.Parameter(head.new_empty(0), requires_grad=False)

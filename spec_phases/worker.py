@@ -92,10 +92,15 @@ class Worker:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
                                 tiny_seed=config.tiny_random_seed)
-        if config.cpu_weight_packing and self.model.pack_for_cpu():
+        # --dtype auto on a GGUF's quantized blocks: int8 dot products against per-row quantized
+        # activations (rows still independent, so speculation stays lossless); an explicit
+        # --dtype float32 keeps float32 activations, the path that matches transformers
+        int8 = config.dtype == "auto"
+        if config.cpu_weight_packing and self.model.pack_for_cpu(int8):
             layout = self.model.layers[0].qkv_proj.packed.layout
             kind = {"onednn": "oneDNN", "f32": "the C kernel"}.get(
-                layout, f"the C kernel, the GGUF's {layout.upper()} blocks as they are")
+                layout, f"the C kernel, the GGUF's {layout.removesuffix('_i8').upper()} blocks "
+                f"as they are{', int8 activations' if layout.endswith('_i8') else ''}")
             logger.info("linear weights packed for %s (%s on CPU)", kind, self.dtype)
         else:
             self.model.drop_gguf_blocks()

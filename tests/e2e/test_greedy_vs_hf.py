@@ -1,6 +1,7 @@
 """On the real embedded model: greedy output of the engine, with a KV budget small enough to force
 preemption and a token budget small enough to force chunked prefill, is token-identical to HF
-transformers' greedy `generate` on the same dequantized weights for 32 new tokens.
+transformers' greedy `generate` on the same dequantized weights for 32 new tokens, with
+`--dtype float32` (float32 activations; `auto` runs the GGUF's blocks on int8 dot products).
 
 Tie rule: where the two diverge and HF's top-2 logit margin at that position is < 1e-3, fp32
 numerics decide a true tie; that is reported explicitly and allowed at most once in the set."""
@@ -27,7 +28,7 @@ NEW_TOKENS = 32
 
 
 def engine_greedy(engines, prompts, **cfg):
-    core = engines.core(**cfg)
+    core = engines.core(dtype="float32", **cfg)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
     for i, ids in enumerate(prompts):
         core.add_request(EngineRequest(f"g{i}", ids, params))
