@@ -84,7 +84,9 @@ static void i8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *
 /* One block's finish into a (row, panel)'s 16 sums, as the header says; isum the block's int32
  * code sums (Q8_0: before the 128 * t correction). The same operations in every form. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-typedef __m512i i8_sums;
+typedef __m512 i8_tile_acc;
+#define I8_MANY_ROWS I8_TILE      /* rows of a tile where rows share it (else one panel) */
+#define I8_ONE_ROW_PANELS 4       /* panels of a one-row tile */
 
 static inline __m512 i8_finish(const uint8_t *blk, int layout, __m512i isum, float e, float et,
                                int32_t t, __m512 acc) {
@@ -150,9 +152,86 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
 static inline void i8_store(const __m512 *acc, int i, float out[PANEL]) {
     _mm512_storeu_ps(out, acc[i]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: a panel's 16 columns as two halves of 8 int32 / float lanes; 4 products a lane by
+ * `vpmaddubsw` (unsigned x signed bytes to int16 pairs) then `vpmaddwd` against ones. Q4_1's codes
+ * (<= 15) never saturate a pair; Q8_0 takes |q| and the activation with q's sign (|q| <= 128,
+ * |a| <= 127), which sums q * a directly: the integer the header's u * a - 128 * t is. */
+typedef struct {
+    __m256 h[2];
+} i8_tile_acc;
+#define I8_MANY_ROWS 3
+#define I8_ONE_ROW_PANELS 2
+
+static inline __m256i i8_dot4(__m256i w, __m256i a, int layout) {
+    if (layout == Q8_0_I8) {
+        const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+        w = _mm256_abs_epi8(q);
+        a = _mm256_sign_epi8(a, q);
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+static inline __attribute__((always_inline)) void
+i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int layout,
+        const int MR, const int NP, i8_tile_acc acc[I8_TILE]) {
+    const int64_t K = a->K, blocks = K / QBLOCK, bytes = i8_block_bytes(layout);
+    for (int i = 0; i < MR * NP; i++)
+        acc[i].h[0] = acc[i].h[1] = _mm256_setzero_ps();
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i isum[I8_TILE][2];
+        for (int i = 0; i < MR * NP; i++)
+            isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+        for (int p = 0; p < NP; p++) {
+            const uint8_t *codes = panels[p] + b * bytes + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
+            __builtin_prefetch(panels[p] + (b + 4) * bytes, 0, 1);
+            __builtin_prefetch(panels[p] + (b + 4) * bytes + 256, 0, 1);
+            for (int g = 0; g < 8; g++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i w;
+                    if (layout == Q4_1_I8) {
+                        w = _mm256_loadu_si256((const __m256i *)(codes + 64 * (g / 2) + 32 * h));
+                        w = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(w, 4) : w, nibble);
+                    } else {
+                        w = _mm256_loadu_si256((const __m256i *)(codes + 64 * g + 32 * h));
+                    }
+                    for (int r = 0; r < MR; r++) {
+                        int32_t x4;
+                        memcpy(&x4, a->q + (m0 + r) * K + b * QBLOCK + 4 * g, 4);
+                        isum[r * NP + p][h] = _mm256_add_epi32(
+                            isum[r * NP + p][h], i8_dot4(w, _mm256_set1_epi32(x4), layout));
+                    }
+                }
+        }
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = (m0 + r) * blocks + b;
+            for (int p = 0; p < NP; p++)
+                for (int h = 0; h < 2; h++) {          /* as i8_finish, lane by lane */
+                    const uint8_t *blk = panels[p] + b * bytes + 32 * h;
+                    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r * NP + p][h]),
+                                                   _mm256_set1_ps(a->e[i]));
+                    __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)blk), s,
+                                               acc[r * NP + p].h[h]);
+                    if (layout == Q4_1_I8)
+                        v = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(blk + SCALES)),
+                                            _mm256_set1_ps(a->et[i]), v);
+                    acc[r * NP + p].h[h] = v;
+                }
+        }
+    }
+}
+
+static inline void i8_store(const i8_tile_acc *acc, int i, float out[PANEL]) {
+    _mm256_storeu_ps(out, acc[i].h[0]);
+    _mm256_storeu_ps(out + 8, acc[i].h[1]);
+}
 #else
 /* plain C: the same integer sums (exact) and the same float operations, lane by lane */
 typedef float i8_acc[PANEL];
+typedef i8_acc i8_tile_acc;
+#define I8_MANY_ROWS 1
+#define I8_ONE_ROW_PANELS 1
 
 static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
                                    const uint8_t *const *panels, int layout, int MR, int NP,
@@ -199,12 +278,6 @@ static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
 static inline void i8_store(const i8_acc *acc, int i, float out[PANEL]) {
     memcpy(out, acc[i], sizeof(float) * PANEL);
 }
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-typedef __m512 i8_tile_acc;
-#else
-typedef i8_acc i8_tile_acc;
 #endif
 
 /* rows m0 .. m0 + mr - 1 against np panels (p0 on; mr * np <= I8_TILE), into y */
@@ -256,9 +329,10 @@ static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t
     }
     i8_quantize(x, M, K, q, scales, scales + M * blocks, t, num_threads);
     const struct i8_rows a = {q, scales, scales + M * blocks, t, K};
-    /* rows per tile: 1 row x 4 panels, 2 x 2, 3 x 2, else up to 8 rows x 1 panel */
-    const int64_t mr_max = M == 1 ? 1 : M <= 3 ? M : I8_TILE;
-    const int np_max = M == 1 ? 4 : M <= 3 ? 2 : 1;
+    /* tiles: one row against I8_ONE_ROW_PANELS panels, else up to I8_MANY_ROWS rows (2 or 3
+     * rows: against 2 panels where the form's registers hold them) */
+    const int64_t mr_max = M == 1 ? 1 : M <= 3 && I8_MANY_ROWS >= 3 ? M : I8_MANY_ROWS;
+    const int np_max = M == 1 ? I8_ONE_ROW_PANELS : M <= 3 && I8_MANY_ROWS > 3 ? 2 : 1;
     const int64_t chunk = I8_CHUNK_BYTES / K > I8_TILE ? I8_CHUNK_BYTES / K : I8_TILE;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && panels > 1)
     {

@@ -77,21 +77,25 @@ def test_rows_of_the_int8_q8_0_head_are_the_dequantized_rows():
         cpu_linear.weight_rows(packed, torch.tensor([100]))
 
 
-def test_the_plain_c_form_gives_the_dot_product_forms_bits(monkeypatch, tmp_path):
-    """Where the CPU has AVX512-VNNI the sums run on `vpdpbusd`; a build without it
-    (`SPECSERVE_CFLAGS`) takes the plain C form, whose integer sums and float steps are the same:
-    the same bits (off x86 both builds are the C form)."""
+@pytest.mark.parametrize("form", ["avx2", "plain"])
+def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
+    """Where the CPU has AVX512-VNNI the sums run on `vpdpbusd`; a build without AVX-512
+    (`SPECSERVE_CFLAGS`) takes the AVX2 form (`vpmaddubsw`), one without AVX2 the plain C form:
+    the same integer sums and float steps, so the same bits (off x86 every build is the C
+    form)."""
     g = torch.Generator().manual_seed(6)
     blocks4, _ = q4_1_weight(200, 576, 21)
     blocks8, _ = q8_0_weight(200, 576, 22)
     weights = [cpu_linear.pack_q4_1(blocks4, 576, int8=True),
                cpu_linear.pack_q8_0(blocks8, 576, int8=True)]
     x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
-    rows = (1, 2, 3, 7, 70)
+    x[1, 64:] *= 1e3                  # large codes: Q8_0's pairs near the int16 bound (AVX2)
+    rows = (1, 2, 3, 4, 7, 70)
     native_out = [[cpu_linear.linear(x[:m], w, b) for m in rows] for w in weights]
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    flags = {"avx2": "-mno-avx512f", "plain": "-mno-avx2 -mno-avx512f"}[form]
     x86 = platform.machine() in ("x86_64", "AMD64")
-    monkeypatch.setenv("SPECSERVE_CFLAGS", "-mno-avx512vnni -mno-avx512f" if x86 else "-O2")
+    monkeypatch.setenv("SPECSERVE_CFLAGS", flags if x86 else "-O2")
     for cached in (native.library, cpu_linear._lib):
         cached.cache_clear()
     try:
