@@ -27,6 +27,8 @@ from specserve.spec_phases.paths import (TINY_RANDOM, ModelPathError, describe_m
                                          resolve_model_path, resolve_tokenizer_path)
 from specserve.spec_phases.sampling_params import MAX_LOGPROBS
 from specserve.server.generation_config import GenerationConfigError, default_sampling
+from specserve.server.output_parsing import REASONING_PARSERS
+from specserve.server.tool_parsers import tool_parser_names
 from specserve.server.settings import (VERSION, ServerSettings, api_key_from_env,
                                        apply_kv_draft_flags)
 
@@ -109,9 +111,14 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=None)
     g.add_argument("--enable-lora", action="store_true")
     g.add_argument("--lora-modules", nargs="+", default=None)
-    g.add_argument("--enable-auto-tool-choice", action="store_true")
-    g.add_argument("--tool-call-parser", default=None)
-    g.add_argument("--reasoning-parser", default=None)
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice auto with --tool-call-parser's format (without either "
+                        "flag: auto with the checkpoint's response_template, else hermes)")
+    g.add_argument("--tool-call-parser", default=None,
+                   help=f"the model's tool-call format: {', '.join(tool_parser_names())}")
+    g.add_argument("--reasoning-parser", default=None,
+                   help=f"<think> blocks into reasoning_content: "
+                        f"{', '.join(sorted(REASONING_PARSERS))}")
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="run the engine on a thread of the server process (--engine-in-thread)")
     # HTTP
@@ -303,12 +310,15 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
                "swapped to host memory (vLLM v1 does the same); drop the flag")
     if args.enable_lora or args.lora_modules:
         refuse("--enable-lora / --lora-modules: LoRA adapters are not supported")
-    if args.enable_auto_tool_choice or args.tool_call_parser:
-        refuse("--enable-auto-tool-choice / --tool-call-parser: tool-call parsing is not "
-               "implemented (requests with tools are answered with a 400 naming the field)")
-    if args.reasoning_parser:
-        refuse(f"--reasoning-parser {args.reasoning_parser}: reasoning parsers are not "
-               "implemented")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        refuse("--enable-auto-tool-choice requires --tool-call-parser (one of "
+               f"{', '.join(tool_parser_names())})")
+    if args.tool_call_parser is not None and args.tool_call_parser not in tool_parser_names():
+        refuse(f"--tool-call-parser {args.tool_call_parser}: not a known parser; one of "
+               f"{', '.join(tool_parser_names())}")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        refuse(f"--reasoning-parser {args.reasoning_parser}: not a known parser; one of "
+               f"{', '.join(sorted(REASONING_PARSERS))}")
     if args.enable_log_requests and args.disable_log_requests:
         refuse("--enable-log-requests and --disable-log-requests contradict each other; give one")
     if args.max_log_len is not None and args.max_log_len < 0:
@@ -402,7 +412,10 @@ def server_settings(args: argparse.Namespace, model_info, sampling_defaults=None
             sampling_defaults=dict(sampling_defaults or {}),
             cors_origins=tuple(args.allowed_origins), cors_methods=tuple(args.allowed_methods),
             cors_headers=tuple(args.allowed_headers), cors_credentials=args.allow_credentials,
-            enable_docs=not args.disable_fastapi_docs)
+            enable_docs=not args.disable_fastapi_docs,
+            tool_call_parser=args.tool_call_parser,
+            auto_tool_choice=args.enable_auto_tool_choice or args.tool_call_parser is None,
+            reasoning_parser=args.reasoning_parser)
     except ValueError as exc:
         raise SystemExit(f"specserve: {exc}") from None
 

@@ -16,9 +16,11 @@ from specserve.server.protocol import ChatCompletionRequest, ChatMessage
 from specserve.server.template_budget import TemplateBudgetError, TemplateRenderError
 from specserve.scheduler.validation import check_context
 from specserve.server.structured import checked, constrained, request_constraint
-from specserve.server.tool_calls import (ToolCallParser, ToolError, ToolRequest, call_grammar,
-                                         history_message, new_call_id, parse_tools,
-                                         tool_call_objects, with_tool_prompt)
+from specserve.server.output_parsing import (REASONING_PARSERS, OutputParser, StreamDiffer,
+                                             tool_parser_for)
+from specserve.server.tool_calls import (ToolError, ToolRequest, call_grammar, history_message,
+                                         new_call_id, parse_tools, tool_call_objects,
+                                         with_tool_prompt)
 from specserve.server.serving_base import (ServingContext, respond, check_common_fields,
                                            encode_text,
                                            engine_request_id, error_event, logprob_value,
@@ -141,6 +143,9 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
         tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ToolError as exc:
         raise bad_request(exc.message, exc.param) from None
+    if tools is not None and tools.choice == "auto" and not ctx.settings.auto_tool_choice:
+        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
+                          '--tool-call-parser to be set', "tool_choice")
     constraint = request_constraint(body)
     call_constraint = call_grammar(tools) if tools is not None else None
     if constraint is not None and call_constraint is not None:
@@ -168,6 +173,9 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
                                          limit_length=body.truncate_prompt_tokens is None)
     if body.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
+    output = output_parser(ctx, tools, text)
+    if output.tools is not None and not output.tools.skip_special_tokens:
+        body.skip_special_tokens = False       # the format's markers are special tokens
     info = ctx.model_info
     explicit = body.max_completion_tokens
     if explicit is None:
@@ -193,15 +201,27 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
         requests.append(EngineRequest(engine_request_id(request_id, i), prompt_ids, params))
         states.append(new_choice(ctx, body, i, 0))
     return await respond(raw, ctx, ChatJob(ctx, body, model, request_id, prompt_ids, states,
-                                           tools), requests, body.n, body.stream)
+                                           tools, output), requests, body.n, body.stream)
+
+
+def output_parser(ctx: ServingContext, tools: ToolRequest | None, prompt: str) -> OutputParser:
+    """The request's tool parser (none without tools) and the server's reasoning parser."""
+    settings = ctx.settings
+    reasoning = REASONING_PARSERS[settings.reasoning_parser](prompt) \
+        if settings.reasoning_parser else None
+    return OutputParser(tool_parser_for(settings.tool_call_parser, tools, ctx.tokenizer, prompt),
+                        reasoning)
 
 
 class ChatJob:
     def __init__(self, ctx, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids,
-                 states, tools: ToolRequest | None = None):
+                 states, tools: ToolRequest | None = None, output: OutputParser | None = None):
         self.ctx, self.body, self.model = ctx, body, model
         self.prompt_ids, self.states = prompt_ids, states
         self.tools = tools                 # None: no tool may be called, the text is content
+        self.output = output or OutputParser(None, None)
+        # plain text in, plain text out: no parsing
+        self.parsing = self.output.tools is not None or self.output.reasoning is not None
         self.id = f"chatcmpl-{request_id}"
         self.created = int(time.time())
         self.k = body.top_logprobs or 0
@@ -234,12 +254,14 @@ class ChatJob:
         for state in self.states:
             message = {"role": "assistant", "content": state.text}
             finish_reason = state.finish_reason
-            if self.tools is not None:
-                parser = ToolCallParser(self.tools)
-                content, calls = parser.feed(state.text)
-                content += parser.finish()
-                message["content"] = content if content or not calls else None
-                message["tool_calls"] = tool_call_objects(calls, [new_call_id() for _ in calls])
+            if self.parsing:
+                content, reasoning, calls = self.output.message(state.text)
+                message["content"] = content
+                if self.output.reasoning is not None or reasoning is not None:
+                    message["reasoning_content"] = reasoning
+                if self.tools is not None:
+                    message["tool_calls"] = tool_call_objects(calls,
+                                                              [new_call_id() for _ in calls])
                 finish_reason = tool_finish_reason(finish_reason, calls)
             choice = {"index": state.index, "message": message,
                       "logprobs": self.logprobs(state.token_ids, state.logprobs),
@@ -264,9 +286,7 @@ class ChatJob:
         include_usage = settings.enable_force_include_usage or bool(
             body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        parsers = [ToolCallParser(self.tools) if self.tools is not None else None
-                   for _ in self.states]
-        num_calls = [0] * len(self.states)
+        differs = [StreamDiffer(self.output) if self.parsing else None for _ in self.states]
         try:
             for state in self.states:             # role first, one chunk per choice
                 yield sse_data(self.chunk({"index": state.index,
@@ -279,25 +299,15 @@ class ChatJob:
                     stream.finish(index)
                 logprobs = self.logprobs(delta.token_ids, delta.logprobs)
                 has_logprobs = bool(logprobs and logprobs["content"])
-                text, finish_reason, parser = delta.text, delta.finish_reason, parsers[index]
-                if parser is not None:            # tool calls: one chunk per completed call
-                    text, calls = parser.feed(text)
+                text, finish_reason, differ = delta.text, delta.finish_reason, differs[index]
+                fields = {"content": text} if text else {}
+                if differ is not None:            # reasoning, content and call argument deltas
+                    fields = differ.feed(text, final=finish_reason is not None)
                     if finish_reason is not None:
-                        text += parser.finish()
-                    for name, args in calls:
-                        call = {"index": num_calls[index], "id": new_call_id(),
-                                "type": "function",
-                                "function": {"name": name, "arguments": args}}
-                        num_calls[index] += 1
-                        yield sse_data(self.chunk({"index": state.index,
-                                                   "delta": {"tool_calls": [call]},
-                                                   "logprobs": None, "finish_reason": None}))
-                    if finish_reason is not None:
-                        finish_reason = tool_finish_reason(finish_reason, parser.calls)
-                if not text and finish_reason is None and not has_logprobs:
+                        finish_reason = tool_finish_reason(finish_reason, differ.sent_args)
+                if not fields and finish_reason is None and not has_logprobs:
                     continue
-                choice = {"index": state.index,
-                          "delta": {"content": text} if text else {},
+                choice = {"index": state.index, "delta": fields,
                           "logprobs": logprobs, "finish_reason": finish_reason}
                 if finish_reason is not None:
                     choice["stop_reason"] = delta.stop_reason

@@ -46,6 +46,13 @@ class ServerSettings:
     cors_headers: tuple[str, ...] = ("*",)
     cors_credentials: bool = False
     enable_docs: bool = True                       # /docs, /redoc, /openapi.json
+    # --tool-call-parser (server/tool_parsers.py); None: the checkpoint's response_template if
+    # its tokenizer has one, else hermes
+    tool_call_parser: str | None = None
+    # tool_choice "auto" allowed: with --enable-auto-tool-choice, or when neither tool flag is
+    # given (specserve's default); --tool-call-parser alone allows only required / named (vLLM)
+    auto_tool_choice: bool = True
+    reasoning_parser: str | None = None            # --reasoning-parser (server/output_parsing.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

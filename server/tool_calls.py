@@ -1,6 +1,6 @@
 """Tool calling on chat: the request's `tools` / `tool_choice` / `parallel_tool_calls`, the prompt
 they add, the grammar that forces a call, and the parser that turns output text into OpenAI-shaped
-`tool_calls` (docs/structured-output.md).
+`tool_calls` (docs/structured-output.md); the output parsers are in `server/tool_parsers.py`.
 
 The call format is Hermes-style, the one Qwen2.5, Hermes and SmolLM3 templates use:
 
@@ -12,7 +12,8 @@ A template that takes `tools` renders them itself; for one that does not, the to
 format are described in the system message (`TOOL_SYSTEM_PROMPT`). With `tool_choice` "required"
 or a named function the output is constrained by a grammar to one call (or, with
 `parallel_tool_calls`, one or more) whose arguments match the function's parameter schema, so they
-always parse and validate. Streamed and non-streamed responses come from the same parser.
+always parse and validate. Other call formats (`--tool-call-parser`) are read by
+`server/tool_parsers.py`; streamed and non-streamed responses come from the same parser.
 """
 from __future__ import annotations
 
@@ -187,91 +188,6 @@ def _arguments_object(fn: dict) -> Any:
 # -- the output ----------------------------------------------------------------------------------
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class ToolCallParser:
-    """Output text in, OpenAI pieces out: content text, and each complete call as (name,
-    arguments JSON string). Text that may be the start of `<tool_call>` is held back until it is
-    known; a block that does not parse as a call of a known function is given back as content."""
-
-    def __init__(self, req: ToolRequest):
-        self.req = req
-        self.buffer = ""
-        self.blank = ""                  # whitespace held back: emitted before later content
-        self.calls: list[tuple[str, str]] = []
-
-    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
-        """-> (content to emit now, calls completed now). Trailing whitespace is held back until
-        more content follows; next to a call or at the end it is dropped, so streamed and whole
-        text give the same content."""
-        content, calls = "", []
-        for piece in self._split(text):
-            if isinstance(piece, tuple):
-                calls.append(piece)
-                self.blank = ""              # whitespace next to a call is dropped
-            else:
-                text = self.blank + piece
-                body = text.rstrip()
-                content, self.blank = content + body, text[len(body):]
-        return content, calls
-
-    def finish(self) -> str:
-        """What is left (an unfinished block): content; trailing whitespace is dropped."""
-        rest, self.buffer = self.buffer, ""
-        rest, self.blank = (self.blank + rest if rest.strip() else ""), ""
-        return rest
-
-    def _split(self, text: str) -> list[str | tuple[str, str]]:
-        """The known part of the text, in order: content pieces and calls."""
-        self.buffer += text
-        pieces: list[str | tuple[str, str]] = []
-        while True:
-            start = self.buffer.find(CALL_OPEN)
-            if start < 0:
-                keep = _partial_suffix(self.buffer, CALL_OPEN)
-                pieces.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
-            end = self.buffer.find(CALL_CLOSE, start)
-            if end < 0:
-                pieces.append(self.buffer[:start])
-                self.buffer = self.buffer[start:]
-                break
-            block = self.buffer[start:end + len(CALL_CLOSE)]
-            pieces.append(self.buffer[:start])
-            self.buffer = self.buffer[end + len(CALL_CLOSE):]
-            call = self._parse(block[len(CALL_OPEN):-len(CALL_CLOSE)])
-            if call is None:
-                pieces.append(block)
-            elif self.req.parallel or not self.calls:
-                self.calls.append(call)
-                pieces.append(call)
-        return [p for p in pieces if p]
-
-    def _parse(self, inner: str) -> tuple[str, str] | None:
-        try:
-            obj = json.loads(inner)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or obj.get("name") not in self.req.names:
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def tool_call_objects(calls: list[tuple[str, str]], ids: list[str]) -> list[dict]:

@@ -10,7 +10,9 @@ import openai
 import pytest
 from conftest import MODEL
 
-from specserve.server.tool_calls import ToolCallParser, parse_tools
+from specserve.server.output_parsing import OutputParser, StreamDiffer
+from specserve.server.tool_calls import parse_tools
+from specserve.server.tool_parsers import HermesParser
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -160,9 +162,11 @@ def streamed(client, **kw):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
-        for c in delta.tool_calls or []:
-            assert c.type == "function" and c.id.startswith("call_")
-            calls[c.index] = (c.function.name, c.function.arguments)
+        for c in delta.tool_calls or []:           # argument deltas: id and name come first
+            if c.index not in calls:
+                assert c.type == "function" and c.id.startswith("call_") and c.function.name
+            name, args = calls.get(c.index, ("", ""))
+            calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
         content += delta.content or ""
         finish = chunk.choices[0].finish_reason or finish
     return [calls[i] for i in sorted(calls)], content or None, finish
@@ -199,12 +203,14 @@ def test_parser_holds_back_partial_tags_at_every_split():
     req = parse_tools([ADD], "auto", None)
     text = "Sure.\n" + CALL + "\n"
     for cut in range(len(text) + 1):
-        parser = ToolCallParser(req)
-        a, calls_a = parser.feed(text[:cut])
-        b, calls_b = parser.feed(text[cut:])
-        assert a + b + parser.finish() == "Sure."
-        assert calls_a + calls_b == [("add", '{"a": 1, "b": 2}')]
-        assert "<" not in a
+        differ = StreamDiffer(OutputParser(HermesParser(req), None))
+        a = differ.feed(text[:cut], final=False)
+        b = differ.feed(text[cut:], final=True)
+        assert a.get("content", "") + b.get("content", "") == "Sure."
+        calls = a.get("tool_calls", []) + b.get("tool_calls", [])
+        assert calls[0]["function"]["name"] == "add"
+        assert "".join(c["function"].get("arguments", "") for c in calls) == '{"a": 1, "b": 2}'
+        assert "<" not in a.get("content", "")
 
 
 def test_grammar_compile_time_and_cache_hits_are_exported(make_engine):
