@@ -123,11 +123,17 @@ class Sampler:
             top = probs.max(dim=-1, keepdim=True).values
             limit = torch.tensor(min_p, device=dev)[:, None] * top
             logits = logits.masked_fill(probs < limit, float("-inf"))
-        top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in rows]
+        # only the rows that ask for top-k / top-p go through the sort, so a row's distribution
+        # never depends on its neighbours (docs/design.md)
+        top_k = [r.params.top_k if 0 < r.params.top_k < self.vocab_size else self.vocab_size
+                 for r in rows]
         top_p = [r.params.top_p for r in rows]
-        if min(top_k) < self.vocab_size or min(top_p) < 1.0:
-            logits = _top_k_top_p(logits, torch.tensor(top_k, device=dev),
-                                  torch.tensor(top_p, device=dev))
+        ask = [i for i in range(len(rows)) if top_k[i] < self.vocab_size or top_p[i] < 1.0]
+        if ask:
+            idx = torch.tensor(ask, device=dev)
+            logits[idx] = _top_k_top_p(logits[idx],
+                                       torch.tensor([top_k[i] for i in ask], device=dev),
+                                       torch.tensor([top_p[i] for i in ask], device=dev))
         return logits.softmax(dim=-1)
 
     # -- logprobs -----------------------------------------------------------------------------
@@ -157,6 +163,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    # top_p 1.0 restricts nothing (float32 mass before a tail token may round to 1.0)
+    drop |= (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop[:, 0] = False
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))

@@ -104,3 +104,20 @@ def test_logprobs_are_raw_and_ranked():
     assert lp.rank == 2 and lp.top_token_ids == [0, 2]
     assert lp.logprob == pytest.approx(float(want[2]))
     assert lp.top_logprobs == pytest.approx([float(want[0]), float(want[2])])
+
+
+def test_a_rows_distribution_does_not_depend_on_its_neighbours_top_k_top_p():
+    """top-k / top-p run only on the rows that ask for them, and top_p 1.0 is exactly no
+    restriction: a plain row's probabilities are bit for bit the same alone and beside a row with
+    top_k or top_p (its tail tokens, whose float32 mass before them rounds to 1.0, are kept)."""
+    s = sampler()
+    plain = torch.log(torch.tensor([1.0 - 9e-9] + [1e-9] * 9))
+    alone = s.probs(plain[None].clone(), rows([SamplingParams(temperature=1.0)]))
+    assert (alone[0] > 0).all()
+    for neighbour in (SamplingParams(top_k=2), SamplingParams(top_p=0.5),
+                      SamplingParams(top_k=3, top_p=1.0)):
+        batch = torch.stack([plain, torch.log(torch.tensor([0.4, 0.3, 0.2] + [0.1 / 7] * 7))])
+        both = s.probs(batch, rows([SamplingParams(temperature=1.0), neighbour]))
+        assert torch.equal(both[0], alone[0]), neighbour
+    with_p1 = s.probs(plain[None].clone(), rows([SamplingParams(top_k=V, top_p=1.0)]))
+    assert torch.equal(with_p1[0], alone[0])
