@@ -8,7 +8,8 @@ the SDK is a large code-generated package tied to one Grafana schema release; pl
 queries as data that the tests can read without a new dependency.
 
 Rows 1-2 are vLLM's "Speculative Decoding" panels with vLLM's queries (they work against a vLLM peer
-too); row 3 is specserve's own series; row 4 is the serving view of vLLM's classic dashboard.
+too); row 3 is specserve's own series; row 4 is the serving view of vLLM's classic dashboard; row 5 is
+vLLM's router in front of the replicas (deploy/docker-compose.yml, deploy/k8s/router.yaml).
 """
 from __future__ import annotations
 
@@ -139,6 +140,32 @@ def panels_serving() -> list[dict]:
     ]
 
 
+def panels_router() -> list[dict]:
+    """vLLM's router (vllm-router) in front of the replicas: its own vllm_router_* series, not
+    filtered by the variables above (they carry no model_name); counters that appear only once
+    something happens (retries, failures) read 0 until then."""
+    def r(expr: str, by: str = "") -> str:
+        grouping = f" by({by})" if by else ""
+        return f"sum{grouping}(rate({expr}[{RI}]))"
+    return [
+        series("Router: requests per replica",
+               [(r("vllm_router_processed_requests_total", "worker"), "{{worker}}")], "reqps"),
+        series("Router: routing decisions",
+               [(r("vllm_router_prefix_routing_decisions_total", "outcome"), "{{outcome}}"),
+                (r("vllm_router_policy_decisions_total", "policy, worker"),
+                 "{{policy}} -> {{worker}}")], "ops"),
+        series("Router: healthy replicas and open circuits",
+               [("sum(vllm_router_worker_health)", "healthy workers"),
+                ("sum(vllm_router_cb_state > 0) or vector(0)", "circuits not closed"),
+                ("sum by(worker)(vllm_router_running_requests)", "running {{worker}}")],
+               "short"),
+        series("Router: retries and failed attempts",
+               [(r("vllm_router_retries_total") + " or vector(0)", "retries/s"),
+                (r('vllm_router_cb_outcomes_total{outcome="failure"}') + " or vector(0)",
+                 "failed attempts/s")], "ops"),
+    ]
+
+
 # -- panel builders -------------------------------------------------------------------------------
 def targets(exprs: list[tuple[str, str]]) -> list[dict]:
     return [{"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend,
@@ -224,7 +251,8 @@ def dashboard() -> dict:
                           ("Acceptance and token flow",
                           panels_acceptance()),
                           ("specserve: drafters, compressors, KV", panels_specserve()),
-                          ("Serving", panels_serving())]),
+                          ("Serving", panels_serving()),
+                          ("Router (vllm-router)", panels_router())]),
     }
 
 

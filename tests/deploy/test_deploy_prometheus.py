@@ -1,5 +1,6 @@
-"""A real Prometheus scrapes a real `specserve serve` (tiny model, n-gram speculation), and every
-PromQL query of the Grafana dashboard returns data through Prometheus' HTTP API.
+"""A real Prometheus scrapes a real `specserve serve` (tiny model, n-gram speculation) and the real
+vLLM router in front of it (`vllm-router`, from the test extra), and every PromQL query of the
+Grafana dashboard returns data through Prometheus' HTTP API.
 
 The `prometheus` binary comes from the Debian package, which `.ci/run` installs; without it the test
 fails.
@@ -33,6 +34,13 @@ VARIABLES = {"$job": ".*", "$model_name": ".*", "$instance": ".*", "$engine": ".
 def ensure_prometheus() -> str:
     found = shutil.which("prometheus")
     assert found, "prometheus is missing: install the Debian package prometheus (.ci/run does)"
+    return found
+
+
+def router_binary() -> str:
+    here = Path(sys.executable).parent / "vllm-router"
+    found = str(here) if here.exists() else shutil.which("vllm-router")
+    assert found, "vllm-router is missing: pip install -e '.[test]' installs it"
     return found
 
 
@@ -71,6 +79,7 @@ def stack(tmp_path_factory):
     prometheus = ensure_prometheus()
     tmp = tmp_path_factory.mktemp("prom")
     api_port, prom_port = free_port(), free_port()
+    router_port, router_metrics_port = free_port(), free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "specserve.server", "serve", "tiny-random", "--host", "127.0.0.1",
          "--port",
@@ -83,7 +92,8 @@ def stack(tmp_path_factory):
     shutil.copy(ROOT / "deploy/alerts.yml", tmp / "alerts.yml")       # rule_files: beside it
     config = config.replace("scrape_interval: 5s", "scrape_interval: 1s")
     config = config.replace("evaluation_interval: 30s", "evaluation_interval: 1s")
-    config = config.replace('["specserve:8000"]', f'["127.0.0.1:{api_port}"]')
+    config = config.replace('["specserve-1:8000", "specserve-2:8000"]', f'["127.0.0.1:{api_port}"]')
+    config = config.replace('["router:29000"]', f'["127.0.0.1:{router_metrics_port}"]')
     (tmp / "prometheus.yml").write_text(config)
     prom = subprocess.Popen(
         [prometheus, f"--config.file={tmp / 'prometheus.yml'}",
@@ -91,19 +101,30 @@ def stack(tmp_path_factory):
          f"--web.listen-address=127.0.0.1:{prom_port}"],
         stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     api, prom_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{prom_port}"
+    router = None
     try:
         wait_for(lambda: server.poll() is None and httpx.get(api + "/health").status_code == 200,
                  "specserve")
-        wait_for(lambda: prom.poll() is None and any(
+        router = subprocess.Popen(
+            [router_binary(), "--host", "127.0.0.1", "--port", str(router_port),
+             "--policy", "cache_aware", "--worker-urls", api, "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(router_metrics_port)],
+            stdout=open(tmp / "router.log", "w"), stderr=subprocess.STDOUT)
+        routed = f"http://127.0.0.1:{router_port}"
+        wait_for(lambda: router.poll() is None
+                 and httpx.get(routed + "/v1/models").status_code == 200, "the router")
+        wait_for(lambda: prom.poll() is None and sum(
             t["health"] == "up"
-            for t in httpx.get(prom_url + "/api/v1/targets").json()["data"]["activeTargets"]),
-            "prometheus to scrape specserve")
+            for t in httpx.get(prom_url + "/api/v1/targets").json()["data"]["activeTargets"])
+            == 2, "prometheus to scrape specserve and the router")
         time.sleep(2.5)                               # a few scrapes at zero before the load starts
-        drive_load(api)
+        drive_load(routed)
         time.sleep(3.5)                               # and a few after it
         yield api, prom_url
     finally:
-        for proc in (prom, server):
+        for proc in (prom, router, server):
+            if proc is None:
+                continue
             proc.terminate()
             try:
                 proc.wait(timeout=20)
