@@ -47,6 +47,51 @@ logger = logging.getLogger(__name__)
 # stable.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CACHED = 256                        # compiled constraints kept (least recently used dropped)
+# JSON numbers as vLLM's grammars bound them, near a float64's range and precision: integers within
+# +-2**53 (exact in a float64), other numbers within +-1e15 with at most 10 decimals (multipleOf
+# 1e-10; no exponent), so a small model cannot write digits until max_tokens
+INTEGER_LIMIT = 2 ** 53
+NUMBER_LIMIT = 1e15
+NUMBER_STEP = 1e-10
+# keywords whose values are data or names, not schemas
+_DATA_KEYWORDS = {"const", "enum", "default", "examples", "required", "title", "description",
+                  "pattern", "format", "type", "x-guidance"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def vllm_json_schema(schema, close: bool = True):
+    """The schema as vLLM's default grammar reads it: an object schema naming `properties` without
+    `additionalProperties` (or `patternProperties` / `unevaluatedProperties`) admits no other
+    property, and numbers are bounded (INTEGER_LIMIT, NUMBER_LIMIT, NUMBER_STEP) where the schema
+    sets no bound of its own. A new object; `allOf` branches are not closed (each names only part
+    of the properties)."""
+    if isinstance(schema, list):
+        return [vllm_json_schema(item, close) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: vllm_json_schema(sub) for name, sub in value.items()}
+        else:
+            out[key] = vllm_json_schema(value, close=key != "allOf")
+    types = out.get("type")
+    types = [types] if isinstance(types, str) else list(types or [])
+    if close and "properties" in out and not {"additionalProperties", "patternProperties",
+                                              "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    number, integer = "number" in types, "integer" in types and "number" not in types
+    if number or integer:
+        limit = INTEGER_LIMIT if integer else NUMBER_LIMIT
+        if not {"minimum", "exclusiveMinimum"} & out.keys():
+            out["minimum"] = -limit
+        if not {"maximum", "exclusiveMaximum"} & out.keys():
+            out["maximum"] = limit
+        if number and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    return out
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -64,7 +109,8 @@ def grammar_text(constraint: Constraint) -> str:
                 schema = {}                                    # any JSON value
             if not isinstance(schema, dict):
                 raise ParamError(c.param, "the JSON schema must be an object (or a boolean).")
-            return matcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            return matcher.grammar_from_json_schema(vllm_json_schema(schema),
+                                                    overrides=JSON_OPTIONS)
         if c.kind == "json_object":
             return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if c.kind == "regex":
@@ -89,7 +135,8 @@ def tool_calls_lark(spec: dict) -> str:
     the given functions with arguments valid against their parameter schemas."""
     variants = [{"type": "object", "additionalProperties": False,
                  "required": ["name", "arguments"],
-                 "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]}}
+                 "properties": {"name": {"const": t["name"]},
+                                "arguments": vllm_json_schema(t["parameters"])}}
                 for t in spec["tools"]]
     schema = dict(variants[0]) if len(variants) == 1 else {"anyOf": variants}
     schema["x-guidance"] = JSON_OPTIONS
