@@ -11,6 +11,7 @@ unsupported architecture — print one line `specserve: error: ...` and exit wit
 from __future__ import annotations
 
 import argparse
+import codecs
 import copy
 import dataclasses
 import json
@@ -24,7 +25,8 @@ from typing import NoReturn
 from specserve.kv_cache.compress.registry import COMPRESSORS as KV_COMPRESSORS
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.spec_phases.paths import (TINY_RANDOM, ModelPathError, describe_model,
-                                         resolve_model_path, resolve_tokenizer_path)
+                                         looks_like_repo_id, resolve_model_path,
+                                         resolve_tokenizer_path)
 from specserve.spec_phases.sampling_params import MAX_LOGPROBS
 from specserve.server.generation_config import GenerationConfigError, default_sampling
 from specserve.server.output_parsing import REASONING_PARSERS
@@ -99,7 +101,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help="JSON merged over the generation config, e.g. '{\"temperature\": 0.5}'")
     g.add_argument("--load-format", default="auto", help=f"one of {list(LOAD_FORMATS)}")
     g.add_argument("--quantization", "-q", default=None,
-                   help="none, or gguf for a .gguf model (dequantized to --dtype at load)")
+                   help="none, or gguf for a .gguf model (Q4_1/Q8_0 kept quantized for the C "
+                        "kernel on CPU, other types dequantized to --dtype at load)")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's dtype)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -298,7 +301,7 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
                "folders and GGUF files are what the loader reads)")
     if args.quantization not in (None, "none", "None", "gguf"):
         refuse(f"--quantization {args.quantization}: quantized kernels are not implemented; "
-               "serve an unquantized safetensors folder or a .gguf file (dequantized at load)")
+               "serve an unquantized safetensors folder or a .gguf file (--quantization gguf)")
     if args.enable_chunked_prefill is False:
         refuse("--no-enable-chunked-prefill: prefills are always chunked by "
                "--max-num-batched-tokens (the scheduler has no unchunked mode)")
@@ -337,6 +340,10 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
     utilization = args.gpu_memory_utilization
     if utilization is not None and not 0 < utilization <= 1:
         refuse(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    try:
+        read_chat_template(args.chat_template)
+    except ChatTemplateError as exc:
+        refuse(str(exc))
     if args.generation_config not in ("auto", "vllm") and \
             not Path(args.generation_config).is_dir():
         refuse(f"--generation-config {args.generation_config}: auto, vllm, or a folder holding "
@@ -383,13 +390,25 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
         raise SystemExit(f"specserve: {exc}") from None
 
 
+class ChatTemplateError(ValueError):
+    pass
+
+
 def read_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's text; else, when the value has a Jinja
+    character (`{`, `}` or a newline), the template itself with its backslash escapes decoded;
+    else a path that failed to open (ChatTemplateError)."""
     if value is None:
         return None
     path = Path(value).expanduser()
-    if "{" not in value and path.is_file():
+    try:
         return path.read_text()
-    return value
+    except (OSError, ValueError) as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ChatTemplateError(
+                f"--chat-template {value}: looks like a file path, but it failed to be opened "
+                f"({getattr(exc, 'strerror', None) or exc})") from None
+    return codecs.decode(value, "unicode_escape")
 
 
 def server_settings(args: argparse.Namespace, model_info, sampling_defaults=None
@@ -446,6 +465,14 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None]:
         tokenizer = None
         if args.tokenizer is not None:
             tokenizer = resolve_tokenizer_path(args.tokenizer, args.tokenizer_revision,
+                                               args.download_dir)
+        elif args.tokenizer_revision is not None:        # the model's own tokenizer, at that
+            if args.model is None or not looks_like_repo_id(args.model) or \
+                    Path(args.model).expanduser().exists():              # revision (vLLM)
+                refuse(f"--tokenizer-revision {args.tokenizer_revision}: a revision names a "
+                       "commit, branch or tag of a Hub id; MODEL is a local path (give "
+                       "--tokenizer a Hub id, or drop the flag)")
+            tokenizer = resolve_tokenizer_path(args.model, args.tokenizer_revision,
                                                args.download_dir)
     except ModelPathError as exc:
         refuse(str(exc))

@@ -292,3 +292,20 @@ def test_tls_flags_serve_https(tmp_path, tokenizer, fake_engine):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def test_tokenizer_revision_without_tokenizer_applies_to_the_models_tokenizer(launch_dir):
+    """vLLM: --tokenizer defaults to MODEL, and --tokenizer-revision applies to it."""
+    _, model_path, tokenizer_path, _ = launch(
+        "HuggingFaceTB/SmolLM2-135M-Instruct --tokenizer-revision main")
+    assert tokenizer_path is not None and tokenizer_path.name == "c" * 40
+    assert launch("HuggingFaceTB/SmolLM2-135M-Instruct")[2] is None      # no flag: the model's
+
+
+def test_chat_template_file_inline_or_refused(launch_dir):
+    from specserve.server.cli import ChatTemplateError, read_chat_template
+
+    assert read_chat_template("gen/template.jinja") == "{{ messages }}"
+    assert read_chat_template("{{ m }}\\n{{ n }}") == "{{ m }}\n{{ n }}"   # escapes decoded
+    with pytest.raises(ChatTemplateError, match="looks like a file path"):
+        read_chat_template("templates/nothing.jinja")
