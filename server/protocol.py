@@ -70,9 +70,9 @@ class SamplingFields(OpenAIBase):
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    guided_grammar: Any = None
     # Known to vLLM, refused here until implemented (openai-api.md §2.3).
     use_beam_search: bool = False
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     prompt_embeds: Any = None
@@ -86,7 +86,7 @@ class SamplingFields(OpenAIBase):
             return "use_beam_search"
         if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
             return "guided_decoding_backend"
-        for name in ("guided_grammar", "guided_whitespace_pattern",
+        for name in ("guided_whitespace_pattern",
                      "prompt_embeds", "logits_processors", "kv_transfer_params"):
             if getattr(self, name) is not None:
                 return name
@@ -107,7 +107,7 @@ class SamplingFields(OpenAIBase):
         if fmt is not None:
             found.append(response_format_constraint(fmt))
         for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
-                           ("guided_choice", "choice")):
+                           ("guided_choice", "choice"), ("guided_grammar", "lark")):
             value = getattr(self, name)
             if value is not None:
                 found.append(field_constraint(kind, value, name))
@@ -126,7 +126,7 @@ class SamplingFields(OpenAIBase):
 
 # vLLM's StructuredOutputsParams keys served here, and the constraint kind each gives
 STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
-                           "json_object": "json_object"}
+                           "json_object": "json_object", "grammar": "lark"}
 
 
 def response_format_constraint(fmt: dict[str, Any]) -> Constraint | None:
@@ -166,10 +166,10 @@ def field_constraint(kind: str, value: Any, param: str) -> Constraint:
         if not isinstance(value, (dict, bool)):
             raise ParamError(param, f"{param} must be a JSON schema object.")
         return Constraint("json_schema", json.dumps(value), param=param)    # key order kept
-    if kind == "regex":
-        if not isinstance(value, str):
-            raise ParamError(param, f"{param} must be a string.")
-        return Constraint("regex", value, param=param)
+    if kind in ("regex", "lark"):              # lark: a Lark or GBNF/EBNF grammar (vLLM's)
+        if not isinstance(value, str) or not value.strip():
+            raise ParamError(param, f"{param} must be a non-empty string.")
+        return Constraint(kind, value, param=param)
     if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
         raise ParamError(param, f"{param} must be a non-empty list of strings.")
     return Constraint("choice", choices=tuple(value), param=param)

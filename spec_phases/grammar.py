@@ -121,7 +121,7 @@ def grammar_text(constraint: Constraint) -> str:
             alternatives = " | ".join(json.dumps(choice, ensure_ascii=False)
                                       for choice in c.choices)
             return matcher.grammar_from_lark(f"start: {alternatives}")
-        return matcher.grammar_from_lark(c.spec)
+        return llguidance.grammar_from("grammar", c.spec)      # Lark, or GBNF converted to it
     except ParamError:
         raise
     except json.JSONDecodeError as exc:

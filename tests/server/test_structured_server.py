@@ -48,6 +48,9 @@ def last_constraint(server):
     ({"structured_outputs": {"choice": ["a", "b"]}}, "choice", "structured_outputs.choice"),
     ({"structured_outputs": {"json_object": True}}, "json_object",
      "structured_outputs.json_object"),
+    ({"guided_grammar": 'root ::= "yes" | "no"'}, "lark", "guided_grammar"),
+    ({"structured_outputs": {"grammar": 'start: "a" | "b"'}}, "lark",
+     "structured_outputs.grammar"),
 ])
 def test_the_constraint_reaches_the_engine(server, body, kind, param):
     for path, base in (("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}),
@@ -72,6 +75,9 @@ def test_the_constraint_reaches_the_engine(server, body, kind, param):
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"guided_grammar": ""}, "guided_grammar"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

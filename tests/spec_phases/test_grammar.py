@@ -87,6 +87,28 @@ def test_greedy_with_a_schema_is_identical_with_speculation(make_engine, tok, na
         assert totals["accepted"] > 0
 
 
+EIGHT = ' ", " '.join(["item"] * 8)
+GRAMMARS = {  # vLLM's structured_outputs.grammar / guided_grammar: GBNF (EBNF) or Lark
+    "gbnf": f'root ::= {EIGHT}\nitem ::= "red" | "green" | [0-9] [0-9]?',
+    "lark": f'start: {EIGHT}\nitem: "red" | "green" | /[0-9][0-9]?/',
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_with_a_grammar_is_identical_with_speculation(make_engine, tok, name):
+    prompt = tok.encode("red, 12, green, red, 12, green, red, 12")
+    requests = [(f"{kind}{i}", ids, SamplingParams(max_tokens=40, temperature=0,
+                                                  constraint=Constraint("lark", text)))
+                for kind, text in GRAMMARS.items() for i, ids in enumerate((prompt, [5, 6, 7]))]
+    plain, _, _ = run(make_engine(), requests)
+    spec, _, totals = run(make_engine(speculative=DRAFTERS[name]), requests)
+    assert spec == plain and totals["drafted"] > 0
+    for rid, ids in plain.items():
+        items = tok.decode(ids).removesuffix("<|im_end|>").split(", ")
+        assert len(items) == 8, rid
+        assert all(item in ("red", "green") or item.isdigit() for item in items), rid
+
+
 def test_seeded_sampling_with_a_schema_is_identical_with_speculation(make_engine, tok):
     requests = schema_requests(tok, temperature=0.8)
     plain, _, _ = run(make_engine(), requests)
