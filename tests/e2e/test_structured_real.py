@@ -80,6 +80,42 @@ def test_parse_returns_a_pydantic_object_for_20_prompts(client):
     assert len({p.name for p in parsed}) > 1                 # not one canned answer
 
 
+class Town(BaseModel):                    # no bounds of its own: what a user's model often is
+    name: str
+    country: str
+    population_millions: float
+
+
+TOWNS = ["Paris", "Tokyo", "Nairobi", "Lima", "Sydney", "Toronto", "Berlin", "Cairo", "Mumbai",
+         "Madrid"]
+
+
+def test_parse_finishes_on_ordinary_prompts_and_names_no_extra_keys(client):
+    """Issue 37's measurement: with vLLM's reading of a schema (no unnamed properties, bounded
+    numbers) the embedded model finishes parse() on at least 9 of 10 city prompts, and
+    json_schema output of a schema without additionalProperties names no other key."""
+    def ask(city):
+        messages = [{"role": "user", "content": f"Describe the city of {city} as JSON."}]
+        parsed = client.chat.completions.parse(model="tiny", response_format=Town,
+                                               max_tokens=200, temperature=0, messages=messages)
+        raw = client.chat.completions.create(
+            model="tiny", max_tokens=200, temperature=0, messages=messages,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "town", "schema": Town.model_json_schema()}})
+        return parsed.choices[0], raw.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(ask, TOWNS))
+    finished = [p for p, _ in outs if p.finish_reason == "stop"]
+    assert len(finished) >= 9, [p.message.content for p, _ in outs]
+    assert all(isinstance(p.message.parsed, Town) for p in finished)
+    raw_finished = [r for _, r in outs if r.finish_reason == "stop"]
+    assert len(raw_finished) >= 9
+    for raw in raw_finished:
+        assert set(json.loads(raw.message.content)) == set(Town.model_fields)
+    print("parse() finished", len(finished), "of 10; json_schema finished", len(raw_finished))
+
+
 def test_completions_json_schema_is_valid_against_the_schema(client):
     schema = {**City.model_json_schema(), "additionalProperties": False}
     out = client.completions.create(
