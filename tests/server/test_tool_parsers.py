@@ -334,3 +334,18 @@ def test_auto_tool_choice_needs_the_flag_when_a_parser_is_named(serve_checkpoint
     named = client.chat.completions.create(**CHAT, tool_choice="required")     # constrained
     assert [c.function.name for c in named.choices[0].message.tool_calls] == \
         ["get_weather", "add"]
+
+
+def test_enable_thinking_reaches_the_template(serve_checkpoint):
+    """chat_template_kwargs go to the template: Qwen3's closes an empty thinking block in the
+    prompt when thinking is off, and the qwen3 parser then reads the output as content."""
+    template = HERMES_TEMPLATE.replace(
+        "<|im_start|>assistant\n{% endif %}",
+        "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    server, client = serve_checkpoint(template, "Four.", reasoning_parser="qwen3")
+    kw = dict(CHAT, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    kw.pop("tools")
+    assert client_whole(client, **kw) == ("Four.", None, [], "stop")
+    prompt = server.tokenizer.decode(server.engine.submitted[-1].prompt_token_ids)
+    assert prompt.endswith("<think>\n\n</think>\n\n")
