@@ -188,7 +188,16 @@ def test_errors_name_the_param(client):
     refused("tool_choice", tools=[ADD], tool_choice={"type": "function",
                                                       "function": {"name": "nope"}})
     refused("guided_regex", extra_body={"guided_regex": "(unclosed"})
-    refused("guided_grammar", extra_body={"guided_grammar": "root ::= \"a\""})
+    refused("guided_grammar", extra_body={"guided_grammar": "root ::= undefined_rule"})
+
+
+def test_a_gbnf_grammar_constrains_the_answer(client):
+    out = client.chat.completions.create(
+        model="tiny", max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
+        extra_body={"guided_grammar": 'root ::= ("yes" | "no") "."'})
+    assert out.choices[0].message.content in ("yes.", "no.")
+    assert out.choices[0].finish_reason == "stop"
 
 
 def greedy_with_schema(tokenizer, spec):
