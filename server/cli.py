@@ -527,6 +527,11 @@ def serve(args: argparse.Namespace) -> None:
         except (ValueError, OSError) as exc:
             engine.shutdown()
             refuse(f"cannot load the tokenizer of {str(tokenizer_path or path)!r}: {exc}")
+        if args.tool_call_parser == "transformers" and \
+                getattr(tokenizer, "response_template", None) is None:
+            engine.shutdown()
+            refuse("--tool-call-parser transformers: this checkpoint's tokenizer has no "
+                   "response_template; name the model's call format instead")
     try:
         settings = server_settings(args, engine.model_info, defaults)
         log_banner(args, config, path, engine, defaults)
