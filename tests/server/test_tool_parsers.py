@@ -349,3 +349,38 @@ def test_enable_thinking_reaches_the_template(serve_checkpoint):
     assert client_whole(client, **kw) == ("Four.", None, [], "stop")
     prompt = server.tokenizer.decode(server.engine.submitted[-1].prompt_token_ids)
     assert prompt.endswith("<think>\n\n</think>\n\n")
+
+
+def test_the_vllm_tool_calling_launch_line_serves(tmp_path, wait_healthy):
+    """`specserve serve tiny-random --enable-auto-tool-choice --tool-call-parser hermes
+    --reasoning-parser qwen3` starts, and a `required` call on the real engine (random weights,
+    the grammar makes it a call) comes back the same streamed and whole."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specserve.server", "serve", "tiny-random", "--port", str(port),
+             "--host", "127.0.0.1", "--engine-in-thread", "--max-model-len", "512",
+             "--kv-cache-memory-gb", "0.02", "--num-threads", "1", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+            stdout=out, stderr=subprocess.STDOUT,
+            env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        kw = dict(model="tiny-random", messages=[{"role": "user", "content": "1 + 2?"}],
+                  tools=[ADD], tool_choice="required", max_tokens=60, temperature=0)
+        out = client_whole(client, **kw)
+        assert out[2] and out[2][0][0] == "add", out
+        assert client_stream(client, **kw) == out
+    finally:
+        proc.terminate()
+        proc.wait(60)
