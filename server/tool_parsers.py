@@ -13,7 +13,7 @@ the part of its JSON text that cannot change); `None` while nothing of it is kno
 | `hermes` | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Hermes, SmolLM3) |
 | `llama3_json` | `<|python_tag|>`? `{"name": ..., "parameters": {...}}`, `;`-separated (Llama 3) |
 | `mistral` | `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` or `[TOOL_CALLS]name[ARGS]{...}` |
-| `qwen3_xml` | `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>` (Qwen3-Coder) |
+| `qwen3_xml` | `<tool_call><function=F><parameter=K>V</parameter>...</function></tool_call>` |
 | `qwen3_coder` | the same (vLLM's name for it) |
 | `pythonic` | `[get_weather(city="Paris"), add(a=1, b=2)]` (Llama 3.2/4 pythonic) |
 | `transformers` | the checkpoint's own `response_template` through transformers' `ResponseParser` |
