@@ -142,14 +142,14 @@ class StreamDiffer:
         return len(self.sent_args)
 
     def feed(self, text: str, final: bool) -> dict:
-        """New output text -> the delta fields to send (`reasoning_content`, `content`,
-        `tool_calls`); empty when nothing can be sent yet."""
+        """New output text -> the delta fields to send (`reasoning` and `reasoning_content`,
+        `content`, `tool_calls`); empty when nothing can be sent yet."""
         self.text += text
         parsed = self.parser.parse(self.text, final)
         delta: dict = {}
         reasoning = self._extend("reasoning", parsed.reasoning)
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        if reasoning:                     # current vLLM's name, and the older one clients read
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         content = self._extend("content", parsed.content)
         if content:
             delta["content"] = content

@@ -258,7 +258,7 @@ class ChatJob:
                 content, reasoning, calls = self.output.message(state.text)
                 message["content"] = content
                 if self.output.reasoning is not None or reasoning is not None:
-                    message["reasoning_content"] = reasoning
+                    message["reasoning"] = message["reasoning_content"] = reasoning
                 if self.tools is not None:
                     message["tool_calls"] = tool_call_objects(calls,
                                                               [new_call_id() for _ in calls])

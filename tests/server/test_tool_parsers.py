@@ -61,6 +61,7 @@ def stream_all(parser: OutputParser, text: str, cuts: list[int]) -> tuple:
     for i, piece in enumerate(pieces):
         delta = differ.feed(piece, final=i == len(pieces) - 1)
         content += delta.get("content", "")
+        assert delta.get("reasoning") == delta.get("reasoning_content")
         reasoning += delta.get("reasoning_content", "")
         for call in delta.get("tool_calls", []):
             name, args = calls.get(call["index"], ("", ""))
@@ -272,7 +273,9 @@ def client_stream(client, **kw) -> tuple:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        extra = delta.model_extra or {}
+        assert extra.get("reasoning") == extra.get("reasoning_content")
+        reasoning += extra.get("reasoning_content") or ""
         for c in delta.tool_calls or []:
             name, args = calls.get(c.index, ("", ""))
             calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
@@ -283,7 +286,9 @@ def client_stream(client, **kw) -> tuple:
 def client_whole(client, **kw) -> tuple:
     choice = client.chat.completions.create(**kw).choices[0]
     calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-    reasoning = (choice.message.model_extra or {}).get("reasoning_content")
+    extra = choice.message.model_extra or {}
+    reasoning = extra.get("reasoning_content")
+    assert extra.get("reasoning") == reasoning
     return choice.message.content, reasoning, calls, choice.finish_reason
 
 
