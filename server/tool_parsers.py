@@ -81,16 +81,19 @@ def join_content(pieces: list) -> str:
 
 
 def lenient_json(text: str) -> Any:
-    """A complete JSON value (trailing text ignored), else the partial value, else None."""
+    """A complete JSON value (trailing text ignored), else the partial value of the longest prefix
+    that reads as one (what a stream saw before the text went wrong), else None."""
     text = text.strip()
     try:
         return json.JSONDecoder().raw_decode(text)[0]
     except ValueError:
         pass
-    try:
-        return partial_loads(text, PARTIAL)
-    except Exception:                   # the library raises its own error types
-        return None
+    for end in range(len(text), 0, -1):
+        try:
+            return partial_loads(text[:end], PARTIAL)
+        except Exception:               # the library raises its own error types
+            continue
+    return None
 
 
 def partial_json(text: str) -> Any:

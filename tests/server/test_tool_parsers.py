@@ -128,6 +128,15 @@ def test_an_unfinished_call_at_the_length_limit_keeps_what_was_written():
         assert stream_all(parser, text, [cut]) == ("", "", [("add", '{"a": 1}')])
 
 
+def test_a_call_whose_json_goes_wrong_keeps_what_streamed_before():
+    parser = OutputParser(TOOL_PARSERS["hermes"](parse_tools(TOOLS, "auto", None)), None)
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2,, "c"}}\n</tool_call>'
+    content, _, calls = parser.message(text)
+    assert (content, calls) == (None, [("add", '{"a": 1, "b": 2}')])
+    for cut in range(len(text) + 1):
+        assert stream_all(parser, text, [cut]) == ("", "", calls), cut
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     text, _ = OUTPUTS["llama3_json"]
     parser = OutputParser(TOOL_PARSERS["llama3_json"](parse_tools(TOOLS, "auto", False)), None)
