@@ -36,14 +36,14 @@ class ReasoningParser:
     def __init__(self, prompt: str = ""):
         self.prompt = prompt
 
-    def thinking_at_start(self, text: str) -> bool | None:
+    def thinking_at_start(self, text: str, final: bool) -> bool | None:
         """Whether the output starts inside a thinking block; None while it cannot be known."""
         return True
 
     def split(self, text: str, final: bool) -> tuple[str, str] | None:
         """-> (reasoning, the rest), or None while nothing can be said yet."""
         body = text.lstrip()
-        thinking = self.thinking_at_start(body if not final else body + "\0")
+        thinking = self.thinking_at_start(body, final)
         if thinking is None:
             return None
         if not thinking:
@@ -67,12 +67,12 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
-    def thinking_at_start(self, text: str) -> bool | None:
+    def thinking_at_start(self, text: str, final: bool) -> bool | None:
         if self.prompt.rfind(THINK_OPEN) > self.prompt.rfind(THINK_CLOSE):
             return True                          # the template left a thinking block open
         if text.startswith(THINK_OPEN):
             return True
-        if THINK_OPEN.startswith(text):          # "", "<th": not known yet
+        if not final and THINK_OPEN.startswith(text):        # "", "<th": not known yet
             return None
         return False
 
