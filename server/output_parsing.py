@@ -100,6 +100,10 @@ class OutputParser:
     def __init__(self, tools: ToolParser | None, reasoning: ReasoningParser | None):
         self.tools, self.reasoning = tools, reasoning
 
+    def fresh(self) -> OutputParser:
+        return OutputParser(self.tools.fresh() if self.tools is not None else None,
+                            self.reasoning)
+
     def parse(self, text: str, final: bool) -> Parsed:
         reasoning = ""
         if self.reasoning is not None:
@@ -133,7 +137,7 @@ class StreamDiffer:
     """Successive answers of an OutputParser -> the delta each adds."""
 
     def __init__(self, parser: OutputParser):
-        self.parser = parser
+        self.parser = parser.fresh()
         self.text = self.reasoning = self.content = ""
         self.sent_args: list[str] = []
 

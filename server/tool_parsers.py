@@ -151,6 +151,10 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
 
+    def fresh(self) -> ToolParser:
+        """A parser for one stream (the parsers are stateless; one that caches returns a copy)."""
+        return self
+
     def finish(self, pieces: list, calls: list[ParsedCall]) -> Parsed:
         if not self.req.parallel:
             calls = calls[:1]
@@ -453,37 +457,49 @@ class TransformersParser(ToolParser):
     def __init__(self, req: ToolRequest | None, tokenizer=None, prompt: str = ""):
         self.req, self.tokenizer, self.prompt = req, tokenizer, prompt
         self.template = getattr(tokenizer, "response_template", None)
+        # a stream's parser, fed only the new text, and what its events said so far (re-reading
+        # the whole text at every delta would cost time quadratic in the answer's length)
+        self._stream, self._fed = None, ""
+        self._pieces: list = []
+        self._reasoning = ""
+
+    def fresh(self) -> TransformersParser:
+        return TransformersParser(self.req, self.tokenizer, self.prompt)
 
     def parse(self, text: str, final: bool) -> Parsed:
         from transformers.utils.chat_parsing import ResponseParser
 
-        tools = [t.spec() for t in self.req.tools] if self.req is not None else None
-        stream = ResponseParser(self.template, prefix=self.prompt, tools=tools)
-        events = list(stream.feed(text))
+        if self._stream is None or not text.startswith(self._fed):
+            tools = [t.spec() for t in self.req.tools] if self.req is not None else None
+            self._stream = ResponseParser(self.template, prefix=self.prompt, tools=tools)
+            self._fed, self._pieces, self._reasoning = "", [], ""
+        self._take(self._stream.feed(text[len(self._fed):]))
+        self._fed = text
+        pieces, reasoning = self._pieces, self._reasoning
         if final:
-            events += stream.finalize()[1]
-        pieces: list = []
-        calls: list[ParsedCall] = []
-        reasoning = ""
-        for event in events:
-            if event["type"] == "region_chunk" and event["field"] == "content":
-                pieces.append(event["text"])
-            elif event["type"] == "region_chunk" and event["field"] in self.REASONING:
-                reasoning += event["text"]
-            elif event["type"] == "region_close" and event["field"] == "tool_calls":
-                for value in (event["value"] if isinstance(event["value"], list)
-                              else [event["value"]]):
-                    call = self._call(value)
-                    if call is not None:
-                        calls.append(call)
-                        pieces.append(call)
-        if self.req is None:
-            calls, pieces = [], [p for p in pieces if isinstance(p, str)]
+            self._take(self._stream.finalize()[1])
+            pieces, reasoning = self._pieces, self._reasoning
+            self._stream = None
+        calls = [p for p in pieces if isinstance(p, ParsedCall)]
         parsed = self.finish(pieces, calls) if self.req is not None else \
             Parsed(join_content(pieces))
         parsed.content = parsed.content.lstrip()         # the region's text, stripped
         parsed.reasoning = reasoning.strip()
         return parsed
+
+    def _take(self, events: list[dict]) -> None:
+        for event in events:
+            field = event["field"]
+            if event["type"] == "region_chunk" and field == "content":
+                if self._pieces and isinstance(self._pieces[-1], str):
+                    self._pieces[-1] += event["text"]
+                else:
+                    self._pieces.append(event["text"])
+            elif event["type"] == "region_chunk" and field in self.REASONING:
+                self._reasoning += event["text"]
+            elif event["type"] == "region_close" and field == "tool_calls":
+                values = event["value"] if isinstance(event["value"], list) else [event["value"]]
+                self._pieces += [c for c in map(self._call, values) if c is not None]
 
     def _call(self, value: Any) -> ParsedCall | None:
         fn = value.get("function", value) if isinstance(value, dict) else None

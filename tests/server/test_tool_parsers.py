@@ -318,6 +318,22 @@ def test_each_parser_through_the_openai_client(serve_checkpoint, name):
     assert "get_weather" in prompt and "function calling AI" not in prompt   # template's own
 
 
+def test_the_response_template_parser_streams_at_every_split():
+    import types
+
+    text = "<think>Paris, then.</think>\n" + OUTPUTS["hermes"][0]
+    tokenizer = types.SimpleNamespace(response_template=QWEN2_RESPONSE_TEMPLATE)
+    parser = OutputParser(TOOL_PARSERS["transformers"](parse_tools(TOOLS, "auto", None),
+                                                       tokenizer, "<|im_start|>assistant\n"),
+                          None)
+    content, reasoning, calls = parser.message(text)
+    assert (content, reasoning) == ("Let me check.", "Paris, then.")
+    assert [(n, json.loads(a)) for n, a in calls] == EXPECTED_CALLS
+    for cut in range(len(text) + 1):
+        assert stream_all(parser, text, [cut]) == whole(parser, text), cut
+    assert stream_all(parser, text, list(range(1, len(text)))) == whole(parser, text)
+
+
 def test_the_checkpoints_response_template_parses_by_default(serve_checkpoint):
     text = "<think>Paris, then.</think>\n" + OUTPUTS["hermes"][0]
     server, client = serve_checkpoint(HERMES_TEMPLATE, text,
