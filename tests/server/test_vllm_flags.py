@@ -309,3 +309,19 @@ def test_chat_template_file_inline_or_refused(launch_dir):
     assert read_chat_template("{{ m }}\\n{{ n }}") == "{{ m }}\n{{ n }}"   # escapes decoded
     with pytest.raises(ChatTemplateError, match="looks like a file path"):
         read_chat_template("templates/nothing.jinja")
+
+
+@pytest.mark.parametrize("fragment, parser, auto, reasoning", [
+    ("", None, True, None),                               # specserve's default: auto works
+    ("--enable-auto-tool-choice --tool-call-parser hermes", "hermes", True, None),
+    ("--tool-call-parser qwen3_coder", "qwen3_coder", False, None),   # vLLM: no auto then
+    ("--reasoning-parser deepseek_r1", None, True, "deepseek_r1"),
+])
+def test_tool_and_reasoning_flags_reach_the_settings(fragment, parser, auto, reasoning):
+    import types
+
+    from specserve.server.cli import server_settings
+    args = build_parser().parse_args(["serve", *fragment.split()])
+    settings = server_settings(args, types.SimpleNamespace(name="m", path="/m"))
+    assert (settings.tool_call_parser, settings.auto_tool_choice,
+            settings.reasoning_parser) == (parser, auto, reasoning)
