@@ -122,6 +122,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None,
                    help=f"<think> blocks into reasoning_content: "
                         f"{', '.join(sorted(REASONING_PARSERS))}")
+    g.add_argument("--structured-outputs-config", type=json_value, default=None,
+                   help='JSON: {"backend": "auto" | "xgrammar" | "guidance", '
+                        '"disable_additional_properties": bool}; guidance reads JSON schemas '
+                        "as vLLM's guidance backend does (unnamed properties allowed)")
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="run the engine on a thread of the server process (--engine-in-thread)")
     # HTTP
@@ -322,6 +326,14 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
     if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
         refuse(f"--reasoning-parser {args.reasoning_parser}: not a known parser; one of "
                f"{', '.join(sorted(REASONING_PARSERS))}")
+    structured = args.structured_outputs_config
+    if structured is not None:
+        if not isinstance(structured, dict) or set(structured) - STRUCTURED_OUTPUTS_KEYS:
+            refuse("--structured-outputs-config: a JSON object with the keys "
+                   f"{sorted(STRUCTURED_OUTPUTS_KEYS)} (the grammar library is llguidance)")
+        if structured.get("backend", "auto") not in ("auto", "xgrammar", "guidance"):
+            refuse(f"--structured-outputs-config: backend {structured['backend']!r}: one of "
+                   "auto, xgrammar, guidance (llguidance reading schemas as that backend does)")
     if args.enable_log_requests and args.disable_log_requests:
         refuse("--enable-log-requests and --disable-log-requests contradict each other; give one")
     if args.max_log_len is not None and args.max_log_len < 0:
@@ -411,6 +423,16 @@ def read_chat_template(value: str | None) -> str | None:
     return codecs.decode(value, "unicode_escape")
 
 
+STRUCTURED_OUTPUTS_KEYS = {"backend", "disable_additional_properties"}
+
+
+def json_unnamed_properties(config: dict | None) -> bool:
+    """vLLM's guidance backend admits properties a schema does not name unless
+    disable_additional_properties; its default (xgrammar) does not."""
+    config = config or {}
+    return config.get("backend") == "guidance" and not config.get("disable_additional_properties")
+
+
 def server_settings(args: argparse.Namespace, model_info, sampling_defaults=None
                     ) -> ServerSettings:
     names = tuple(args.served_model_name or (args.model or model_info.name,))
@@ -434,7 +456,8 @@ def server_settings(args: argparse.Namespace, model_info, sampling_defaults=None
             enable_docs=not args.disable_fastapi_docs,
             tool_call_parser=args.tool_call_parser,
             auto_tool_choice=args.enable_auto_tool_choice or args.tool_call_parser is None,
-            reasoning_parser=args.reasoning_parser)
+            reasoning_parser=args.reasoning_parser,
+            json_unnamed_properties=json_unnamed_properties(args.structured_outputs_config))
     except ValueError as exc:
         raise SystemExit(f"specserve: {exc}") from None
 

@@ -146,7 +146,7 @@ async def create_chat_completion(raw: Request, body: ChatCompletionRequest,
     if tools is not None and tools.choice == "auto" and not ctx.settings.auto_tool_choice:
         raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
                           '--tool-call-parser to be set', "tool_choice")
-    constraint = request_constraint(body)
+    constraint = request_constraint(body, ctx.settings.json_unnamed_properties)
     call_constraint = call_grammar(tools) if tools is not None else None
     if constraint is not None and call_constraint is not None:
         raise bad_request(f"{constraint.param} cannot be combined with tool_choice "

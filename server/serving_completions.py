@@ -128,7 +128,8 @@ async def create_completion(raw: Request, body: CompletionRequest, ctx: ServingC
         max_tokens = ctx.settings.sampling_defaults.get("max_tokens", 16)
     if max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-    constraint = await checked(request_constraint(body))        # structured output
+    constraint = await checked(request_constraint(      # structured output
+        body, ctx.settings.json_unnamed_properties))
     prompts = await asyncio.to_thread(parse_prompts, ctx, body)     # tokenizing: off the loop
     if len(prompts) * body.n > ctx.settings.max_choices:
         raise bad_request(f"prompts × n must be at most {ctx.settings.max_choices}, "

@@ -53,6 +53,9 @@ class ServerSettings:
     # given (specserve's default); --tool-call-parser alone allows only required / named (vLLM)
     auto_tool_choice: bool = True
     reasoning_parser: str | None = None            # --reasoning-parser (server/output_parsing.py)
+    # JSON schemas' objects without additionalProperties admit unnamed properties (vLLM's
+    # guidance backend); default: none (vLLM's default grammar; spec_phases/grammar.py)
+    json_unnamed_properties: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

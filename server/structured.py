@@ -5,19 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 from specserve.scheduler.validation import check_constraint
 from specserve.server.errors import bad_request
 from specserve.server.protocol import SamplingFields
+from specserve.spec_phases.grammar import vllm_json_schema
 from specserve.spec_phases.sampling_params import Constraint, ParamError, SamplingParams
 
 
-def request_constraint(body: SamplingFields) -> Constraint | None:
-    """The body's constraint fields -> one Constraint, or a 400 naming the field."""
+def request_constraint(body: SamplingFields, unnamed_properties: bool = False
+                       ) -> Constraint | None:
+    """The body's constraint fields -> one Constraint, or a 400 naming the field.
+    unnamed_properties: a JSON schema's objects that say nothing of `additionalProperties` admit
+    other properties (JSON Schema's reading) instead of none (vLLM's default grammar's)."""
     try:
-        return body.constraint()
+        constraint = body.constraint()
     except ParamError as exc:
         raise bad_request(exc.message, exc.param) from None
+    if unnamed_properties and constraint is not None and constraint.kind == "json_schema":
+        schema = json.loads(constraint.spec)
+        constraint = dataclasses.replace(
+            constraint, spec=json.dumps(vllm_json_schema(schema, unnamed=True)))
+    return constraint
 
 
 async def checked(constraint: Constraint | None) -> Constraint | None:

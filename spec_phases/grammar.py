@@ -59,14 +59,15 @@ _DATA_KEYWORDS = {"const", "enum", "default", "examples", "required", "title", "
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 
 
-def vllm_json_schema(schema, close: bool = True):
+def vllm_json_schema(schema, close: bool = True, unnamed: bool = False):
     """The schema as vLLM's default grammar reads it: an object schema naming `properties` without
     `additionalProperties` (or `patternProperties` / `unevaluatedProperties`) admits no other
     property, and numbers are bounded (INTEGER_LIMIT, NUMBER_LIMIT, NUMBER_STEP) where the schema
     sets no bound of its own. A new object; `allOf` branches are not closed (each names only part
-    of the properties)."""
+    of the properties). unnamed: such objects admit other properties instead (JSON Schema's own
+    reading; `--structured-outputs-config '{"backend": "guidance"}'`)."""
     if isinstance(schema, list):
-        return [vllm_json_schema(item, close) for item in schema]
+        return [vllm_json_schema(item, close, unnamed) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
@@ -74,14 +75,15 @@ def vllm_json_schema(schema, close: bool = True):
         if key in _DATA_KEYWORDS:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: vllm_json_schema(sub) for name, sub in value.items()}
+            out[key] = {name: vllm_json_schema(sub, unnamed=unnamed)
+                        for name, sub in value.items()}
         else:
-            out[key] = vllm_json_schema(value, close=key != "allOf")
+            out[key] = vllm_json_schema(value, close=key != "allOf", unnamed=unnamed)
     types = out.get("type")
     types = [types] if isinstance(types, str) else list(types or [])
-    if close and "properties" in out and not {"additionalProperties", "patternProperties",
-                                              "unevaluatedProperties"} & out.keys():
-        out["additionalProperties"] = False
+    if (close or unnamed) and "properties" in out and not {
+            "additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = unnamed
     number, integer = "number" in types, "integer" in types and "number" not in types
     if number or integer:
         limit = INTEGER_LIMIT if integer else NUMBER_LIMIT

@@ -247,3 +247,15 @@ def test_grammar_compile_time_and_cache_hits_are_exported(make_engine):
     assert found["specserve:grammar_compile_seconds_count"] == 1
     assert found["specserve:grammar_compile_seconds_sum"] > 0
     assert found["specserve:grammar_cache_hits_total"] == 2
+
+
+def test_the_guidance_reading_lets_objects_admit_unnamed_properties(make_server):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {**CHAT, "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    server = make_server(json_unnamed_properties=True)
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    assert json.loads(last_constraint(server).spec)["additionalProperties"] is True
+    default = make_server()
+    assert post(default, "/v1/chat/completions", body).status_code == 200
+    assert json.loads(last_constraint(default).spec) == schema      # closed when compiled

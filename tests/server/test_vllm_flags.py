@@ -325,3 +325,18 @@ def test_tool_and_reasoning_flags_reach_the_settings(fragment, parser, auto, rea
     settings = server_settings(args, types.SimpleNamespace(name="m", path="/m"))
     assert (settings.tool_call_parser, settings.auto_tool_choice,
             settings.reasoning_parser) == (parser, auto, reasoning)
+
+
+@pytest.mark.parametrize("fragment, unnamed", [
+    ("", False), ('--structured-outputs-config {"backend":"xgrammar"}', False),
+    ('--structured-outputs-config {"backend":"guidance"}', True),
+    ('--structured-outputs-config {"backend":"guidance","disable_additional_properties":true}',
+     False),
+])
+def test_structured_outputs_backend_sets_how_schemas_are_read(fragment, unnamed):
+    import types
+
+    from specserve.server.cli import server_settings
+    args = build_parser().parse_args(["serve", *fragment.split()])
+    settings = server_settings(args, types.SimpleNamespace(name="m", path="/m"))
+    assert settings.json_unnamed_properties is unnamed

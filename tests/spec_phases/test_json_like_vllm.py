@@ -72,3 +72,10 @@ def test_all_of_branches_stay_open():
     assert all("additionalProperties" not in branch for branch in out["allOf"])
     assert vllm_json_schema({"type": "object", "properties": {"enum": {"enum": [1]}}})[
         "properties"]["enum"] == {"enum": [1]}
+
+
+def test_the_guidance_reading_admits_unnamed_properties_with_numbers_still_bounded(admits):
+    opened = schema(vllm_json_schema(CITY, unnamed=True))
+    assert admits(opened, '{"name": "P", "population_millions": 1, "capital": true}')
+    assert admits(opened, '{"name": "P", "population_millions": 1, "nested": {"x": 1, "y": 2}}')
+    assert not admits(opened, '{"name": "P", "population_millions": 31111111111111111111}')
