@@ -15,16 +15,19 @@ class EngineConfig:
     dtype: str = "auto"                 # auto -> float32 on cpu, bfloat16 on cuda
     max_model_len: int | None = None    # None: the model's context length
     block_size: int = 16
-    # device KV budget; num_blocks is derived from it. lossy_kv with
-    kv_cache_memory_gb: float = 1.0
-                                        # the full cache in host memory: the compressed drafting
-                                        # caches
+    # device KV budget in GiB; num_blocks is derived from it (lossy_kv with the full cache in host
+    # memory: the compressed drafting caches). None: on a CPU 1 GiB (VLLM_CPU_KVCACHE_SPACE sets
+    # it through the CLI), on CUDA gpu_memory_utilization's budget (0.9 when not given, as vLLM)
+    kv_cache_memory_gb: float | None = None
+    # vLLM's --kv-cache-memory-bytes: the same budget in bytes; wins over kv_cache_memory_gb
+    kv_cache_memory_bytes: int | None = None
     # lossy_kv + full_kv_in_host: sizes the full-KV host
     host_kv_cache_memory_gb: float | None = None
-                                        # pool (None: kv_cache_memory_gb, as before)
+                                        # pool (None: the device budget above, as before)
     num_kv_blocks: int | None = None    # overrides the budget (tests force preemption with it)
-    # CUDA: size the device KV budget as vLLM does, from this fraction of the device's memory
-    # (replaces kv_cache_memory_gb there); on a CPU it does not apply (docs/vllm-flags.md)
+    # CUDA: size the device KV budget as vLLM does, from this fraction of the device's memory less
+    # what is in use after the weights (default 0.9 where no KV size is given); on a CPU it does
+    # not apply (docs/vllm-flags.md)
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -52,6 +55,10 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        for name in ("kv_cache_memory_gb", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
         if self.host_kv_cache_memory_gb is not None:
@@ -74,7 +81,9 @@ class EngineConfig:
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
             model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
-            kv_cache_memory_gb=self.kv_cache_memory_gb,
+            kv_cache_memory_gb=(self.kv_cache_memory_bytes / 2**30
+                                if self.kv_cache_memory_bytes is not None
+                                else self.kv_cache_memory_gb),
             host_kv_cache_memory_gb=self.host_kv_cache_memory_gb,
             num_kv_blocks=self.num_kv_blocks, seed=self.seed, num_threads=self.num_threads,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -56,7 +56,7 @@ class EngineCore:
         if budget is not None:
             fits = budget.max_tokens_alone()
             if fits < 1:
-                raise ValueError(f"kv_cache_memory_gb ({config.kv_cache_memory_gb}) is too small "
+                raise ValueError(f"the KV budget ({self.worker.device_kv_gb:g} GiB) is too small "
                                  f"for one token's compressed drafting cache")
             if fits < max_len:
                 logger.warning("max_model_len %d exceeds the compressed drafting cache (%d tokens "

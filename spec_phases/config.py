@@ -72,8 +72,9 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0     # device KV budget (lossy_kv with the full cache in host
-                                        # memory: the compressed drafting caches)
+    kv_cache_memory_gb: float | None = None   # device KV budget (lossy_kv with the full cache in
+                                        # host memory: the compressed drafting caches); None: 1 GiB
+                                        # on a CPU, gpu_memory_utilization (0.9) on CUDA
     host_kv_cache_memory_gb: float | None = None   # lossy_kv + full_kv_in_host: the host pool
     num_kv_blocks: int | None = None    # overrides the budget
     gpu_memory_utilization: float | None = None    # CUDA: the device KV budget from this fraction

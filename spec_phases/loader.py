@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 from pathlib import Path
 
@@ -64,9 +65,9 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: st
         return build_random_model(tiny_config(), dtype, device, seed=tiny_seed)
     path = resolve_model_path(model)
     if path.is_dir():
-        cfg, tensors = _read_hf(path)
-    else:
-        cfg, tensors = _read_gguf(path)
+        cfg, tensors = _read_hf(path, dtype, device)
+        return _assemble(cfg, tensors, dtype, device, owned=True)
+    cfg, tensors = _read_gguf(path)
     return _assemble(cfg, tensors, dtype, device)
 
 
@@ -109,12 +110,13 @@ def _split_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-              device: str) -> LlamaModel:
+              device: str, owned: bool = False) -> LlamaModel:
     """Fuse q/k/v and gate/up (where the checkpoint splits them), cast, and load into a model
     built without random init. Consumes `tensors`: each is popped as it is used, and the model
     takes the (fused, cast) tensors themselves, so the weights are held about once while loading
     (copying into a pre-allocated model held them up to three times: 1.7 GB for SmolLM2 in
-    fp32)."""
+    fp32). `owned`: the tensors hold their own memory (read_safetensors), so none is copied.
+    """
     layouts = tuple(f".{layout}" for layout in GGUF_BLOCK_LAYOUTS.values())
     blocks = {name: tensors.pop(name) for name in list(tensors) if name.endswith(layouts)}
     if not (torch.device(device).type == "cpu" and dtype == torch.float32):
@@ -142,9 +144,10 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
         if f"{head}.weight.{layout}" in blocks:
             kept["head"] = (layout, blocks.pop(f"{head}.weight.{layout}").clone())
     for name in list(tensors):
-        # a copy: a tensor read by safetensors lives in the file's mapping, which stays resident
-        # while any tensor of it does (a norm weight would pin all 540 MB)
-        state[name] = tensors.pop(name).to(device=device, dtype=dtype, copy=True)
+        # a copy: a tensor read by safetensors' load_file lives in the file's mapping, which stays
+        # resident while any tensor of it does (a norm weight would pin all 540 MB). Tensors
+        # read_safetensors made are their own memory: taken as they are.
+        state[name] = tensors.pop(name).to(device=device, dtype=dtype, copy=not owned)
     with torch.device("meta"):
         model = LlamaModel(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -292,20 +295,81 @@ def hf_model_config(path: Path) -> ModelConfig:
     return model_config(hf)
 
 
-def _read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+# safetensors dtype names -> torch (the format: an 8-byte little-endian header length, a JSON
+# header of {name: {dtype, shape, data_offsets}}, then the data)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
 
+
+def safetensors_header(file: Path) -> tuple[int, dict]:
+    """(where the data starts, {name: entry}) of one .safetensors file."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+def _read_exactly(f, offset: int, nbytes: int, what: str) -> torch.Tensor:
+    """nbytes at offset, in an anonymous memory map of their own: freed back to the system as
+    soon as the tensor is (a malloc'd buffer can stay resident, its heap fragmented by the small
+    allocations made between one tensor and the next: 8 MB more per tensor, measured)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    buf = mmap.mmap(-1, nbytes)
+    f.seek(offset)
+    with memoryview(buf) as view:
+        done = 0
+        while done < nbytes:
+            got = f.readinto(view[done:])
+            if not got:
+                raise UnsupportedModelError(f"{what}: the file is truncated")
+            done += got
+    return torch.frombuffer(buf, dtype=torch.uint8)      # keeps buf alive, as long as it is
+
+
+def read_safetensors(file: Path, dtype: torch.dtype, device: str):
+    """Yield (name, tensor) of one .safetensors file one tensor at a time, each read with plain
+    file reads (no memory map, whose pages would count in the process' resident memory until the
+    whole file is unmapped) into a buffer of the checkpoint's dtype, then cast to `dtype` on
+    `device` (no copy where both already match; on CUDA the host buffer is freed once copied).
+    Host memory beyond what the caller keeps: about the largest tensor."""
+    start, header = safetensors_header(file)
+    with open(file, "rb", buffering=0) as f:
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                raise UnsupportedModelError(f"{file.name}: tensor {name!r} has dtype "
+                                            f"{entry['dtype']}, which is not read")
+            begin, end = entry["data_offsets"]
+            raw = _read_exactly(f, start + begin, end - begin, f"{file.name}: {name!r}")
+            t = raw.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+            if t.is_floating_point():
+                t = t.to(device=device, dtype=dtype)
+            yield name, t
+            del raw, t
+
+
+def _read_hf(path: Path, dtype: torch.dtype = torch.float32,
+             device: str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The folder's safetensors, tensor by tensor, each cast to `dtype` on `device` as it is read:
+    host memory peaks at about the served weights (on a CPU; about nothing on CUDA) plus the
+    largest tensor in the checkpoint's dtype, never a float32 copy of the model."""
     cfg = hf_model_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path}: no *.safetensors weights (other weight formats "
                                     f"are not read)")
     tensors: dict[str, torch.Tensor] = {}
-    for file in tqdm(files, desc=f"loading {path.name}", leave=False):
-        for name, t in load_file(str(file)).items():
-            if name.endswith("rotary_emb.inv_freq"):       # a buffer some old exports saved
-                continue
-            ours = hf_tensor_name(cfg, name)
-            if ours is not None:
-                tensors[ours] = t.float()
+    count = sum(len(safetensors_header(file)[1]) for file in files)
+    with tqdm(total=count, desc=f"loading {path.name}", leave=False) as bar:
+        for file in files:
+            for name, t in read_safetensors(file, dtype, device):
+                bar.update()
+                if name.endswith("rotary_emb.inv_freq"):       # a buffer some old exports saved
+                    continue
+                ours = hf_tensor_name(cfg, name)
+                if ours is not None:
+                    tensors[ours] = t
     return cfg, tensors

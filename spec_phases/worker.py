@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE_GB = 1.0      # gpu_memory_utilization: device memory kept for forward passes
+DEFAULT_KV_CACHE_GB = 1.0        # the KV budget on a CPU when none is given (kv_cache_memory_gb)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9    # CUDA, when no KV size is given: vLLM's default
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -107,8 +109,8 @@ class Worker:
         self.weight_bytes = self.model.bytes_per_step()      # what one forward reads
         cfg = self.model_config = self.model.config
         self.device_kv_gb = self._device_kv_budget_gb()
-        budget_gb = ((config.host_kv_cache_memory_gb or config.kv_cache_memory_gb) if in_host
-                     else self.device_kv_gb)
+        budget_gb = ((config.host_kv_cache_memory_gb or config.kv_cache_memory_gb
+                      or DEFAULT_KV_CACHE_GB) if in_host else self.device_kv_gb)
         bs = config.block_size
         self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             budget_gb * 2**30, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
@@ -155,18 +157,27 @@ class Worker:
         return graphs
 
     def _device_kv_budget_gb(self) -> float:
-        """GiB of device memory for KV: kv_cache_memory_gb, or on CUDA with
-        gpu_memory_utilization u (vLLM's flag) u x the device's memory, less what is in use once
-        the weights are loaded (by this process and any other), less ACTIVATION_RESERVE_GB for
-        the forward passes. On a CPU u does not apply (as in vLLM-CPU) and a log line says so."""
+        """GiB of device memory for KV. On CUDA as in vLLM: kv_cache_memory_gb (or
+        --kv-cache-memory-bytes) when given; otherwise gpu_memory_utilization u (default 0.9) x the
+        device's memory, less what is in use once the weights are loaded (by this process and any
+        other), less ACTIVATION_RESERVE_GB for the forward passes. On a CPU u does not apply (as
+        in vLLM-CPU; a log line says so when it is given) and the budget is kv_cache_memory_gb
+        (VLLM_CPU_KVCACHE_SPACE sets it), DEFAULT_KV_CACHE_GB when not given."""
         util = self.config.gpu_memory_utilization
-        if util is None:
-            return self.config.kv_cache_memory_gb
+        given = self.config.kv_cache_memory_gb
         if not self.device.startswith("cuda"):
-            logger.info("gpu_memory_utilization %.2f does not apply on %s (as in vLLM-CPU): the KV "
-                        "budget is kv_cache_memory_gb, %.2f GiB (VLLM_CPU_KVCACHE_SPACE sets it)",
-                        util, self.device, self.config.kv_cache_memory_gb)
-            return self.config.kv_cache_memory_gb
+            budget = given if given is not None else DEFAULT_KV_CACHE_GB
+            if util is not None:
+                logger.info("gpu_memory_utilization %.2f does not apply on %s (as in vLLM-CPU): "
+                            "the KV budget is kv_cache_memory_gb, %.2f GiB "
+                            "(VLLM_CPU_KVCACHE_SPACE sets it)", util, self.device, budget)
+            return budget
+        if given is not None:
+            if util is not None:
+                logger.info("kv_cache_memory_gb %.2f GiB sizes the KV cache; "
+                            "gpu_memory_utilization %.2f is not used (as in vLLM)", given, util)
+            return given
+        util = DEFAULT_GPU_MEMORY_UTILIZATION if util is None else util
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(torch.device(self.device))
         budget = utilization_kv_budget(util, free, total)

@@ -2,6 +2,7 @@
 import json
 from dataclasses import replace
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -83,24 +84,52 @@ def test_bfloat16_option_runs(make_engine):
 
 
 
-def test_loaded_model_pins_none_of_the_tensors_safetensors_read(tmp_path, monkeypatch):
-    """The model holds copies (or fused tensors), never a tensor safetensors returned: those live
-    in the file's mapping, which stays resident while any of them does (a norm weight kept alive
+def test_the_loader_maps_no_file_and_the_model_owns_its_tensors(tmp_path, monkeypatch):
+    """The folder is read tensor by tensor with plain reads, never through safetensors' memory
+    map (whose pages stay resident while any tensor of the file does: a norm weight kept alive
     would pin the whole file after the linear weights were packed and dropped)."""
+    import safetensors
     import safetensors.torch
     cfg = tiny_config(vocab_size=256, max_position=64)
     export_hf(build_random_model(cfg), cfg, tmp_path)
-    read: list[torch.Tensor] = []
-    real_load_file = safetensors.torch.load_file
 
-    def recording_load_file(*args, **kwargs):
-        tensors = real_load_file(*args, **kwargs)
-        read.extend(tensors.values())
-        return tensors
-    monkeypatch.setattr(safetensors.torch, "load_file", recording_load_file)
+    def refuse(*args, **kwargs):
+        raise AssertionError("the loader mapped the file")
+    for module, name in ((safetensors.torch, "load_file"), (safetensors, "safe_open"),
+                         (safetensors.torch, "safe_open")):
+        monkeypatch.setattr(module, name, refuse, raising=False)
     model = load_model(str(tmp_path))
-    assert read
-    file_storages = {t.untyped_storage().data_ptr() for t in read}
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(storages) == len(set(storages))
     for name, p in model.named_parameters():
-        assert p.untyped_storage().data_ptr() not in file_storages, name
         assert p.device.type == "cpu" and p.is_contiguous(), name
+
+
+def reference_load(folder, dtype):
+    """What the loader did before it read tensor by tensor: safetensors' load_file, every tensor
+    to float32, then cast by _assemble."""
+    from safetensors.torch import load_file
+
+    from specserve.spec_phases import loader
+    cfg = loader.hf_model_config(folder)
+    tensors = {loader.hf_tensor_name(cfg, k): v.float()
+               for k, v in load_file(str(folder / "model.safetensors")).items()}
+    return loader._assemble(cfg, {k: v for k, v in tensors.items() if k}, dtype, "cpu")
+
+
+@pytest.mark.parametrize("stored, served", [(torch.bfloat16, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.float16, torch.bfloat16),
+                                            (torch.float32, torch.float32)])
+def test_tensor_by_tensor_reads_the_same_weights(tmp_path, stored, served):
+    """Read in the checkpoint's dtype and cast once: bit for bit the weights the float32 detour
+    gave, in every stored/served pair."""
+    cfg = tiny_config(vocab_size=300)
+    export_hf(build_random_model(cfg, seed=9).to(stored), cfg, tmp_path)
+    loaded, ref = load_model(str(tmp_path), served), reference_load(tmp_path, served)
+    got, want = loaded.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype == (served if want[name].is_floating_point()
+                                                       else want[name].dtype), name
+        assert torch.equal(got[name], want[name]), name
