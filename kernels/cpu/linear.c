@@ -37,7 +37,7 @@
 #define SCALES (PANEL * 4)      /* a block's d (or m) of its 16 columns, in bytes */
 #define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
 #define GROUP 2                 /* panels together at one row: independent chains of sums */
-enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1_I8 = 3, Q8_0_I8 = 4 };   /* I8: linear_i8.c */
+enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1_I8 = 3, Q8_0_I8 = 4, U8_I8 = 5 };  /* I8: linear_i8.c */
 
 /* A panel's 16 columns at one k (or a row's 16 sums) as two 8-float halves: the form of one row
  * against Q4_1 panels on every CPU (`row_group_q4`) and of everything on CPUs without AVX-512. */
@@ -430,7 +430,7 @@ void linear_rows(const void *packed, int layout, int64_t K, const int64_t *rows,
  * (padding columns: d = m = 0, code 0) */
 void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, const float *m,
                            int64_t N, int64_t K, uint8_t *packed) {
-    if (layout == Q4_1_I8 || layout == Q8_0_I8) {
+    if (layout >= Q4_1_I8) {
         linear_pack_i8(layout, codes, d, m, N, K, packed);
         return;
     }
@@ -462,7 +462,7 @@ void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, con
  * or -1 where memory for the rows' block sums could not be had (y untouched). */
 int linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int layout,
                    int64_t N, const float *bias, float *y, int num_threads) {
-    if (layout == Q4_1_I8 || layout == Q8_0_I8)
+    if (layout >= Q4_1_I8)
         return linear_forward_i8(x, M, K, packed, layout, N, bias, y, num_threads);
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = layout == Q4_1   ? K / QBLOCK * Q4_BLOCK_BYTES

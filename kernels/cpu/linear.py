@@ -2,11 +2,11 @@
 (column panels; every output element summed over k in one fixed order, so a row's result does
 not depend on how many rows share the call, as oneDNN's and MKL's do), oneDNN's prepacked GEMM
 for bfloat16 (where the CPU has AVX512-BF16 or AMX) and for float32 where no C compiler is
-available. GGUF Q4_1 weights can stay quantized in the C kernel's panels (`pack_q4_1`): it
-factors each block's scale and minimum out of the block's sums and computes the dequantized
-weight's results within float32 rounding, reading a fifth of the bytes; GGUF Q8_0 (a typical
-embedding and LM head) likewise (`pack_q8_0`, 9/32 of the bytes). The one home of the CPU GEMM
-choice."""
+available. GGUF blocks stay quantized in the C kernel's panels (`pack_gguf`): with float32
+activations (Q4_0, Q4_1, Q4_K and Q8_0: `GGUF_FAMILIES`) it factors each block's
+scale and minimum out of the block's sums and computes the dequantized weight's results within
+float32 rounding; with int8 activations (`linear_i8.c`, every listed type) it sums codes times
+codes on int8 dot products. The one home of the CPU GEMM choice."""
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +14,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.kernels.cpu.native import BuildError, library
@@ -25,7 +26,12 @@ QBLOCK = 32                     # GGUF's quantization block along the input dime
 Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-bit codes
 Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
-LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4}
+LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5}
+# GGUF block types kept quantized, each read into the codes and scales of one kernel family:
+# "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
+# (w = d * q + m, q in 0..63, d and m per 16 k; only the int8 form runs it)
+GGUF_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q4_k": "q4_1", "q8_0": "q8_0", "q5_0": "u8",
+                 "q5_1": "u8", "q5_k": "u8", "q6_k": "u8"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -104,21 +110,6 @@ def q4_1_codes(blocks: torch.Tensor, in_features: int
     return codes, d, m
 
 
-def pack_q4_1(blocks: torch.Tensor, in_features: int, int8: bool = False) -> PackedWeight:
-    """GGUF Q4_1 blocks [out, in / 32 * 20] uint8 (rows in the model's order) packed for the C
-    kernel, which dequantizes them in registers (float32 activations) or, `int8`, sums their codes
-    against the activations quantized to int8 per row (`linear_i8.c`); needs
-    `c_kernel_available()`."""
-    codes, d, m = q4_1_codes(blocks, in_features)
-    out_features = codes.shape[0]
-    layout = "q4_1_i8" if int8 else "q4_1"
-    data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
-                       2 * PANEL * 4 + QBLOCK * PANEL // 2, dtype=torch.uint8)
-    _lib().linear_pack_quantized(LAYOUTS[layout], codes.data_ptr(), d.data_ptr(), m.data_ptr(),
-                                 out_features, in_features, data.data_ptr())
-    return PackedWeight(data, out_features, in_features, layout)
-
-
 def q8_0_codes(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q8_0 blocks [out, in / 32 * 34] uint8 -> (codes [out, in] int8, d [out, in / 32]
     float32): the weight is d * code per block, as gguf dequantizes it."""
@@ -129,17 +120,111 @@ def q8_0_codes(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, to
     return codes, d
 
 
-def pack_q8_0(blocks: torch.Tensor, in_features: int, int8: bool = False) -> PackedWeight:
-    """GGUF Q8_0 blocks [out, in / 32 * 34] uint8 packed for the C kernel (`int8`: as
-    `pack_q4_1`); needs `c_kernel_available()`."""
-    codes, d = q8_0_codes(blocks, in_features)
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [..., 1] float32: a float16 field of each block."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n]: the low nibbles, then the high ones (GGUF's order)."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: 12 bytes -> the 8 sub-blocks' 6-bit scales and minimums."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), axis=-1)
+    mn = np.concatenate((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def gguf_codes(kind: str, blocks: torch.Tensor, in_features: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF blocks of type `kind` [out, bytes] uint8 -> their family's codes [out, in] and scales
+    (`GGUF_FAMILIES`): d, m [out, in / 32] ("q4_1"; "q8_0": m None) or [out, in / 16] ("u8"),
+    float32, with the weight d * q + m as gguf dequantizes it (the scales' products d * sc
+    computed as gguf computes them)."""
+    out = blocks.shape[0]
+    b = blocks.numpy().reshape(out, -1)
+    if kind == "q4_1":
+        return q4_1_codes(blocks, in_features)
+    if kind == "q8_0":
+        return (*q8_0_codes(blocks, in_features), None)
+    if kind == "q4_0":                                   # 2 d, 16 qs; w = d * (q - 8)
+        b = b.reshape(out, -1, 18)
+        d = _f16(b[..., 0:2])
+        codes, m = _nibbles(b[..., 2:]), -8.0 * d
+    elif kind in ("q5_0", "q5_1"):                       # d (m), 4 qh, 16 qs
+        b = b.reshape(out, -1, 22 if kind == "q5_0" else 24)
+        d = _f16(b[..., 0:2])
+        at = 2 if kind == "q5_0" else 4
+        m = -16.0 * d if kind == "q5_0" else _f16(b[..., 2:4])
+        qh = np.ascontiguousarray(b[..., at:at + 4]).view(np.uint32)
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+        codes = _nibbles(b[..., at + 4:]) | (high.astype(np.uint8) << 4)
+        d, m = np.repeat(d, 2, -1), np.repeat(m, 2, -1)         # per half block
+    elif kind in ("q4_k", "q5_k"):                       # d, dmin, 12 scales, (32 qh), 128 qs
+        b = b.reshape(out, -1, 144 if kind == "q4_k" else 176)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., -128:].reshape(*b.shape[:2], 4, 32)
+        codes = _nibbles(qs).reshape(*b.shape[:2], 8, 32)      # sub-block 2i low, 2i + 1 high
+        if kind == "q5_k":
+            qh = b[..., 16:48]
+            codes = codes | (((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1)
+                             << 4)
+        d, m = d * sc, -(dmin * mn)                                  # [out, super, 8]
+        if kind == "q5_k":
+            d, m = np.repeat(d, 2, -1), np.repeat(m, 2, -1)
+    elif kind == "q6_k":                                 # 128 ql, 64 qh, 16 scales, d
+        b = b.reshape(out, -1, 210)
+        ql = b[..., 0:128].reshape(*b.shape[:2], 2, 64)
+        ql = np.concatenate((ql & 0x0F, ql >> 4), axis=-1).reshape(*b.shape[:2], 8, 32)
+        qh = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32)
+        qh = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(
+            *b.shape[:2], 8, 32)
+        codes = ql | (qh << 4)                                         # q + 32, in 0..63
+        d = _f16(b[..., 208:210]) * np.ascontiguousarray(b[..., 192:208]).view(
+            np.int8).astype(np.float32)                                # per 16 k
+        m = -32.0 * d
+    else:
+        raise ValueError(f"GGUF type {kind} is not kept quantized")
+    return (torch.from_numpy(np.ascontiguousarray(codes.reshape(out, in_features))),
+            torch.from_numpy(np.ascontiguousarray(d.reshape(out, -1), dtype=np.float32)),
+            torch.from_numpy(np.ascontiguousarray(m.reshape(out, -1), dtype=np.float32)))
+
+
+def pack_gguf(kind: str, blocks: torch.Tensor, in_features: int, int8: bool = False
+              ) -> PackedWeight | None:
+    """GGUF blocks of type `kind` (rows in the model's order) packed for the C kernel, which
+    dequantizes them in registers (float32 activations) or, `int8`, sums their codes against the
+    activations quantized to int8 per row (`linear_i8.c`); None where only the int8 form reads
+    the type (the "u8" family with float32 activations). Needs `c_kernel_available()`."""
+    family = GGUF_FAMILIES[kind]
+    if family == "u8" and not int8:
+        return None
+    codes, d, m = gguf_codes(kind, blocks, in_features)
+    layout = f"{family}_i8" if int8 else family
     out_features = codes.shape[0]
-    layout = "q8_0_i8" if int8 else "q8_0"
-    data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK,
-                       PANEL * 4 + QBLOCK * PANEL, dtype=torch.uint8)
-    _lib().linear_pack_quantized(LAYOUTS[layout], codes.data_ptr(), d.data_ptr(), None,
-                                 out_features, in_features, data.data_ptr())
+    block_bytes = {"q4_1": 2 * PANEL * 4 + QBLOCK * PANEL // 2, "q8_0": PANEL * 4 + QBLOCK * PANEL,
+                   "u8": 4 * PANEL * 4 + QBLOCK * PANEL}[family]
+    data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK, block_bytes,
+                       dtype=torch.uint8)
+    codes = codes.contiguous()
+    _lib().linear_pack_quantized(LAYOUTS[layout], codes.data_ptr(), d.data_ptr(),
+                                 None if m is None else m.data_ptr(), out_features,
+                                 in_features, data.data_ptr())
     return PackedWeight(data, out_features, in_features, layout)
+
+
+def pack_q4_1(blocks: torch.Tensor, in_features: int, int8: bool = False) -> PackedWeight:
+    """GGUF Q4_1 blocks [out, in / 32 * 20] uint8 packed (`pack_gguf`)."""
+    return pack_gguf("q4_1", blocks, in_features, int8)
+
+
+def pack_q8_0(blocks: torch.Tensor, in_features: int, int8: bool = False) -> PackedWeight:
+    """GGUF Q8_0 blocks [out, in / 32 * 34] uint8 packed (`pack_gguf`)."""
+    return pack_gguf("q8_0", blocks, in_features, int8)
 
 
 def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:

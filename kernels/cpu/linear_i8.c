@@ -7,7 +7,10 @@
  * column the kernel sums codes times codes in int32, exactly, then (float) each block's share:
  *   Q4_1 (w = d * q + m, q in 0..15):  acc + d * (e * sum(q * a)) + m * (e * t)
  *   Q8_0 (w = d * q, q an int8):       acc + d * (e * (sum(u * a) - 128 * t)),  u = q + 128
- * one fused multiply-add after another, block after block. Integer sums are exact in any order,
+ *   U8 (w = d_h * u + m_h, u in 0..63; d, m per half block of 16 k, h = 0, 1):
+ *       acc + d_0 * (e * sum_0(u * a)) + m_0 * (e * t_0) + d_1 * (e * sum_1(u * a)) + m_1 * (e * t_1)
+ * one fused multiply-add after another, block after block. Every GGUF type maps onto one of
+ * them (kernels/cpu/linear.py): Q4_0 and Q4_K onto Q4_1, Q5_0, Q5_1, Q5_K and Q6_K onto U8. Integer sums are exact in any order,
  * so the result of a row depends on its own x alone: not on how many rows share the call, which
  * rows they are, nor on how the sums are split among registers. Every form (AVX512-VNNI
  * `vpdpbusd`, or plain C elsewhere) gives the same bits.
@@ -16,7 +19,8 @@
  *   Q4_1_I8 (384 bytes): d[16], m[16], then 4 chunks of 64 bytes; chunk c's byte 4 * col + i
  *     holds q(col, 8c + i) in its low nibble and q(col, 8c + 4 + i) in its high one;
  *   Q8_0_I8 (576 bytes): d[16], then 8 groups of 64 bytes; group g's byte 4 * col + i holds
- *     u(col, 4g + i).
+ *     u(col, 4g + i);
+ *   U8_I8 (768 bytes): d_0[16], d_1[16], m_0[16], m_1[16], then the codes as Q8_0_I8's.
  * A 64-byte row of codes is then one vector of 16 lanes of 4 k each: `vpdpbusd` against a row's
  * 4 activation codes broadcast to every lane adds 4 products to each column's sum.
  */
@@ -24,24 +28,32 @@
 
 #define I8_Q4_BYTES (2 * SCALES + QBLOCK * PANEL / 2)
 #define I8_Q8_BYTES (SCALES + QBLOCK * PANEL)
+#define I8_U8_BYTES (4 * SCALES + QBLOCK * PANEL)
 #define I8_TILE 8           /* rows x panels of one register tile */
 #define I8_CHUNK_BYTES (256 << 10)  /* activation codes swept against a thread's panels at once */
 
-/* a call's quantized rows: codes [M, K], per row and block the scale e and e * t, and t */
+/* a call's quantized rows: codes [M, K], per row and block the scale e, e * t and t, and e * t
+ * of each half block (eth [M, 2 * blocks]) */
 struct i8_rows {
     const int8_t *q;
-    const float *e, *et;
+    const float *e, *et, *eth;
     const int32_t *t;
     int64_t K;
 };
 
 static inline int64_t i8_block_bytes(int layout) {
-    return layout == Q4_1_I8 ? I8_Q4_BYTES : I8_Q8_BYTES;
+    return layout == Q4_1_I8 ? I8_Q4_BYTES : layout == Q8_0_I8 ? I8_Q8_BYTES : I8_U8_BYTES;
 }
 
-/* one block of 32 x -> codes, scale, the scale times the codes' sum, the codes' sum */
+/* where a block's codes start, past its scales */
+static inline int64_t i8_scales_bytes(int layout) {
+    return (layout == Q4_1_I8 ? 2 : layout == Q8_0_I8 ? 1 : 4) * SCALES;
+}
+
+/* one block of 32 x -> codes, scale, the scale times the codes' sum, the codes' sum, the scale
+ * times each half's sum */
 static inline void i8_quantize_block(const float *x, int8_t *q, float *e, float *et,
-                                     int32_t *t) {
+                                     int32_t *t, float eth[2]) {
 #if defined(__AVX512F__)
     const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0),
@@ -51,33 +63,35 @@ static inline void i8_quantize_block(const float *x, int8_t *q, float *e, float 
     const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    const int32_t half[2] = {_mm512_reduce_add_epi32(i0), _mm512_reduce_add_epi32(i1)};
 #else
     float amax = 0.0f;
     for (int j = 0; j < QBLOCK; j++)
         amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
+    int32_t half[2] = {0, 0};
     for (int j = 0; j < QBLOCK; j++) {
         const int32_t v = (int32_t)nearbyintf(x[j] * inv);     /* to nearest, ties to even */
         q[j] = (int8_t)v;
-        sum += v;
+        half[j / 16] += v;
     }
 #endif
     *e = amax / 127.0f;
-    *et = *e * (float)sum;
-    *t = sum;
+    *et = *e * (float)(half[0] + half[1]);
+    *t = half[0] + half[1];
+    eth[0] = *e * (float)half[0];
+    eth[1] = *e * (float)half[1];
 }
 
 static void i8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *e, float *et,
-                        int32_t *t, int num_threads) {
+                        int32_t *t, float *eth, int num_threads) {
     const int64_t blocks = K / QBLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && M > 16)
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t i = r * blocks + b;
             i8_quantize_block(x + r * K + b * QBLOCK, q + r * K + b * QBLOCK, e + i, et + i,
-                              t + i);
+                              t + i, eth + 2 * i);
         }
 }
 
@@ -119,32 +133,54 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
         for (int i = 0; i < MR * NP; i++)
             lo[i] = hi[i] = _mm512_setzero_si512();
         for (int p = 0; p < NP; p++) {
-            const uint8_t *codes = panels[p] + b * bytes + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
-            __builtin_prefetch(panels[p] + (b + 4) * bytes, 0, 1);
-            __builtin_prefetch(panels[p] + (b + 4) * bytes + 256, 0, 1);
+            const uint8_t *codes = panels[p] + b * bytes + i8_scales_bytes(layout);
+            for (int64_t line = 0; line < bytes; line += 256)
+                __builtin_prefetch(panels[p] + (b + 4) * bytes + line, 0, 1);
             for (int c = 0; c < 4; c++) {
                 __m512i w0, w1;
+                int k0, k1;                       /* the first k of w0's and w1's groups */
                 if (layout == Q4_1_I8) {
                     const __m512i v = _mm512_loadu_si512(codes + 64 * c);
                     w0 = _mm512_and_si512(v, nibble);
                     w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                } else {
+                    k0 = 8 * c, k1 = 8 * c + 4;
+                } else if (layout == Q8_0_I8) {
                     w0 = _mm512_loadu_si512(codes + 128 * c);
                     w1 = _mm512_loadu_si512(codes + 128 * c + 64);
+                    k0 = 8 * c, k1 = 8 * c + 4;
+                } else {                          /* U8: lo the first half block, hi the second */
+                    w0 = _mm512_loadu_si512(codes + 64 * c);
+                    w1 = _mm512_loadu_si512(codes + 64 * (c + 4));
+                    k0 = 4 * c, k1 = 16 + 4 * c;
                 }
                 for (int r = 0; r < MR; r++) {
-                    const int8_t *x = a->q + (m0 + r) * K + b * QBLOCK + 8 * c;
-                    lo[r * NP + p] = _mm512_dpbusd_epi32(lo[r * NP + p], w0, i8_bcast(x));
-                    hi[r * NP + p] = _mm512_dpbusd_epi32(hi[r * NP + p], w1, i8_bcast(x + 4));
+                    const int8_t *x = a->q + (m0 + r) * K + b * QBLOCK;
+                    lo[r * NP + p] = _mm512_dpbusd_epi32(lo[r * NP + p], w0, i8_bcast(x + k0));
+                    hi[r * NP + p] = _mm512_dpbusd_epi32(hi[r * NP + p], w1, i8_bcast(x + k1));
                 }
             }
         }
         for (int r = 0; r < MR; r++) {
             const int64_t i = (m0 + r) * blocks + b;
-            for (int p = 0; p < NP; p++)
-                acc[r * NP + p] = i8_finish(panels[p] + b * bytes, layout,
-                                            _mm512_add_epi32(lo[r * NP + p], hi[r * NP + p]),
-                                            a->e[i], a->et[i], a->t[i], acc[r * NP + p]);
+            for (int p = 0; p < NP; p++) {
+                const uint8_t *blk = panels[p] + b * bytes;
+                if (layout != U8_I8) {
+                    acc[r * NP + p] = i8_finish(blk, layout,
+                                                _mm512_add_epi32(lo[r * NP + p], hi[r * NP + p]),
+                                                a->e[i], a->et[i], a->t[i], acc[r * NP + p]);
+                    continue;
+                }
+                const __m512 e = _mm512_set1_ps(a->e[i]);      /* U8: each half its scales */
+                __m512 v = acc[r * NP + p];
+                v = _mm512_fmadd_ps(_mm512_loadu_ps(blk),
+                                    _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r * NP + p]), e), v);
+                v = _mm512_fmadd_ps(_mm512_loadu_ps(blk + 2 * SCALES),
+                                    _mm512_set1_ps(a->eth[2 * i]), v);
+                v = _mm512_fmadd_ps(_mm512_loadu_ps(blk + SCALES),
+                                    _mm512_mul_ps(_mm512_cvtepi32_ps(hi[r * NP + p]), e), v);
+                acc[r * NP + p] = _mm512_fmadd_ps(_mm512_loadu_ps(blk + 3 * SCALES),
+                                                  _mm512_set1_ps(a->eth[2 * i + 1]), v);
+            }
         }
     }
 }
@@ -180,15 +216,17 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
         acc[i].h[0] = acc[i].h[1] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i isum[I8_TILE][2];
+        __m256i isum[I8_TILE][2][2];          /* [tile][half block (U8; else 0)][column half] */
         for (int i = 0; i < MR * NP; i++)
-            isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+            isum[i][0][0] = isum[i][0][1] = isum[i][1][0] = isum[i][1][1] =
+                _mm256_setzero_si256();
         for (int p = 0; p < NP; p++) {
-            const uint8_t *codes = panels[p] + b * bytes + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
-            __builtin_prefetch(panels[p] + (b + 4) * bytes, 0, 1);
-            __builtin_prefetch(panels[p] + (b + 4) * bytes + 256, 0, 1);
+            const uint8_t *codes = panels[p] + b * bytes + i8_scales_bytes(layout);
+            for (int64_t line = 0; line < bytes; line += 256)
+                __builtin_prefetch(panels[p] + (b + 4) * bytes + line, 0, 1);
             for (int g = 0; g < 8; g++)
                 for (int h = 0; h < 2; h++) {
+                    const int kh = layout == U8_I8 && g >= 4;
                     __m256i w;
                     if (layout == Q4_1_I8) {
                         w = _mm256_loadu_si256((const __m256i *)(codes + 64 * (g / 2) + 32 * h));
@@ -199,23 +237,34 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
                     for (int r = 0; r < MR; r++) {
                         int32_t x4;
                         memcpy(&x4, a->q + (m0 + r) * K + b * QBLOCK + 4 * g, 4);
-                        isum[r * NP + p][h] = _mm256_add_epi32(
-                            isum[r * NP + p][h], i8_dot4(w, _mm256_set1_epi32(x4), layout));
+                        isum[r * NP + p][kh][h] = _mm256_add_epi32(
+                            isum[r * NP + p][kh][h], i8_dot4(w, _mm256_set1_epi32(x4), layout));
                     }
                 }
         }
         for (int r = 0; r < MR; r++) {
             const int64_t i = (m0 + r) * blocks + b;
             for (int p = 0; p < NP; p++)
-                for (int h = 0; h < 2; h++) {          /* as i8_finish, lane by lane */
-                    const uint8_t *blk = panels[p] + b * bytes + 32 * h;
-                    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r * NP + p][h]),
-                                                   _mm256_set1_ps(a->e[i]));
-                    __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)blk), s,
-                                               acc[r * NP + p].h[h]);
-                    if (layout == Q4_1_I8)
-                        v = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(blk + SCALES)),
-                                            _mm256_set1_ps(a->et[i]), v);
+                for (int h = 0; h < 2; h++) {          /* as the VNNI form, lane by lane */
+                    const float *blk = (const float *)(panels[p] + b * bytes) + 8 * h;
+                    const __m256 e = _mm256_set1_ps(a->e[i]);
+                    __m256i *is = isum[r * NP + p][0];
+                    __m256 v = acc[r * NP + p].h[h];
+                    if (layout == U8_I8) {
+                        for (int kh = 0; kh < 2; kh++) {
+                            const __m256 s = _mm256_mul_ps(
+                                _mm256_cvtepi32_ps(isum[r * NP + p][kh][h]), e);
+                            v = _mm256_fmadd_ps(_mm256_loadu_ps(blk + 16 * kh), s, v);
+                            v = _mm256_fmadd_ps(_mm256_loadu_ps(blk + 32 + 16 * kh),
+                                                _mm256_set1_ps(a->eth[2 * i + kh]), v);
+                        }
+                    } else {
+                        const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(is[h]), e);
+                        v = _mm256_fmadd_ps(_mm256_loadu_ps(blk), s, v);
+                        if (layout == Q4_1_I8)
+                            v = _mm256_fmadd_ps(_mm256_loadu_ps(blk + 16),
+                                                _mm256_set1_ps(a->et[i]), v);
+                    }
                     acc[r * NP + p].h[h] = v;
                 }
         }
@@ -243,28 +292,32 @@ static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
     for (int64_t b = 0; b < blocks; b++)
         for (int p = 0; p < NP; p++) {
             const uint8_t *blk = panels[p] + b * bytes;
-            const uint8_t *codes = blk + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
+            const uint8_t *codes = blk + i8_scales_bytes(layout);
+            const float *scale = (const float *)blk;
             for (int r = 0; r < MR; r++) {
                 const int8_t *x = a->q + (m0 + r) * K + b * QBLOCK;
                 const int64_t i = (m0 + r) * blocks + b;
                 for (int l = 0; l < PANEL; l++) {
-                    int32_t isum = 0;
+                    int32_t isum[2] = {0, 0};         /* by half block (U8), else all in [0] */
                     for (int k = 0; k < QBLOCK; k++) {
                         const int g = k / 4, j = k % 4;
                         const int32_t w = layout == Q4_1_I8
                             ? (codes[64 * (g / 2) + 4 * l + j] >> (4 * (g % 2))) & 0x0F
                             : codes[64 * g + 4 * l + j];
-                        isum += w * x[k];
+                        isum[layout == U8_I8 && k >= 16] += w * x[k];
                     }
-                    if (layout == Q8_0_I8)
-                        isum -= 128 * a->t[i];
-                    float d, m;
-                    memcpy(&d, blk + 4 * l, 4);
-                    const float s = (float)isum * a->e[i];
-                    float v = __builtin_fmaf(d, s, acc[r * NP + p][l]);
-                    if (layout == Q4_1_I8) {
-                        memcpy(&m, blk + SCALES + 4 * l, 4);
-                        v = __builtin_fmaf(m, a->et[i], v);
+                    float v = acc[r * NP + p][l];
+                    if (layout == U8_I8) {
+                        for (int kh = 0; kh < 2; kh++) {
+                            v = __builtin_fmaf(scale[16 * kh + l], (float)isum[kh] * a->e[i], v);
+                            v = __builtin_fmaf(scale[32 + 16 * kh + l], a->eth[2 * i + kh], v);
+                        }
+                    } else {
+                        if (layout == Q8_0_I8)
+                            isum[0] -= 128 * a->t[i];
+                        v = __builtin_fmaf(scale[l], (float)isum[0] * a->e[i], v);
+                        if (layout == Q4_1_I8)
+                            v = __builtin_fmaf(scale[16 + l], a->et[i], v);
                     }
                     acc[r * NP + p][l] = v;
                 }
@@ -319,7 +372,7 @@ static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t
     const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
     const int64_t panel_bytes = blocks * i8_block_bytes(layout);
     int8_t *q = malloc((size_t)(M * K) + 64);
-    float *scales = malloc(sizeof(float) * (size_t)(2 * M * blocks + 1));
+    float *scales = malloc(sizeof(float) * (size_t)(4 * M * blocks + 1));   /* e, et, eth */
     int32_t *t = malloc(sizeof(int32_t) * (size_t)(M * blocks + 1));
     if (!q || !scales || !t) {
         free(q);
@@ -327,8 +380,8 @@ static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t
         free(t);
         return -1;
     }
-    i8_quantize(x, M, K, q, scales, scales + M * blocks, t, num_threads);
-    const struct i8_rows a = {q, scales, scales + M * blocks, t, K};
+    i8_quantize(x, M, K, q, scales, scales + M * blocks, t, scales + 2 * M * blocks, num_threads);
+    const struct i8_rows a = {q, scales, scales + M * blocks, scales + 2 * M * blocks, t, K};
     /* tiles: one row against I8_ONE_ROW_PANELS panels, else up to I8_MANY_ROWS rows (2 or 3
      * rows: against 2 panels where the form's registers hold them) */
     const int64_t mr_max = M == 1 ? 1 : M <= 3 && I8_MANY_ROWS >= 3 ? M : I8_MANY_ROWS;
@@ -355,8 +408,8 @@ static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t
     return 0;
 }
 
-/* codes [N, K] (Q4_1: 0..15; Q8_0: int8), d and (Q4_1) m [N, K / QBLOCK] -> the layouts above
- * (padding columns: d = m = 0, code 0) */
+/* codes [N, K] (Q4_1: 0..15; Q8_0: int8; U8: 0..63), d and (Q4_1, U8) m [N, K / QBLOCK] (U8:
+ * [N, K / 16], each half block's) -> the layouts above (padding columns: scales 0, code 0) */
 static void linear_pack_i8(int layout, const uint8_t *codes, const float *d, const float *m,
                            int64_t N, int64_t K, uint8_t *packed) {
     const int64_t panels = (N + PANEL - 1) / PANEL, blocks = K / QBLOCK;
@@ -367,17 +420,26 @@ static void linear_pack_i8(int layout, const uint8_t *codes, const float *d, con
         uint8_t *dst = packed + (n / PANEL) * blocks * bytes;
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *blk = dst + b * bytes;
-            memcpy(blk + 4 * col, d + n * blocks + b, 4);
-            if (layout == Q4_1_I8)
-                memcpy(blk + SCALES + 4 * col, m + n * blocks + b, 4);
-            uint8_t *out = blk + (layout == Q4_1_I8 ? 2 : 1) * SCALES;
+            if (layout == U8_I8) {
+                for (int64_t h = 0; h < 2; h++) {
+                    memcpy(blk + h * SCALES + 4 * col, d + n * 2 * blocks + 2 * b + h, 4);
+                    memcpy(blk + (2 + h) * SCALES + 4 * col, m + n * 2 * blocks + 2 * b + h, 4);
+                }
+            } else {
+                memcpy(blk + 4 * col, d + n * blocks + b, 4);
+                if (layout == Q4_1_I8)
+                    memcpy(blk + SCALES + 4 * col, m + n * blocks + b, 4);
+            }
+            uint8_t *out = blk + i8_scales_bytes(layout);
             for (int64_t k = 0; k < QBLOCK; k++) {
                 const uint8_t c = codes[n * K + b * QBLOCK + k];
                 const int64_t g = k / 4, at = 4 * col + k % 4;
                 if (layout == Q4_1_I8)
                     out[64 * (g / 2) + at] |= (uint8_t)((c & 0x0F) << (4 * (g % 2)));
-                else
+                else if (layout == Q8_0_I8)
                     out[64 * g + at] = (uint8_t)(c ^ 0x80);     /* int8 q -> q + 128 */
+                else
+                    out[64 * g + at] = c;
             }
         }
     }

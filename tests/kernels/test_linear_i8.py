@@ -86,8 +86,10 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
     g = torch.Generator().manual_seed(6)
     blocks4, _ = q4_1_weight(200, 576, 21)
     blocks8, _ = q8_0_weight(200, 576, 22)
+    blocks5, _ = random_blocks("q5_1", 200, 576, 23)
     weights = [cpu_linear.pack_q4_1(blocks4, 576, int8=True),
-               cpu_linear.pack_q8_0(blocks8, 576, int8=True)]
+               cpu_linear.pack_q8_0(blocks8, 576, int8=True),
+               cpu_linear.pack_gguf("q5_1", blocks5, 576, int8=True)]      # the U8 family
     x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
     x[1, 64:] *= 1e3                  # large codes: Q8_0's pairs near the int16 bound (AVX2)
     rows = (1, 2, 3, 4, 7, 70)
@@ -106,3 +108,69 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
     finally:
         for cached in (native.library, cpu_linear._lib):
             cached.cache_clear()
+
+
+# GGUF types: block bytes, and where each block's float16 scales sit
+BLOCKS = {"q4_0": (32, 18, [0]), "q5_0": (32, 22, [0]), "q5_1": (32, 24, [0, 2]),
+          "q4_k": (256, 144, [0, 2]), "q5_k": (256, 176, [0, 2]), "q6_k": (256, 210, [208])}
+
+
+def random_blocks(kind: str, out_features: int, in_features: int, seed: int):
+    """Random GGUF blocks of `kind` (codes and 6-bit scales random, float16 scales in a sane
+    range) and gguf's own dequantization of them."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+    per, nbytes, halves = BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (out_features, in_features // per, nbytes), dtype=np.uint8)
+    for at in halves:
+        scale = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16)
+        raw[..., at:at + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    raw = raw.reshape(out_features, -1)
+    kind_enum = GGMLQuantizationType[kind.upper()]
+    dequantized = np.asarray(quants.dequantize(raw, kind_enum), dtype=np.float32)
+    return torch.from_numpy(raw), torch.from_numpy(dequantized.reshape(out_features, -1).copy())
+
+
+def model_product_halves(x, codes, d, m):
+    """The U8 family's product in float64: per half block of 16, d * e * sum(q * a) + m * e * t."""
+    a, e = quantized_rows(x)
+    a = a.reshape(a.shape[0], -1, 16)
+    e = e.repeat_interleave(2, 1)
+    q = codes.double().reshape(codes.shape[0], -1, 16)
+    sums = torch.einsum("mbk,nbk->mnb", a, q) * e.unsqueeze(1)
+    return ((sums * d.double().unsqueeze(0)).sum(-1)
+            + ((a.sum(-1) * e).unsqueeze(1) * m.double().unsqueeze(0)).sum(-1))
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_gguf_types_run_from_their_codes(kind):
+    """Every kept GGUF type reads back into its family's codes and scales (the weight gguf
+    dequantizes), runs on the int8 form with rows independent of the row count and the
+    quantized product the header states, and (4-bit types) on the float32 form within float32
+    rounding of the dequantized weight's product."""
+    out_features, in_features = 48, 512
+    blocks, dequantized = random_blocks(kind, out_features, in_features, len(kind))
+    codes, d, m = cpu_linear.gguf_codes(kind, blocks, in_features)
+    per = in_features // d.shape[1]
+    rebuilt = (codes.double() * d.double().repeat_interleave(per, 1)
+               + m.double().repeat_interleave(per, 1))
+    torch.testing.assert_close(rebuilt.float(), dequantized, rtol=1e-6, atol=1e-7)
+    g = torch.Generator().manual_seed(3)
+    x, b = torch.randn(40, in_features, generator=g), torch.randn(out_features, generator=g)
+    packed = cpu_linear.pack_gguf(kind, blocks, in_features, int8=True)
+    full = cpu_linear.linear(x, packed, b)
+    for rows in (1, 2, 3, 5, 9, 33):
+        assert torch.equal(cpu_linear.linear(x[:rows], packed, b), full[:rows]), rows
+    want = (model_product_halves(x, codes, d, m) if per == 16
+            else model_product(x, codes, d, m)) + b.double()
+    scale = F.linear(x.double().abs(), dequantized.double().abs()) + b.double().abs()
+    assert float(((full.double() - want).abs() / scale).max()) <= 1e-5
+    exact = F.linear(x.double(), dequantized.double(), b.double())
+    assert float((full.double() - exact).norm() / exact.norm()) <= 2e-2
+    dense = cpu_linear.pack_gguf(kind, blocks, in_features)
+    if cpu_linear.GGUF_FAMILIES[kind] == "u8":
+        assert dense is None                    # only the int8 form reads 5- and 6-bit codes
+    else:
+        got = cpu_linear.linear(x, dense, b).double()
+        assert float(((got - exact).abs() / scale).max()) <= 1e-6
