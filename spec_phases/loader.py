@@ -4,9 +4,10 @@
 Loading shows a progress bar. What we cannot serve exactly raises `UnsupportedModelError` (one
 line).
 
-A GGUF's Q4_1 and Q8_0 linear weights and LM head are also kept as their raw blocks
-(`Linear.gguf_blocks`, `LlamaModel.gguf_head`; float32 on CPU only): the C kernel runs on them
-quantized, within float32 rounding of the dequantized weights' results (`kernels/cpu/linear.py`)."""
+A GGUF's quantized linear weights and LM head (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) are
+also kept as their raw blocks (`Linear.gguf_blocks`, `LlamaModel.gguf_head`; float32 on CPU only):
+the C kernel runs on them quantized (`kernels/cpu/linear.py`: int8 dot products, or float32
+activations within float32 rounding of the dequantized weights' results)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from specserve.kernels.cpu.linear import GGUF_FAMILIES
 from specserve.spec_phases.families import (UnsupportedModelError, check_architecture,
                                              hf_tensor_name, model_config)
 from specserve.spec_phases.model import FamilyOptions, LlamaModel, ModelConfig
@@ -31,7 +33,7 @@ __all__ = ["UnsupportedModelError", "build_random_model", "load_model", "tiny_co
 logger = logging.getLogger(__name__)
 # GGUF types the C kernel reads as they are; a tensor's raw blocks [out, in / 32 * bytes] uint8 are
 # kept under "<name>.<layout>"
-GGUF_BLOCK_LAYOUTS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+GGUF_BLOCK_LAYOUTS = {kind.upper(): kind for kind in GGUF_FAMILIES}
 _BLOCK_READERS = {"q", "k", "v", "o_proj", "gate", "up", "down_proj", "embed_tokens", "lm_head"}
 
 # GGUF (llama.cpp) tensor name -> ours; HF names: spec_phases/families.py
@@ -121,17 +123,20 @@ def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.d
     blocks = {name: tensors.pop(name) for name in list(tensors) if name.endswith(layouts)}
     if not (torch.device(device).type == "cpu" and dtype == torch.float32):
         blocks.clear()                    # only the float32 C kernel reads them
-    kept: dict[str, tuple[str, torch.Tensor]] = {}      # module -> (layout, blocks), fused
+    kept: dict[str, tuple] = {}           # module -> (GGUF type, blocks) or ("mixed", parts)
     state: dict[str, torch.Tensor] = {}
     fused = {"qkv_proj": "qkv", "gate_up_proj": ("gate", "up"), "o_proj": ("o_proj",),
              "down_proj": ("down_proj",)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         for name, parts in fused.items():
-            for layout in GGUF_BLOCK_LAYOUTS.values():
-                split = [f"{p}{part}.weight.{layout}" for part in parts]
-                if all(s in blocks for s in split):
-                    kept[p + name] = (layout, torch.cat([blocks.pop(s) for s in split]))
+            found = [next((f"{p}{part}.weight.{kind}" for kind in GGUF_BLOCK_LAYOUTS.values()
+                           if f"{p}{part}.weight.{kind}" in blocks), None) for part in parts]
+            if all(found):                # one type: its blocks stacked; several: ("mixed", parts)
+                kinds = [f.rsplit(".", 1)[1] for f in found]
+                part_blocks = [blocks.pop(f) for f in found]
+                kept[p + name] = ((kinds[0], torch.cat(part_blocks)) if len(set(kinds)) == 1
+                                  else ("mixed", list(zip(kinds, part_blocks))))
             if len(parts) == 1:
                 continue
             for leaf in ("weight", "bias"):

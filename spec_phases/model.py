@@ -184,16 +184,20 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
 
-def pack_weight(weight: torch.Tensor, gguf_blocks: tuple[str, torch.Tensor] | None,
-                int8: bool = False) -> PackedWeight:
-    """A weight packed for the CPU: from its GGUF blocks (Q4_1, Q8_0) where the loader kept them
-    and the C kernel runs (`int8`: summed on int8 dot products against per-row quantized
-    activations), else from the dense weight (`kernels/cpu/linear.py`)."""
+def pack_weight(weight: torch.Tensor, gguf_blocks: tuple | None, int8: bool = False
+                ) -> PackedWeight:
+    """A weight packed for the CPU: from its GGUF blocks where the loader kept them, the C kernel
+    runs and a form of it reads their type (`int8`: summed on int8 dot products against per-row
+    quantized activations), else from the dense weight (`kernels/cpu/linear.py`). gguf_blocks:
+    (GGUF type, blocks), or ("mixed", [(type, blocks), ...]) for a fused weight whose parts
+    differ in type."""
     if (gguf_blocks is not None and weight.dtype == torch.float32
             and cpu_linear.c_kernel_available()):
-        layout, blocks = gguf_blocks
-        pack = {"q4_1": cpu_linear.pack_q4_1, "q8_0": cpu_linear.pack_q8_0}[layout]
-        return pack(blocks, weight.shape[1], int8=int8)
+        kind, blocks = gguf_blocks
+        packed = (cpu_linear.pack_gguf_parts(blocks, weight.shape[1], int8) if kind == "mixed"
+                  else cpu_linear.pack_gguf(kind, blocks, weight.shape[1], int8))
+        if packed is not None:
+            return packed
     return cpu_linear.pack(weight)
 
 
@@ -204,10 +208,9 @@ class Linear(nn.Linear):
     and verification MKL's sgemm (plain F.linear) is 1.6-2.4x slower, and unpacked bf16 F.linear
     is no faster than fp32 (`benchmarks/cpu_gemm.py`)."""
     packed: PackedWeight | None = None
-    # the checkpoint's GGUF blocks of this weight, (layout, blocks) (set by the loader, float32 on
-    # CPU): packed as they are where the C kernel runs (the dequantized weight's results within
-    # float32 rounding)
-    gguf_blocks: tuple[str, torch.Tensor] | None = None
+    # the checkpoint's GGUF blocks of this weight (set by the loader, float32 on CPU;
+    # `pack_weight`): packed quantized where the C kernel runs
+    gguf_blocks: tuple | None = None
 
     def pack(self, int8: bool = False) -> None:
         """Pack the weight (its GGUF blocks where it has them; `int8`: see `pack_weight`) and drop
@@ -299,8 +302,8 @@ class LlamaModel(nn.Module):
                                                                       bias=False)
         self._lm_head_packed: PackedWeight | None = None     # set by pack_for_cpu
         self._embedding_in_head = False        # tied, C-packed: lookups read the packed head
-        # the head's GGUF blocks (the embedding's when tied), (layout, blocks): see `Linear`
-        self.gguf_head: tuple[str, torch.Tensor] | None = None
+        # the head's GGUF blocks (the embedding's when tied): see `Linear`
+        self.gguf_head: tuple | None = None
         # the RoPE tables come with `init_buffers`, once the weights are placed (computing them
         # on the meta device imports torch._dynamo: 3.4 s of a start)
 
@@ -365,7 +368,7 @@ class LlamaModel(nn.Module):
         self.gguf_head = None
         if self.lm_head is not None:             # untied: the packed copy is its only reader
             self.lm_head.weight = nn.Parameter(head.new_empty(0), requires_grad=False)
-        elif not self._lm_head_packed.onednn:
+        elif self._lm_head_packed.layout in cpu_linear.ROW_LAYOUTS:
             # tied: embedding lookups copy rows out of the packed head (exactly), so the vocab x
             # hidden matrix is held once (113 MB for SmolLM2 in fp32, 32 MB as Q8_0 panels)
             self._embedding_in_head = True

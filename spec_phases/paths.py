@@ -136,7 +136,7 @@ def file_key(path: Path) -> str:
 
 # the layout of the loader's GGUF cache file (`spec_phases/loader.py`); bump when it changes. It is
 # part of the file's name, so installs of two versions do not rewrite each other's cache.
-GGUF_CACHE_VERSION = 3
+GGUF_CACHE_VERSION = 4
 
 
 def gguf_cache_file(path: Path) -> Path:

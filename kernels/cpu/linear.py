@@ -30,6 +30,7 @@ LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
 # (w = d * q + m, q in 0..63, d and m per 16 k; only the int8 form runs it)
+ROW_LAYOUTS = ("f32", "q8_0", "q8_0_i8")             # layouts `weight_rows` reads back
 GGUF_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q4_k": "q4_1", "q8_0": "q8_0", "q5_0": "u8",
                  "q5_1": "u8", "q5_k": "u8", "q6_k": "u8"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -203,14 +204,36 @@ def pack_gguf(kind: str, blocks: torch.Tensor, in_features: int, int8: bool = Fa
     family = GGUF_FAMILIES[kind]
     if family == "u8" and not int8:
         return None
-    codes, d, m = gguf_codes(kind, blocks, in_features)
-    layout = f"{family}_i8" if int8 else family
-    out_features = codes.shape[0]
+    return _pack_codes(f"{family}_i8" if int8 else family, *gguf_codes(kind, blocks, in_features))
+
+
+def pack_gguf_parts(parts: list[tuple[str, torch.Tensor]], in_features: int, int8: bool = False
+                    ) -> PackedWeight | None:
+    """The stacked parts of a fused weight (q, k, v; gate, up) whose GGUF types differ (Q4_K q and
+    k beside a Q6_K v, as Q4_K_M files have them): their codes in the one family that holds them
+    all, "u8" (4-bit codes fit; a block's d and m serve both its halves), int8 form only; None
+    where that cannot be (float32 activations, or a Q8_0 part)."""
+    families = {GGUF_FAMILIES[kind] for kind, _ in parts}
+    if not int8 or "q8_0" in families:
+        return None
+    codes, d, m = [], [], []
+    for kind, blocks in parts:
+        c, dd, mm = gguf_codes(kind, blocks, in_features)
+        if GGUF_FAMILIES[kind] == "q4_1":                     # per 32 k -> per half block
+            dd, mm = dd.repeat_interleave(2, 1), mm.repeat_interleave(2, 1)
+        codes.append(c), d.append(dd), m.append(mm)
+    return _pack_codes("u8_i8", torch.cat(codes), torch.cat(d), torch.cat(m))
+
+
+def _pack_codes(layout: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+                ) -> PackedWeight:
+    out_features, in_features = codes.shape
     block_bytes = {"q4_1": 2 * PANEL * 4 + QBLOCK * PANEL // 2, "q8_0": PANEL * 4 + QBLOCK * PANEL,
-                   "u8": 4 * PANEL * 4 + QBLOCK * PANEL}[family]
+                   "u8": 4 * PANEL * 4 + QBLOCK * PANEL}[layout.removesuffix("_i8")]
     data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK, block_bytes,
                        dtype=torch.uint8)
-    codes = codes.contiguous()
+    codes, d = codes.contiguous(), d.contiguous()
+    m = None if m is None else m.contiguous()
     _lib().linear_pack_quantized(LAYOUTS[layout], codes.data_ptr(), d.data_ptr(),
                                  None if m is None else m.data_ptr(), out_features,
                                  in_features, data.data_ptr())
@@ -231,7 +254,7 @@ def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """Rows of a C-packed weight (float32 or Q8_0 panels), exactly the (dequantized) weight's:
     [len(rows), in] (a tied embedding's lookup read from the packed LM head, so the matrix is held
     once)."""
-    if packed.layout not in ("f32", "q8_0", "q8_0_i8"):
+    if packed.layout not in ROW_LAYOUTS:
         raise ValueError(f"weight_rows reads float32 or Q8_0 panels, not {packed.layout}")
     rows = rows.to(torch.int64).contiguous()
     if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < packed.out_features):

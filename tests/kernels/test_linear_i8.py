@@ -115,17 +115,18 @@ BLOCKS = {"q4_0": (32, 18, [0]), "q5_0": (32, 22, [0]), "q5_1": (32, 24, [0, 2])
           "q4_k": (256, 144, [0, 2]), "q5_k": (256, 176, [0, 2]), "q6_k": (256, 210, [208])}
 
 
-def random_blocks(kind: str, out_features: int, in_features: int, seed: int):
-    """Random GGUF blocks of `kind` (codes and 6-bit scales random, float16 scales in a sane
-    range) and gguf's own dequantization of them."""
+def random_blocks(kind: str, out_features: int, in_features: int, seed: int,
+                  scale: tuple[float, float] = (1e-3, 1e-2)):
+    """Random GGUF blocks of `kind` (codes and 6-bit scales random, float16 scales drawn from
+    `scale`) and gguf's own dequantization of them."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
     per, nbytes, halves = BLOCKS[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (out_features, in_features // per, nbytes), dtype=np.uint8)
     for at in halves:
-        scale = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16)
-        raw[..., at:at + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+        field = rng.uniform(*scale, raw.shape[:2]).astype(np.float16)
+        raw[..., at:at + 2] = field.view(np.uint8).reshape(*raw.shape[:2], 2)
     raw = raw.reshape(out_features, -1)
     kind_enum = GGMLQuantizationType[kind.upper()]
     dequantized = np.asarray(quants.dequantize(raw, kind_enum), dtype=np.float32)

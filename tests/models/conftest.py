@@ -59,6 +59,10 @@ FAMILIES = {
 GGUF_LAYOUTS = {f"{name}-gguf": (FAMILIES[name][0], {**FAMILIES[name][1], "hidden_size": 128,
                                                      "head_dim": 128 if name == "qwen3" else 64})
                 for name in ("llama", "qwen2", "qwen3")}
+# a Llama whose every linear's input is a multiple of 256 (K-quant super-blocks), for GGUF K-quants
+GGUF_LAYOUTS["llama-kquant-gguf"] = ("llama", {**FAMILIES["llama"][1], "hidden_size": 256,
+                                               "intermediate_size": 512, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "head_dim": 64})
 FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",

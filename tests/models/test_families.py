@@ -25,8 +25,8 @@ def hf_greedy(model, prompt):
     return out[0, len(prompt):].tolist()
 
 
-def engine_greedy(engines, folder, **cfg):
-    core = engines.core(model=str(folder), dtype="float32", device="cpu", kv_cache_memory_gb=0.05,
+def engine_greedy(engines, folder, dtype="float32", **cfg):
+    core = engines.core(model=str(folder), dtype=dtype, device="cpu", kv_cache_memory_gb=0.05,
                         block_size=4, max_num_batched_tokens=12, num_threads=1, **cfg)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     for i, ids in enumerate(PROMPTS):

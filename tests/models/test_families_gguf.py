@@ -10,6 +10,9 @@ import torch
 from specserve.spec_phases.families import UnsupportedModelError
 from specserve.spec_phases.loader import load_model
 
+from specserve.scheduler.config import SpeculativeConfig
+from tests.kernels.test_linear_i8 import random_blocks
+
 from test_families import PROMPTS, engine_greedy, hf_greedy
 
 LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
@@ -35,9 +38,11 @@ LINEARS = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weigh
            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
 
 
-def write_gguf(model, path, arch: str, linear_type=None, embedding_type=None) -> None:
+def write_gguf(model, path, arch: str, linear_type=None, embedding_type=None,
+               kinds: dict | None = None) -> None:
     """linear_type, embedding_type: the gguf.GGMLQuantizationType of the layers' linear weights and
-    of the token embedding and LM head (None: float32)."""
+    of the token embedding and LM head (None: float32); `kinds`: a type by GGUF tensor leaf name
+    instead (a K-quant's blocks are random: gguf cannot quantize to K-quants)."""
     import gguf
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -69,6 +74,12 @@ def write_gguf(model, path, arch: str, linear_type=None, embedding_type=None) ->
             name = GLOBAL[name]
         kind = linear_type if name.split(".", 2)[-1] in LINEARS else (
             embedding_type if name in ("token_embd.weight", "output.weight") else None)
+        if kinds is not None:
+            kind = kinds.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
+        if kind is not None and kind.name.endswith("_K"):
+            raw = random_blocks(kind.name.lower(), *data.shape, len(name), scale=(2e-4, 1e-3))[0]
+            w.add_tensor(name, raw.numpy(), raw_shape=raw.shape, raw_dtype=kind)
+            continue
         if kind is not None:
             raw = gguf.quants.quantize(np.ascontiguousarray(data), kind)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
@@ -205,3 +216,41 @@ def test_gguf_blocks_run_quantized_as_dequantized(engines, checkpoints, tmp_path
     # the blocks are kept only where the float32 C kernel can read them
     bf16 = loader.load_model(str(path), torch.bfloat16)
     assert bf16.layers[0].qkv_proj.gguf_blocks is None and bf16.gguf_head is None
+
+
+def test_k_quant_mix_runs_from_its_blocks(engines, checkpoints, tmp_path, monkeypatch):
+    """A Q4_K_M-like file (Q4_K q, k, o, gate, up and embedding; Q6_K v, down and head): every
+    linear and the head stay quantized with int8 activations (q/k/v mixed: one U8 panel set),
+    greedy ids are the same with speculation on and off; with float32 activations the Q4_K
+    weights run from their blocks and the greedy ids are transformers' on the same file."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    t = gguf.GGMLQuantizationType
+    kinds = {"attn_q.weight": t.Q4_K, "attn_k.weight": t.Q4_K, "attn_v.weight": t.Q6_K,
+             "attn_output.weight": t.Q4_K, "ffn_gate.weight": t.Q4_K, "ffn_up.weight": t.Q4_K,
+             "ffn_down.weight": t.Q6_K, "token_embd.weight": t.Q4_K, "output.weight": t.Q6_K}
+    path = tmp_path / "llama-q4_k_m.gguf"
+    write_gguf(checkpoints("llama-kquant-gguf")[2], path, "llama", kinds=kinds)
+    quantized, dense = load_model(str(path)), load_model(str(path))
+    assert quantized.layers[0].qkv_proj.gguf_blocks[0] == "mixed"
+    assert quantized.layers[1].gate_up_proj.gguf_blocks[0] == "q4_k"
+    assert quantized.gguf_head[0] == "q6_k"
+    dense.drop_gguf_blocks()
+    assert quantized.pack_for_cpu(int8=True) and dense.pack_for_cpu()
+    layer = quantized.layers[0]
+    assert [m.packed.layout for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                      layer.down_proj)] == ["u8_i8", "q4_1_i8", "q4_1_i8",
+                                                            "u8_i8"]
+    assert quantized._lm_head_packed.layout == "u8_i8"
+    assert quantized.bytes_per_step() * 3 < dense.bytes_per_step()
+    greedy = {}
+    for name, spec in (("off", None), ("ngram", SpeculativeConfig(
+            method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)),
+            ("layer_skip", SpeculativeConfig(method="layer_skip", num_speculative_tokens=3,
+                                             skip_layers=(1,)))):
+        greedy[name] = engine_greedy(engines, path, dtype="auto", speculative=spec)
+    assert greedy["ngram"] == greedy["off"] == greedy["layer_skip"]
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                  dtype=torch.float32)
+    assert engine_greedy(engines, path) == [hf_greedy(theirs, p) for p in PROMPTS]
