@@ -16,9 +16,9 @@ otherwise; one thread each) and, in turn, a router per policy in front of them:
    counted as lost when it did not end in a 200. The router retries a failed attempt on another
    worker (ROUTER_FLAGS: one failure opens that worker's circuit breaker; health checks every
    second), so a non-streamed request in flight on the dead replica is retried, not lost.
-3. rejoin: the killed replica is started again on its port; new distinct prompts are sent, four
-   at a time, until one lands on it (its own /metrics counts a request), or `REJOIN_TRIES` have
-   been sent.
+3. rejoin: the killed replica is started again on its port; once the router's metrics show it
+   healthy, new distinct prompts are sent, four at a time, half a second apart, until one lands
+   on it (its own /metrics counts a request), or `REJOIN_TRIES` have been sent.
 Prints one JSON summary (and writes it with --out). tests/deploy/test_router_replicas.py runs it
 with the tiny random-weight model.
 """
@@ -42,7 +42,8 @@ from specserve.loadtests.metrics import parse_prometheus
 from specserve.loadtests.peers import Peer, free_port
 
 NAME = "m"                     # --served-model-name of every replica
-REJOIN_TRIES = 40
+REJOIN_TRIES = 80                # requests sent, four at a time, half a second apart
+REJOIN_HEALTH_LIMIT_S = 120.0    # a hang guard: the router should see the replica within seconds
 # Router flags for replicas that can die: a worker's circuit opens on its first failed request
 # (the failed attempt is retried on another worker: --retry-max-retries), health checks every
 # second take a dead worker out and bring a restarted one back, and an open circuit lets one
@@ -259,6 +260,7 @@ def kill_phase(replicas: list[Peer], prompts: list[str], max_tokens: int,
         victim.wait_ready()
         rng = random.Random(7)
         statuses, landed = [], 0
+        result["router_saw_it_healthy_s"] = wait_router_health(router, victim)
         while not landed and len(statuses) < REJOIN_TRIES:
             # four at a time: cache_aware sends a request that matches no prefix to an idle
             # worker, and with one at a time every worker is idle and it keeps to one of them
@@ -267,12 +269,30 @@ def kill_phase(replicas: list[Peer], prompts: list[str], max_tokens: int,
                      for i in range(concurrency)]
             statuses += asyncio.run(_batch(router.base_url, batch, max_tokens))
             landed = int(scrape(victim.base_url).get("vllm:request_success_total", 0))
+            if not landed:
+                time.sleep(0.5)       # an open circuit lets a trial through after 5 s
         result["router_sent_per_port_after_rejoin"] = router_counts(router).get("processed", {})
         result.update({"rejoined": landed > 0, "requests_until_rejoined": len(statuses),
                        "lost_after_restart": sum(s != 200 for s in statuses)})
     finally:
         router.stop()
     return result
+
+
+def wait_router_health(router: Peer, replica: Peer) -> float | None:
+    """Seconds until the router's own metrics show `replica` healthy again (None: not within
+    REJOIN_HEALTH_LIMIT_S; the rejoin requests are sent anyway)."""
+    start = time.monotonic()
+    while time.monotonic() - start < REJOIN_HEALTH_LIMIT_S:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{metrics_port(router)}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            text = ""
+        if any(s.name == "vllm_router_worker_health" and s.value == 1
+               and s.labels.get("worker") == replica.base_url for s in parse_prometheus(text)):
+            return round(time.monotonic() - start, 1)
+        time.sleep(0.5)
+    return None
 
 
 def metrics_port(router: Peer) -> int:
