@@ -100,7 +100,8 @@ class Worker:
         int8 = config.dtype == "auto"
         if config.cpu_weight_packing and self.model.pack_for_cpu(int8):
             layout = self.model.layers[0].qkv_proj.packed.layout
-            kind = {"onednn": "oneDNN", "f32": "the C kernel"}.get(
+            kind = {"onednn": "oneDNN", "f32": "the C kernel",
+                    "bf16": "the C kernel, bf16 panels (the checkpoint's values)"}.get(
                 layout, f"the C kernel, the GGUF's {layout.removesuffix('_i8').upper()} blocks "
                 f"as they are{', int8 activations' if layout.endswith('_i8') else ''}")
             logger.info("linear weights packed for %s (%s on CPU)", kind, self.dtype)

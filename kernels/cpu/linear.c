@@ -37,7 +37,9 @@
 #define SCALES (PANEL * 4)      /* a block's d (or m) of its 16 columns, in bytes */
 #define LEAD 32                 /* blocks ahead of use whose bytes are requested from memory */
 #define GROUP 2                 /* panels together at one row: independent chains of sums */
-enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1_I8 = 3, Q8_0_I8 = 4, U8_I8 = 5 };  /* I8: linear_i8.c */
+/* I8: linear_i8.c; BF16: F32's panels with each weight's upper 16 bits (a bf16 checkpoint's
+ * weights, whose float32 values they are exactly: the same sums from half the bytes) */
+enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1_I8 = 3, Q8_0_I8 = 4, U8_I8 = 5, BF16 = 6 };
 
 /* A panel's 16 columns at one k (or a row's 16 sums) as two 8-float halves: the form of one row
  * against Q4_1 panels on every CPU (`row_group_q4`) and of everything on CPUs without AVX-512. */
@@ -132,6 +134,11 @@ static inline prow prow_q4(const uint8_t *p) {
 static inline prow prow_q8(const int8_t *p) {
     return (prow)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+
+static inline prow prow_bf16(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (prow)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
 #else
 typedef phalf prow;
 #define ROWS 6
@@ -143,6 +150,16 @@ static inline prow prow_load(const void *p) { return half_load(p); }
 static inline void prow_store(float *out, prow v) { half_store(out, v); }
 static inline prow prow_q4(const uint8_t *p) { return half_q4(p); }
 static inline prow prow_q8(const int8_t *p) { return half_q8(p); }
+
+static inline prow prow_bf16(const uint16_t *p) {
+    phalf w;
+    for (int l = 0; l < 8; l++) {              /* the compiler vectorises the shifts */
+        uint32_t lo = (uint32_t)p[l] << 16, hi = (uint32_t)p[l + 8] << 16;
+        memcpy(&w.lo[l], &lo, 4);
+        memcpy(&w.hi[l], &hi, 4);
+    }
+    return w;
+}
 #endif
 
 static inline void zero_rows(prow acc[ROWS]) {
@@ -163,6 +180,14 @@ static inline void panel_rows(const float *x, int64_t K, const float *panel, int
     zero_rows(acc);
     for (int64_t k = 0; k < K; k++)
         fma_rows(x, K, k, mr, prow_load(panel + k * PANEL), acc);
+}
+
+/* panel_rows on a BF16 panel: the same fused multiply-adds on the same (widened) weights */
+static inline void panel_rows_bf16(const float *x, int64_t K, const uint16_t *panel, int64_t mr,
+                                   prow acc[ROWS]) {
+    zero_rows(acc);
+    for (int64_t k = 0; k < K; k++)
+        fma_rows(x, K, k, mr, prow_bf16(panel + k * PANEL), acc);
 }
 
 /* a block of a quantized panel: its 16 columns' scales d (and minimums m, Q4_1), then codes */
@@ -368,6 +393,8 @@ static inline void panel_block(const float *x, const float *xs, int64_t M, int64
         const float *xm = x + m0 * K, *xsm = xs + m0 * (K / QBLOCK);
         if (layout == F32) {
             ROW_CASES(panel_rows, xm, K, panel)
+        } else if (layout == BF16) {
+            ROW_CASES(panel_rows_bf16, xm, K, panel)
         } else if (codes) {           /* codes from the float copy, or (NULL) from the panel */
             if (layout == Q4_1) {
                 ROW_CASES(panel_rows_q4, xm, xsm, K, panel, codes)
@@ -384,6 +411,21 @@ static inline void panel_block(const float *x, const float *xs, int64_t M, int64
 }
 
 #include "linear_i8.c"
+
+/* w [N, K] row-major -> packed [ceil(N / PANEL), K, PANEL] BF16: each weight's upper 16 bits
+ * (exactly its value where the weight is a bf16's; padding columns zero) */
+void linear_pack_bf16(const float *w, int64_t N, int64_t K, uint16_t *packed) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    memset(packed, 0, sizeof(uint16_t) * panels * K * PANEL);
+    for (int64_t n = 0; n < N; n++) {
+        uint16_t *dst = packed + (n / PANEL) * K * PANEL + n % PANEL;
+        for (int64_t k = 0; k < K; k++) {
+            uint32_t bits;
+            memcpy(&bits, w + n * K + k, 4);
+            dst[k * PANEL] = (uint16_t)(bits >> 16);
+        }
+    }
+}
 
 /* w [N, K] row-major -> packed [ceil(N / PANEL), K, PANEL] (padding columns zero) */
 void linear_pack(const float *w, int64_t N, int64_t K, float *packed) {
@@ -413,6 +455,14 @@ void linear_rows(const void *packed, int layout, int64_t K, const int64_t *rows,
                 o[k] = panel[k * PANEL + c];
             continue;
         }
+        if (layout == BF16) {
+            const uint16_t *panel = (const uint16_t *)packed + p * K * PANEL;
+            for (int64_t k = 0; k < K; k++) {
+                const uint32_t bits = (uint32_t)panel[k * PANEL + c] << 16;
+                memcpy(o + k, &bits, 4);
+            }
+            continue;
+        }
         const uint8_t *panel = (const uint8_t *)packed + p * (K / QBLOCK) * Q8_BLOCK_BYTES;
         for (int64_t b = 0; b < K / QBLOCK; b++) {
             const uint8_t *blk = panel + b * Q8_BLOCK_BYTES;
@@ -430,7 +480,7 @@ void linear_rows(const void *packed, int layout, int64_t K, const int64_t *rows,
  * (padding columns: d = m = 0, code 0) */
 void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, const float *m,
                            int64_t N, int64_t K, uint8_t *packed) {
-    if (layout >= Q4_1_I8) {
+    if (layout == Q4_1_I8 || layout == Q8_0_I8 || layout == U8_I8) {
         linear_pack_i8(layout, codes, d, m, N, K, packed);
         return;
     }
@@ -462,18 +512,19 @@ void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, con
  * or -1 where memory for the rows' block sums could not be had (y untouched). */
 int linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int layout,
                    int64_t N, const float *bias, float *y, int num_threads) {
-    if (layout >= Q4_1_I8)
+    if (layout == Q4_1_I8 || layout == Q8_0_I8 || layout == U8_I8)
         return linear_forward_i8(x, M, K, packed, layout, N, bias, y, num_threads);
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = layout == Q4_1   ? K / QBLOCK * Q4_BLOCK_BYTES
                                 : layout == Q8_0 ? K / QBLOCK * Q8_BLOCK_BYTES
                                                  : K * PANEL * 4;
     const uint8_t *base = packed;
-    if (layout == F32) {
+    if (layout == F32 || layout == BF16) {
+        const int64_t bytes = K * PANEL * (layout == F32 ? 4 : 2);
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && panels > 1)
         for (int64_t p = 0; p < panels; p++)
-            panel_block(x, NULL, M, K, base + p * panel_bytes, NULL, F32, p * PANEL, N, bias, y);
+            panel_block(x, NULL, M, K, base + p * bytes, NULL, layout, p * PANEL, N, bias, y);
         return 0;
     }
     float *xs = malloc(sizeof(float) * (size_t)(M * (K / QBLOCK) + 1));

@@ -26,11 +26,11 @@ QBLOCK = 32                     # GGUF's quantization block along the input dime
 Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-bit codes
 Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
-LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5}
+LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6}
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
 # (w = d * q + m, q in 0..63, d and m per 16 k; only the int8 form runs it)
-ROW_LAYOUTS = ("f32", "q8_0", "q8_0_i8")             # layouts `weight_rows` reads back
+ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8")     # layouts `weight_rows` reads back
 GGUF_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q4_k": "q4_1", "q8_0": "q8_0", "q5_0": "u8",
                  "q5_1": "u8", "q5_k": "u8", "q6_k": "u8"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -41,6 +41,8 @@ def _lib() -> ctypes.CDLL:
     lib = library("linear")
     lib.linear_pack.restype = None
     lib.linear_pack.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.linear_pack_bf16.restype = None
+    lib.linear_pack_bf16.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.linear_pack_quantized.restype = None
     lib.linear_pack_quantized.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
     lib.linear_rows.restype = None
@@ -73,9 +75,9 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """data: "f32": [ceil(out / 16), in, 16] float32 panels; "q4_1": [ceil(out / 16), in / 32,
-    384] and "q8_0": [ceil(out / 16), in / 32, 576] uint8 panels of GGUF codes (linear.c);
-    "onednn": oneDNN's blocked tensor."""
+    """data: "f32": [ceil(out / 16), in, 16] float32 panels ("bf16": int16, their upper halves);
+    "q4_1", "q8_0" and the "_i8" layouts: [ceil(out / 16), in / 32, block bytes] uint8 panels
+    of GGUF codes and scales (linear.c, linear_i8.c); "onednn": oneDNN's blocked tensor."""
     data: torch.Tensor
     out_features: int
     in_features: int
@@ -87,11 +89,19 @@ class PackedWeight:
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
-    """An [out, in] weight of a dtype `packing_available` accepts, packed for `linear`."""
+    """An [out, in] weight of a dtype `packing_available` accepts, packed for `linear`. A float32
+    weight whose every value is a bfloat16's (a bf16 checkpoint served in float32) packs into
+    bf16 panels: the kernel widens each weight back exactly, so the products are the float32
+    panels' bit for bit, from half the bytes."""
     out_features, in_features = weight.shape
     if weight.dtype == torch.float32 and c_kernel_available():
         w = weight.detach().contiguous()
-        data = torch.empty(-(-out_features // PANEL), in_features, PANEL)
+        panels = -(-out_features // PANEL)
+        if torch.equal(w.bfloat16().float(), w):
+            data = torch.empty(panels, in_features, PANEL, dtype=torch.int16)
+            _lib().linear_pack_bf16(w.data_ptr(), out_features, in_features, data.data_ptr())
+            return PackedWeight(data, out_features, in_features, "bf16")
+        data = torch.empty(panels, in_features, PANEL)
         _lib().linear_pack(w.data_ptr(), out_features, in_features, data.data_ptr())
         return PackedWeight(data, out_features, in_features, "f32")
     data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)

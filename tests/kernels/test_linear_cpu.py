@@ -163,7 +163,9 @@ def test_the_avx2_build_gives_the_native_builds_bits(monkeypatch, tmp_path):
     blocks4, _ = q4_1_weight(200, 576, 11)
     blocks8, _ = q8_0_weight(200, 576, 12)
     weights = [cpu_linear.pack(torch.randn(200, 576, generator=g)),
+               cpu_linear.pack(torch.randn(200, 576, generator=g).bfloat16().float()),
                cpu_linear.pack_q4_1(blocks4, 576), cpu_linear.pack_q8_0(blocks8, 576)]
+    assert [w.layout for w in weights] == ["f32", "bf16", "q4_1", "q8_0"]
     x, b = torch.randn(300, 576, generator=g), torch.randn(200, generator=g)
     rows = (1, 3, 13, 16, 100, 300)
     native_out = [[cpu_linear.linear(x[:m], w, b) for m in rows] for w in weights]
@@ -180,3 +182,25 @@ def test_the_avx2_build_gives_the_native_builds_bits(monkeypatch, tmp_path):
     finally:
         for cached in (native.library, cpu_linear._lib):
             cached.cache_clear()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_valued_weights_pack_into_bf16_panels_with_the_same_bits(threads):
+    """A float32 weight whose values are all bf16's (a bf16 checkpoint served in float32) packs
+    into bf16 panels, half the bytes, and gives the float32 panels' products bit for bit at every
+    row count; rows read back exactly. One value off the bf16 grid keeps the float32 panels."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(200, 576, generator=g).bfloat16().float()
+    packed = cpu_linear.pack(w)
+    assert packed.layout == "bf16" and packed.data.element_size() == 2
+    f32 = cpu_linear.PackedWeight(torch.empty(13, 576, 16), 200, 576, "f32")
+    cpu_linear._lib().linear_pack(w.data_ptr(), 200, 576, f32.data.data_ptr())
+    x, b = torch.randn(100, 576, generator=g), torch.randn(200, generator=g)
+    for rows in (1, 5, 13, 100):
+        assert torch.equal(cpu_linear.linear(x[:rows], packed, b),
+                           cpu_linear.linear(x[:rows], f32, b)), rows
+    ids = torch.tensor([0, 7, 199])
+    assert torch.equal(cpu_linear.weight_rows(packed, ids), w[ids])
+    w[3, 5] += 1e-6
+    assert cpu_linear.pack(w).layout == "f32"
