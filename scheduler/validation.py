@@ -2,11 +2,24 @@
 server calls the same checks before it submits (a 400 naming the `param` either way)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 
 from specserve.scheduler.messages import EngineRequest, ModelInfo
 from specserve.spec_phases.grammar import check as check_grammar
+from specserve.spec_phases.grammar import vllm_json_schema
 from specserve.spec_phases.sampling_params import Constraint, ParamError
+
+
+def with_unnamed_properties(constraint: Constraint) -> Constraint:
+    """A json_schema constraint whose objects that say nothing of `additionalProperties` admit
+    other properties (JSON Schema's own reading) instead of none (vLLM's default grammar's);
+    `--structured-outputs-config '{"backend": "guidance"}'`. Other constraints unchanged."""
+    if constraint.kind != "json_schema":
+        return constraint
+    schema = vllm_json_schema(json.loads(constraint.spec), unnamed=True)
+    return dataclasses.replace(constraint, spec=json.dumps(schema))
 
 
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 
-from specserve.scheduler.validation import check_constraint
+from specserve.scheduler.validation import check_constraint, with_unnamed_properties
 from specserve.server.errors import bad_request
 from specserve.server.protocol import SamplingFields
-from specserve.spec_phases.grammar import vllm_json_schema
 from specserve.spec_phases.sampling_params import Constraint, ParamError, SamplingParams
 
 
@@ -23,10 +21,8 @@ def request_constraint(body: SamplingFields, unnamed_properties: bool = False
         constraint = body.constraint()
     except ParamError as exc:
         raise bad_request(exc.message, exc.param) from None
-    if unnamed_properties and constraint is not None and constraint.kind == "json_schema":
-        schema = json.loads(constraint.spec)
-        constraint = dataclasses.replace(
-            constraint, spec=json.dumps(vllm_json_schema(schema, unnamed=True)))
+    if unnamed_properties and constraint is not None:
+        constraint = with_unnamed_properties(constraint)
     return constraint
 
 
