@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.spec_phases.config import SPEC_METHODS, SpeculativeConfig, WorkerConfig
+from specserve.spec_phases.config import (KV_CACHE_DTYPES, SPEC_METHODS, SpeculativeConfig,
+                                          WorkerConfig)
 
-__all__ = ["SPEC_METHODS", "EngineConfig", "SchedulerConfig", "SpeculativeConfig"]
+__all__ = ["KV_CACHE_DTYPES", "SPEC_METHODS", "EngineConfig", "SchedulerConfig",
+           "SpeculativeConfig"]
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +27,9 @@ class EngineConfig:
     host_kv_cache_memory_gb: float | None = None
                                         # pool (None: the device budget above, as before)
     num_kv_blocks: int | None = None    # overrides the budget (tests force preemption with it)
+    # vLLM's --kv-cache-dtype: the full cache's elements, "auto" (the model's dtype) or "bfloat16"
+    # (half the bytes a token on CPU: the budget holds twice the blocks); KV_CACHE_DTYPES
+    kv_cache_dtype: str = "auto"
     # CUDA: size the device KV budget as vLLM does, from this fraction of the device's memory less
     # what is in use after the weights (default 0.9 where no KV size is given); on a CPU it does
     # not apply (docs/vllm-flags.md)
@@ -59,6 +64,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: one of "
+                             f"{list(KV_CACHE_DTYPES)} (fp8 KV caches are not implemented)")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
         if self.host_kv_cache_memory_gb is not None:
@@ -85,7 +93,8 @@ class EngineConfig:
                                 if self.kv_cache_memory_bytes is not None
                                 else self.kv_cache_memory_gb),
             host_kv_cache_memory_gb=self.host_kv_cache_memory_gb,
-            num_kv_blocks=self.num_kv_blocks, seed=self.seed, num_threads=self.num_threads,
+            num_kv_blocks=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype,
+            seed=self.seed, num_threads=self.num_threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
             tiny_random_seed=self.tiny_random_seed, cpu_weight_packing=self.cpu_weight_packing,
             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,

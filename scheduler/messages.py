@@ -114,6 +114,7 @@ class EngineInfo:
     num_speculative_tokens: int = 0
     kv_compressor: str | None = None     # lossy_kv: the drafting cache's compressor
     draft_kv_bytes_per_token: float | None = None   # lossy_kv: compressed pages, all layers
+    kv_cache_dtype: str | None = None    # the full cache's elements (None: `dtype`'s)
 
 
 class EngineDeadError(RuntimeError):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from specserve.kv_cache.compress.registry import COMPRESSORS as KV_COMPRESSORS
-from specserve.scheduler.config import EngineConfig, SpeculativeConfig
+from specserve.scheduler.config import KV_CACHE_DTYPES, EngineConfig, SpeculativeConfig
 from specserve.spec_phases.paths import (TINY_RANDOM, ModelPathError, describe_model,
                                          looks_like_repo_id, resolve_model_path,
                                          resolve_tokenizer_path)
@@ -35,7 +35,7 @@ from specserve.server.settings import (VERSION, ServerSettings, api_key_from_env
                                        apply_kv_draft_flags)
 
 logger = logging.getLogger("specserve.server")
-ENGINE_FLAG_SKIP = {"model", "speculative"}
+ENGINE_FLAG_SKIP = {"model", "speculative", "kv_cache_dtype"}   # kv_cache_dtype: a vLLM flag
 TYPES = {"int": int, "float": float, "str": str}
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
@@ -103,7 +103,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None,
                    help="none, or gguf for a .gguf model (Q4_1/Q8_0 kept quantized for the C "
                         "kernel on CPU, other types dequantized to --dtype at load)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's dtype)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="the full KV cache's elements: auto (the model's dtype) or bfloat16 "
+                        "(half the bytes a token on CPU; fp8 is not implemented)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -297,9 +299,9 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
         if value != 1:
             refuse(f"{flag} {value}: specserve runs one engine on one device; only 1 is "
                    "supported (start one server per device behind a load balancer)")
-    if args.kv_cache_dtype != "auto":
-        refuse(f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache is kept in the model's "
-               "dtype (auto); quantized KV caches such as fp8 are not implemented")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        refuse(f"--kv-cache-dtype {args.kv_cache_dtype}: one of {list(KV_CACHE_DTYPES)} (auto: "
+               "the model's dtype); fp8 KV caches are not implemented")
     if args.load_format not in LOAD_FORMATS:
         refuse(f"--load-format {args.load_format}: one of {list(LOAD_FORMATS)} (safetensors "
                "folders and GGUF files are what the loader reads)")
@@ -379,6 +381,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
               if f.name not in ENGINE_FLAG_SKIP and getattr(args, f.name, None) is not None}
     if "dtype" in values:
         values["dtype"] = DTYPE_ALIASES.get(values["dtype"], values["dtype"])
+    values["kv_cache_dtype"] = getattr(args, "kv_cache_dtype", None) or "auto"
     kvcache_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if kvcache_space and "kv_cache_memory_gb" not in values:
         try:

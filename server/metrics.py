@@ -57,7 +57,7 @@ class ServerMetrics:
     def _describe_cache(self, info: EngineInfo, labels: MetricLabels) -> None:
         cache = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
                  "enable_prefix_caching": str(info.enable_prefix_caching),
-                 "cache_dtype": info.dtype, "engine": labels.engine}
+                 "cache_dtype": info.kv_cache_dtype or info.dtype, "engine": labels.engine}
         Gauge("vllm:cache_config_info", "KV cache configuration (constant 1).", list(cache),
               registry=self.registry).labels(**cache).set(1)
         m, base = self.engine_metrics, {"model_name": labels.model_name, "engine": labels.engine}

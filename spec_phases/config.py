@@ -6,6 +6,9 @@ from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("ngram", "layer_skip", "token_recycling", "lossy_kv")
 NGRAM_DEFAULT_LOOKUP = 5             # vLLM's prompt_lookup_min/max when neither is given
+# --kv-cache-dtype, as vLLM spells it: the full paged cache's element type. auto: the model's dtype
+# (float32 on CPU); bfloat16: half a float32 cache's bytes a token (the attention widens exactly)
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class WorkerConfig:
                                         # on a CPU, gpu_memory_utilization (0.9) on CUDA
     host_kv_cache_memory_gb: float | None = None   # lossy_kv + full_kv_in_host: the host pool
     num_kv_blocks: int | None = None    # overrides the budget
+    kv_cache_dtype: str = "auto"        # KV_CACHE_DTYPES: the full cache's element type
     gpu_memory_utilization: float | None = None    # CUDA: the device KV budget from this fraction
     seed: int = 0
     num_threads: int | None = None

@@ -10,7 +10,10 @@ states are bitwise theirs (tests/spec_phases/test_cpu_decoder.py), whichever pat
 It serves the layer shape most checkpoints have (Llama, Mistral, Qwen2: no q/k norms, no sandwich
 norms, SwiGLU, one RoPE) once every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`)
 and the kernels built; the runner takes it for steps over the paged cache in device memory
-(`spec_phases/runner.py`), the modules serve everything else.
+(`spec_phases/runner.py`), the modules serve everything else. The cache holds float32 or, with
+`--kv-cache-dtype bfloat16`, bfloat16 (CACHE_DTYPES): the one call rounds K/V to bf16 as
+`KVStorage.write` (torch) does and the attention widens them back exactly, so both paths still
+agree bit for bit.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from specserve.kernels.cpu.native import BuildError, library
 from specserve.kernels.metadata import LayerAttention, PagedAttentionMetadata
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.model import DecoderLayer, LlamaModel
+
+CACHE_DTYPES = fused.CACHE_DTYPES           # the K/V cache's element types it reads and writes
 
 
 def supported(model: LlamaModel) -> bool:

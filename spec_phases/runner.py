@@ -55,8 +55,10 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.block_size = storage.block_size
         self.layers = model.config.attention()
-        # the C-kernel decoder, where it serves this model (checked once: after packing)
+        # the C-kernel decoder, where it serves this model and cache (checked once: after
+        # packing; the cache float32 or bfloat16)
         self.cpu_decoder = (cpu_decoder.CpuDecoder(model) if isinstance(storage, KVStorage)
+                            and storage.k.dtype in cpu_decoder.CACHE_DTYPES
                             and cpu_decoder.supported(model) else None)
 
     @torch.inference_mode()

@@ -12,7 +12,7 @@ from specserve.kv_cache.draft_pool import DraftBudget, DraftPool
 from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
 from specserve.spec_phases.calibration import build_compressor
-from specserve.spec_phases.config import SpeculativeConfig, WorkerConfig
+from specserve.spec_phases.config import KV_CACHE_DTYPES, SpeculativeConfig, WorkerConfig
 from specserve.spec_phases.frontiers import FrontierVerifier
 from specserve.spec_phases.grammar import GrammarBook
 from specserve.spec_phases.loader import load_model
@@ -62,6 +62,18 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype -> the full cache's element type: "auto" the model's dtype, "bfloat16"
+    bf16 whatever the model's (on CPU the C attention widens it exactly to float32; on CUDA the
+    Triton kernel reads the cache's dtype). Speculation stays lossless: the drafters and the
+    verify pass read the same cache, and a row's result does not depend on its neighbours."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: one of {list(KV_CACHE_DTYPES)}")
+
+
 def utilization_kv_budget(util: float, free: int, total: int) -> int:
     """Bytes of KV cache that vLLM's gpu_memory_utilization allows: util x total, less what is in
     use now (total - free: weights, other processes), less ACTIVATION_RESERVE_GB."""
@@ -86,6 +98,7 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         in_host = spec is not None and spec.method == "lossy_kv" and self._full_kv_in_host(spec)
         if config.host_kv_cache_memory_gb is not None and not in_host:   # before loading weights
             raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the "
@@ -114,10 +127,11 @@ class Worker:
                       or DEFAULT_KV_CACHE_GB) if in_host else self.device_kv_gb)
         bs = config.block_size
         self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            budget_gb * 2**30, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            budget_gb * 2**30, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget is too small for one block")
-        shape = (cfg.num_layers, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        shape = (cfg.num_layers, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
+                 self.kv_dtype)
         graphs = self.device.startswith("cuda") and not config.enforce_eager and not in_host
         if in_host:
             self.storage = HostKVPool(*shape)      # VeriCache: the device keeps compressed KV
@@ -136,7 +150,7 @@ class Worker:
             self.draft_ahead = DraftAhead(self.proposer, spec.num_speculative_tokens)
         self._swap_seen = (0, 0, 0)                # pool h2d, pool d2h, drafting tokens encoded
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, bs,
-                    self.storage.nbytes / 2**20, self.dtype, self.device)
+                    self.storage.nbytes / 2**20, self.kv_dtype, self.device)
 
     def _step_graphs(self) -> StepGraphs | None:
         """CUDA graphs of decode and verify batches up to max_num_seqs requests (None where the

@@ -1,7 +1,7 @@
 /* The decoder stack in one call, for a step whose every query paged_attention_short serves
  * (decodes, verify rows, prompt chunks over short contexts cut into tiles of 16 rows):
  * for each layer, RMSNorm (with the residual add), the QKV projection, RoPE, the K/V write into
- * the paged cache, paged attention, the output projection, RMSNorm, the gate-up projection,
+ * the paged cache (float32, or bfloat16 rounded as torch rounds), paged attention, the output projection, RMSNorm, the gate-up projection,
  * SwiGLU and the down projection, then the final norm. It runs the same kernels, on the same
  * inputs, in the same order as `spec_phases/cpu_decoder.py`'s loop over them (this file includes
  * their sources), so its hidden states are bitwise that loop's: only the Python between the
@@ -57,26 +57,53 @@ struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
 
+/* float32 -> bfloat16 as torch rounds (to nearest, ties to even; a NaN stays a NaN) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n floats into a cache at element `at`: as they are, or rounded to bfloat16 */
+static inline void kv_store(void *cache, int64_t at, const float *x, int64_t n, int64_t bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + at, x, sizeof(float) * n);
+        return;
+    }
+    uint16_t *to = (uint16_t *)cache + at;
+    for (int64_t i = 0; i < n; i++)
+        to[i] = bf16_round(x[i]);
+}
+
+/* kv_store's rounding on its own, n floats -> bfloat16 bits (tests compare it with torch's) */
+void decoder_round_bf16(const float *x, uint16_t *out, int64_t n) {
+    kv_store(out, 0, x, n, 1);
+}
+
 /* layers: the model's; run: the indices of those to run, in order (num_run of them, >= 1);
- * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim], slots[rows] where each row's
- * K/V go; cos, sin: [rows, head_dim]; requests, tables: as paged_attention_short takes them
- * (every query of the step among them); seconds: NULL, or [3] to which the time in the linear
- * layers, in attention (with the K/V write) and in the elementwise kernels is added (profiling).
- * Returns 0, or -1 where a kernel could not get scratch memory. */
+ * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim], float32, or with kv_bf16
+ * bfloat16 (uint16_t bits: K/V rounded to it on the write, widened exactly by the attention);
+ * slots[rows] where each row's K/V go; cos, sin: [rows, head_dim]; requests, tables: as
+ * paged_attention_short takes them (every query of the step among them); seconds: NULL, or [3]
+ * to which the time in the linear layers, in attention (with the K/V write) and in the
+ * elementwise kernels is added (profiling). Returns 0, or -1 where a kernel could not get
+ * scratch memory. */
 int decoder_forward(const struct decoder_model *m, const struct decoder_layer *layers,
                     const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
-                    int64_t rows, const float *cos, const float *sin, float *k_cache,
-                    float *v_cache, int64_t cache_slots, const int64_t *slots,
+                    int64_t rows, const float *cos, const float *sin, void *k_cache,
+                    void *v_cache, int64_t kv_bf16, int64_t cache_slots, const int64_t *slots,
                     const int64_t *requests, const int64_t *tables, int64_t table_width,
                     int64_t num_reqs, double *seconds, int num_threads) {
     const int64_t D = m->head_dim, kv = m->num_kv_heads * D, q_size = m->num_heads * D;
     const int64_t qkv_size = q_size + 2 * kv, heads = m->num_heads + m->num_kv_heads;
-    const int64_t layer_floats = cache_slots * kv;
+    const int64_t layer_elems = cache_slots * kv, elem = kv_bf16 ? 2 : 4;
     double mark = seconds ? now() : 0.0;
     for (int64_t i = 0; i < num_run; i++) {
         const struct decoder_layer *l = layers + run[i];
-        float *k_layer = k_cache + run[i] * layer_floats;
-        float *v_layer = v_cache + run[i] * layer_floats;
+        void *k_layer = (char *)k_cache + run[i] * layer_elems * elem;
+        void *v_layer = (char *)v_cache + run[i] * layer_elems * elem;
         const float *delta = i ? b->out : NULL;
         rms_norm_rows(b->x, delta, l->input_norm, delta ? b->x : NULL, b->h, rows, m->hidden,
                       m->eps, num_threads);
@@ -88,15 +115,20 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
         rope_rows(b->qkv, qkv_size, cos, sin, b->qk, rows, heads, D);
         lap(seconds, ELEMENTWISE_S, &mark);
         for (int64_t t = 0; t < rows; t++) {
-            memcpy(k_layer + slots[t] * kv, b->qk + (t * heads + m->num_heads) * D,
-                   sizeof(float) * kv);
-            memcpy(v_layer + slots[t] * kv, b->qkv + t * qkv_size + q_size + kv,
-                   sizeof(float) * kv);
+            kv_store(k_layer, slots[t] * kv, b->qk + (t * heads + m->num_heads) * D, kv,
+                     kv_bf16);
+            kv_store(v_layer, slots[t] * kv, b->qkv + t * qkv_size + q_size + kv, kv, kv_bf16);
         }
-        if (paged_attention_short(b->qk, heads * D, k_layer, v_layer, b->attn, q_size, requests,
-                                  tables, table_width, num_reqs, m->num_heads, m->num_kv_heads,
-                                  D, m->block_size, m->scale, l->window, m->softcap,
-                                  num_threads))
+        const int failed = kv_bf16
+            ? paged_attention_short_bf16(b->qk, heads * D, k_layer, v_layer, b->attn, q_size,
+                                         requests, tables, table_width, num_reqs, m->num_heads,
+                                         m->num_kv_heads, D, m->block_size, m->scale, l->window,
+                                         m->softcap, num_threads)
+            : paged_attention_short(b->qk, heads * D, k_layer, v_layer, b->attn, q_size,
+                                    requests, tables, table_width, num_reqs, m->num_heads,
+                                    m->num_kv_heads, D, m->block_size, m->scale, l->window,
+                                    m->softcap, num_threads);
+        if (failed)
             return -1;
         lap(seconds, ATTENTION_S, &mark);
         if (linear_forward(b->attn, rows, q_size, l->o.data, (int)l->o.layout, m->hidden,

@@ -13,6 +13,7 @@ import torch
 from specserve.kernels.cpu.native import library
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+CACHE_DTYPES = (torch.float32, torch.bfloat16)     # what the K/V cache may hold
 
 
 class Linear(ctypes.Structure):
@@ -41,9 +42,19 @@ def _kernel():
     fn = library("decoder").decoder_forward
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), _ptr, _i64,
-                   ctypes.POINTER(Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
-                   _i64, _i64, _ptr, ctypes.c_int]
+                   ctypes.POINTER(Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
+                   _ptr, _i64, _i64, _ptr, ctypes.c_int]
     return fn
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 as the one call rounds K/V into a bf16 cache (torch's rounding)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    fn = library("decoder").decoder_round_bf16
+    fn.restype, fn.argtypes = None, [_ptr, _ptr, _i64]
+    fn(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
 
 
 def available() -> None:
@@ -58,16 +69,19 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
             seconds: torch.Tensor | None = None) -> None:
     """Runs layers[run] (int64 indices) over buffers["x"] (the embedded rows, the residual stream
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
-    [rows, width] (`decoder.c`). k_cache, v_cache: float32 [layers, slots, kv heads, head_dim],
-    written at `slots` (int64 [rows]); requests, tables: `paged_attention.short_requests`'s, every
-    query of the step among them (`whole`). seconds: None, or float64 [3] to which the call adds
-    its time in the linear layers, in attention (with the K/V write) and in the elementwise
-    kernels (`benchmarks/profile_step.py`)."""
+    [rows, width] (`decoder.c`). k_cache, v_cache: float32 or bfloat16 [layers, slots, kv heads,
+    head_dim] (CACHE_DTYPES), written at `slots` (int64 [rows]); requests, tables:
+    `paged_attention.short_requests`'s, every query of the step among them (`whole`). seconds:
+    None, or float64 [3] to which the call adds its time in the linear layers, in attention (with
+    the K/V write) and in the elementwise kernels (`benchmarks/profile_step.py`)."""
     rows = buffers["x"].shape[0]
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"decoder_forward: a {k_cache.dtype} cache; one of {CACHE_DTYPES}")
     ptrs = Buffers(*(buffers[name].data_ptr() for name, _ in Buffers._fields_))
     status = _kernel()(ctypes.byref(model), layers, run.data_ptr(), run.shape[0],
                        ctypes.byref(ptrs), rows, cos.data_ptr(), sin.data_ptr(),
-                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                       k_cache.data_ptr(), v_cache.data_ptr(),
+                       int(k_cache.dtype == torch.bfloat16), k_cache.shape[1],
                        slots.data_ptr(), requests.data_ptr(), tables.data_ptr(), tables.shape[1],
                        requests.shape[0], None if seconds is None else seconds.data_ptr(),
                        torch.get_num_threads())

@@ -16,6 +16,14 @@
  * index mod 8 then the same tree; the values in key order), so it does not depend on how many
  * rows, requests or keys share the call. A verify row therefore computes bit for bit what the
  * decode it replaces would.
+ *
+ * The cache holds float32, or bfloat16 (`--kv-cache-dtype bfloat16`: half the bytes a token):
+ * `paged_attention_short` reads the one, `paged_attention_short_bf16` the other (both written
+ * once, in `paged_attention_kv.h`). The bf16 form widens each block of keys (and each chunk of
+ * values) of the heads a task reads exactly to float32 into a small scratch in the L1 cache, once
+ * for all its rows, and runs the float32 form's arithmetic on it: the same products and sums in
+ * the same order, so it computes bit for bit what the float32 form computes over the widened
+ * cache, row-invariant alike.
  */
 #include <math.h>
 #include <stdint.h>
@@ -155,152 +163,48 @@ static inline int64_t first_key(int64_t pos, int64_t window) {
 #define CHUNK 16                      /* keys whose values every row weighs in turn (in L1) */
 #define AHEAD 16                                /* keys ahead whose slots are requested early */
 
-/* Cache lines of keys' slots requested from memory ahead of use, a few at a time between the
- * rows' work (a burst of a whole block's lines would overflow the core's miss queue): the
- * cursor walks slot after slot, every line of each (every kv head), in address order. */
-struct ahead {
-    const float *cache;
-    const int64_t *off;
-    int64_t key, line, end, slot_lines;
-};
+/* bfloat16 K/V: the top 16 bits of a float32, widened exactly by a shift */
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
 
-static inline void prefetch_lines(struct ahead *a, int64_t n) {
-    for (; n > 0 && a->key < a->end; n--) {
-        __builtin_prefetch(a->cache + a->off[a->key] + 16 * a->line, 0, 1);
-        if (++a->line == a->slot_lines) {
-            a->line = 0;
-            a->key++;
-        }
-    }
-}
-
-/* One request's heads h0 .. h0 + nh - 1, every query row of each, all together in one pass over
- * the keys (slot by slot, every kv head of a slot at once, the slots AHEAD keys on requested
- * early): each block of 8 keys is scored for every row while it is in the L1 cache, and each
- * chunk of values weighed by every row likewise. Scratch: off, the slot offset of every key
- * (seq_len rounded up to KEYS, the padding repeating the last key's); scores, keys_padded floats
- * per row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len, row r = query
- * r % q_len of head h0 + r / q_len). */
-static void attend_request(const float *q, int64_t q_token_stride, const float *k_cache,
-                           const float *v_cache, float *out, int64_t out_token_stride,
-                           const int64_t *table, int64_t q_start, int64_t q_len,
-                           int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int64_t window, float softcap, int64_t *off,
-                           float *scores, float *acc, float *inv) {
-    const int64_t group = num_heads / num_kv_heads, slot_floats = num_kv_heads * head_dim;
-    const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1), rows = nh * q_len;
-    for (int64_t j = 0; j < padded; j++) {
-        const int64_t key = j < seq_len ? j : seq_len - 1;
-        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_floats;
-    }
-    const int64_t first_pos = seq_len - q_len;           /* query qi sits at first_pos + qi */
-    const int64_t lo_any = first_key(first_pos, window), slot_lines = (slot_floats + 15) / 16;
-    const int64_t k_start = lo_any & ~(int64_t)(KEYS - 1);
-    struct ahead ka = {k_cache, off, k_start + AHEAD, 0, seq_len, slot_lines};
-    const int64_t k_lines = (KEYS * slot_lines + rows - 1) / rows;    /* per row, a block's lines */
-    for (int64_t j0 = k_start; j0 < padded; j0 += KEYS) {
-        if (ka.key < j0 + AHEAD)
-            ka.key = j0 + AHEAD, ka.line = 0;
-        for (int64_t r = 0; r < rows; r++) {
-            prefetch_lines(&ka, k_lines);
-            const int64_t qi = r % q_len, hi = first_pos + qi, h = h0 + r / q_len;
-            if (j0 > hi || j0 + KEYS <= (first_key(hi, window) & ~(int64_t)(KEYS - 1)))
-                continue;
-            const float *qr = q + (q_start + qi) * q_token_stride + h * head_dim;
-            *(v8f *)(scores + r * padded + j0) =
-                scores8(qr, k_cache + h / group * head_dim, off, j0, head_dim) * scale;
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t hi = first_pos + r % q_len, lo = first_key(hi, window);
-        inv[r] = softmax_row(scores + r * padded, lo & ~(int64_t)(KEYS - 1),
-                             (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
-    }
-    memset(acc, 0, sizeof(float) * rows * head_dim);
-    struct ahead va = {v_cache, off, lo_any, 0, seq_len, slot_lines};
-    prefetch_lines(&va, AHEAD * slot_lines);
-    const int64_t v_lines = (CHUNK * slot_lines + rows - 1) / rows;
-    for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
-        for (int64_t r = 0; r < rows; r++) {
-            prefetch_lines(&va, v_lines);
-            const int64_t row_hi = first_pos + r % q_len, row_lo = first_key(row_hi, window);
-            const int64_t lo = row_lo > c0 ? row_lo : c0;
-            const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
-            if (lo <= hi)
-                weigh(scores + r * padded, v_cache + (h0 + r / q_len) / group * head_dim, off,
-                      lo, hi, head_dim, acc + r * head_dim);
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        float *o = out + (q_start + r % q_len) * out_token_stride + (h0 + r / q_len) * head_dim;
-        for (int64_t d = 0; d < head_dim; d++)
-            o[d] = acc[r * head_dim + d] * inv[r];
-    }
-}
-
-/* requests: [num_reqs, 3] (first query row, q_len, seq_len); tables: [num_reqs, table_width]
- * block ids. q rows are q_token_stride floats apart, heads head_dim apart; out likewise with
- * out_token_stride. Returns 0, or -1 when scratch memory could not be allocated. A row's result
- * does not depend on which task computes it. */
-int paged_attention_short(const float *q, int64_t q_token_stride, const float *k_cache,
-                          const float *v_cache, float *out, int64_t out_token_stride,
-                          const int64_t *requests, const int64_t *tables, int64_t table_width,
-                          int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                          float softcap, int num_threads) {
-    /* scratch per thread: the longest context (rounded up to KEYS), the most query rows of a
-     * task, the most scores of one (a request's rows times its keys: a long context's decode
-     * and a short context's verify rows never need their product) */
-    int64_t max_keys = KEYS, max_rows = 1, max_scores = KEYS;
-    for (int64_t b = 0; b < num_reqs; b++) {
-        const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
-        const int64_t rows = num_heads * requests[b * 3 + 1];
-        max_keys = padded > max_keys ? padded : max_keys;
-        max_rows = rows > max_rows ? rows : max_rows;
-        max_scores = rows * padded > max_scores ? rows * padded : max_scores;
-    }
-    /* parts per request: 1, or with fewer requests than threads enough head parts to share */
-    int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
-    if (parts > num_heads)
-        parts = num_heads;
-    const int64_t part_heads = (num_heads + parts - 1) / parts, tasks = num_reqs * parts;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
-    {
-#if defined(__SSE__)
-        /* flush denormals to zero in this kernel only (restored below): a peaked softmax makes
-         * many tiny probabilities, and denormal arithmetic is ~100x slower */
-        const unsigned int csr = _mm_getcsr();
-        _mm_setcsr(csr | 0x8040);
+static inline v8f widen8_bf16(const uint16_t *p) {
+#if defined(__AVX2__)
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#else
+    return (v8f)(__builtin_convertvector(*(const v8h *)p, v8u) << 16);
 #endif
-        int64_t *off = malloc(sizeof(int64_t) * max_keys);
-        float *scores = malloc(sizeof(float) * max_scores);
-        float *acc = malloc(sizeof(float) * max_rows * head_dim);
-        float *inv = malloc(sizeof(float) * max_rows);
-        const int ok = off && scores && acc && inv;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            const int64_t b = t / parts, h0 = t % parts * part_heads;
-            const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
-            if (!ok || nh <= 0)
-                continue;
-            attend_request(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
-                           tables + b * table_width, requests[b * 3], requests[b * 3 + 1],
-                           requests[b * 3 + 2], h0, nh, num_heads, num_kv_heads, head_dim,
-                           block_size, scale, window, softcap, off, scores, acc, inv);
-        }
-        free(off);
-        free(scores);
-        free(acc);
-        free(inv);
-#if defined(__SSE__)
-        _mm_setcsr(csr);
-#endif
-    }
-    return failed ? -1 : 0;
 }
+
+/* keys from .. from + n - 1 (key j's slot at cache + off[j]), `used` elements of each from `skip`
+ * on (the kv heads a task reads), widened to float32 at to + i * used */
+static void stage_bf16(const uint16_t *cache, const int64_t *off, int64_t from, int64_t n,
+                       int64_t skip, int64_t used, float *to) {
+    const int64_t lanes = used & ~(int64_t)7;
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *src = cache + off[from + i] + skip;
+        float *dst = to + i * used;
+        for (int64_t d = 0; d < lanes; d += 8)
+            *(v8f *)(dst + d) = widen8_bf16(src + d);
+        for (int64_t d = lanes; d < used; d++) {
+            const uint32_t bits = (uint32_t)src[d] << 16;
+            memcpy(dst + d, &bits, sizeof bits);
+        }
+    }
+}
+
+#define KV_T float
+#define KV_(name) name
+#define KV_STAGED 0
+#include "paged_attention_kv.h"
+#undef KV_T
+#undef KV_
+#undef KV_STAGED
+
+#define KV_T uint16_t
+#define KV_(name) name##_bf16
+#define KV_STAGED 1
+#include "paged_attention_kv.h"
+#undef KV_T
+#undef KV_
+#undef KV_STAGED

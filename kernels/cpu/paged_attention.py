@@ -1,8 +1,9 @@
-"""Paged attention on the CPU (float32): every short query (decodes and verify rows, q_len <=
-SHORT_QUERY) and every prefill chunk over a context of at most TILED_MAX_KEYS tokens in one call
-of the C kernel `paged_attention.c`, which reads K/V from the paged cache in place (a chunk goes in
-as tiles of SHORT_QUERY rows, each tile a request of its own that ends at its last row); chunks over
-longer contexts as the reference runs them (SDPA over their gathered blocks).
+"""Paged attention on the CPU (float32 queries, a float32 or bfloat16 cache): every short query
+(decodes and verify rows, q_len <= SHORT_QUERY) and every prefill chunk over a context of at most
+TILED_MAX_KEYS tokens in one call of the C kernel `paged_attention.c`, which reads K/V from the
+paged cache in place (a chunk goes in as tiles of SHORT_QUERY rows, each tile a request of its own
+that ends at its last row); chunks over longer contexts as the reference runs them (SDPA over
+their gathered blocks).
 
 The reference gathers each request's blocks into a copy and batches requests by exact shape (one
 SDPA call per shape); at 16 decodes over ~150-token contexts that was a third of a step on a
@@ -10,6 +11,10 @@ SDPA call per shape); at 16 decodes over ~150-token contexts that was a third of
 row's output depends only on its query and the keys it sees, so tiling changes nothing in a row.
 Past ~800 keys SDPA's blocked kernel was the faster of the two on such a host in a probe (a
 tile's scores no longer fit the core's caches); below, the tiles win (docs/BENCHMARKS.md §9.11).
+
+A bfloat16 cache (`--kv-cache-dtype bfloat16`) is read by the kernel's bf16 form, which widens
+each value exactly to float32 in registers and sums in the float32 form's order (bit for bit the
+float32 kernel over the widened cache); the long chunks' gathered blocks are widened for SDPA.
 """
 from __future__ import annotations
 
@@ -24,14 +29,17 @@ from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
 
 FAILURES = (BuildError,)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)     # caches the kernel reads (float32 queries)
 TILED_MAX_KEYS = 768     # prefill chunks over contexts up to this long: the C kernel, in tiles
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
-def _kernel():
-    fn = library("paged_attention").paged_attention_short
+def _kernel(bf16: bool = False):
+    """The C kernel's float32-cache form, or (bf16) its bfloat16-cache form."""
+    lib = library("paged_attention")
+    fn = lib.paged_attention_short_bf16 if bf16 else lib.paged_attention_short
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                    _i64, ctypes.c_float, _i64, ctypes.c_float, ctypes.c_int]
@@ -76,15 +84,17 @@ def _short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: PagedAttentionMetadata, scale: float, window: int = 0,
              softcap: float = 0.0) -> bool:
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    return (q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_DTYPES
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float, window: int = 0,
                     softcap: float = 0.0) -> torch.Tensor:
-    """The reference's signature and result: q [num_tokens, num_heads, D]; k_cache, v_cache
-    [num_slots, num_kv_heads, D] (one layer) -> [num_tokens, num_heads, D]."""
+    """The reference's signature and result: q [num_tokens, num_heads, D] float32; k_cache,
+    v_cache [num_slots, num_kv_heads, D] (one layer, float32 or bfloat16) -> [num_tokens,
+    num_heads, D] float32."""
     num_heads, head_dim = q.shape[1:]
     out = torch.empty(q.shape, dtype=q.dtype)
     for where, blocks, mask in chunk_groups(meta, window, TILED_MAX_KEYS):  # long contexts
@@ -95,11 +105,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    status = _kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                       out.data_ptr(), out.stride(0), short.requests.data_ptr(),
-                       short.tables.data_ptr(), short.tables.shape[1], short.requests.shape[0],
-                       num_heads, k_cache.shape[1], head_dim, meta.block_size, scale, window,
-                       softcap, torch.get_num_threads())
+    kernel = _kernel(k_cache.dtype == torch.bfloat16)
+    status = kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                    out.data_ptr(), out.stride(0), short.requests.data_ptr(),
+                    short.tables.data_ptr(), short.tables.shape[1], short.requests.shape[0],
+                    num_heads, k_cache.shape[1], head_dim, meta.block_size, scale, window,
+                    softcap, torch.get_num_threads())
     if status:
         raise MemoryError("paged_attention_short: no scratch memory")
     return out

@@ -117,11 +117,52 @@ def test_dispatch_picks_the_c_kernel_on_cpu_and_reference_when_forced(monkeypatc
     assert dispatch.get_op("paged_attention", "cpu") is reference
 
 
-def test_bf16_goes_to_the_reference():
+@pytest.mark.parametrize("num_heads,num_kv,dim", [(9, 3, 64), (4, 4, 20), (8, 2, 16)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (6, 0.0), (11, 3.0)])
+def test_a_bf16_cache_is_the_float32_kernel_on_the_widened_cache(num_heads, num_kv, dim, window,
+                                                                 softcap, monkeypatch):
+    """--kv-cache-dtype bfloat16: the kernel's bf16 form widens each value exactly and sums in
+    the float32 form's order, so its rows are bit for bit the float32 kernel's over the widened
+    cache (decodes, verify rows, tiled chunks); a chunk over a longer context goes to SDPA over
+    the widened blocks, the same bits too."""
+    monkeypatch.setattr(cpu_paged, "TILED_MAX_KEYS", 30)               # (40, 30): SDPA's
+    shapes = [(9, 1), (13, 5), (20, 20), (37, 17), (16, 1), (30, 16), (40, 30), (1, 1)]
+    q, k32, v32, query_start, tables = make_batch(shapes, 4, num_heads, num_kv, dim)
+    k16, v16 = k32.bfloat16(), v32.bfloat16()
+    assert cpu_paged.supports(q, k16, v16, None, 0.3)
+    meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
+    got = cpu_paged.paged_attention(q, k16, v16, meta(), dim ** -0.5, window, softcap)
+    want = cpu_paged.paged_attention(q, k16.float(), v16.float(), meta(), dim ** -0.5, window,
+                                     softcap)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    torch.testing.assert_close(got, reference(q, k16, v16, meta(), dim ** -0.5, window, softcap),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rows_do_not_depend_on_what_shares_the_call(threads):
+    """With a bf16 cache too, every row computes bit for bit what the decode at its position
+    computes alone, whatever the row count of the call."""
+    torch.set_num_threads(threads)
+    shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40)]
+    q, k32, v32, query_start, tables = make_batch(shapes, 16, 9, 3, 64, num_blocks=64)
+    k16, v16 = k32.bfloat16(), v32.bfloat16()
+    batch = cpu_paged.paged_attention(q, k16, v16, meta_of(shapes, query_start, tables, 16), 0.125)
+    for b, (length, num_q) in enumerate(shapes):
+        for i in range(num_q):
+            row = query_start[b] + i
+            alone = cpu_paged.paged_attention(
+                q[row:row + 1], k16, v16,
+                meta_of([(length - num_q + i + 1, 1)], [0, 1], [tables[b]], 16), 0.125)
+            assert torch.equal(alone[0], batch[row]), (b, i)
+
+
+def test_bf16_queries_go_to_the_reference():
     shapes = [(12, 1), (7, 2)]
     q, k_cache, v_cache, query_start, tables = make_batch(shapes, 4, 4, 2, 8)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     assert not cpu_paged.supports(q, k_cache, v_cache, None, 0.3)
+    assert not cpu_paged.supports(q.float(), k_cache.half(), v_cache.half(), None, 0.3)
     op = dispatch.Kernel("paged_attention", cpu_paged, "C")
     meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
     assert torch.equal(op(q, k_cache, v_cache, meta(), 0.3),

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+from specserve.kernels.cpu import decoder as fused
 from specserve.kernels.cpu import paged_attention as cpu_attention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases import cpu_decoder
@@ -22,11 +24,11 @@ def packed_model(**overrides):
     return model
 
 
-def runners(model):
+def runners(model, cache_dtype=torch.float32):
     """Two runners over two caches of the same model: the C decoder's and the modules'."""
     cfg = model.config
     make = lambda: KVStorage(cfg.num_layers, 32, 4, cfg.num_kv_heads,  # noqa: E731
-                             cfg.head_dim, torch.float32, "cpu")
+                             cfg.head_dim, cache_dtype, "cpu")
     fast, modules = ModelRunner(model, make()), ModelRunner(model, make())
     assert fast.cpu_decoder is not None
     modules.cpu_decoder = None
@@ -35,15 +37,17 @@ def runners(model):
 
 @pytest.mark.parametrize("bias,windows", [(False, ()), (True, ()), (False, (0, 8))])
 @pytest.mark.parametrize("tiled_max_keys", [cpu_attention.TILED_MAX_KEYS, 30])
-def test_bitwise_the_modules_over_mixed_steps(bias, windows, tiled_max_keys, monkeypatch):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_bitwise_the_modules_over_mixed_steps(bias, windows, tiled_max_keys, cache_dtype,
+                                              monkeypatch):
     """Steps whose every query the C attention serves (decodes, verify rows, prompt chunks over
     short contexts, in tiles) run the whole stack in one call (`kernels/cpu/decoder.c`); a step
     with a chunk over a longer context (here: over 30 tokens, the bound lowered) calls the
     kernels one by one: both bitwise the modules, with attention bias and with a sliding window
-    on one layer."""
+    on one layer; over a bf16 cache too (the one call rounds K/V as torch does)."""
     monkeypatch.setattr(cpu_attention, "TILED_MAX_KEYS", tiled_max_keys)
     model = packed_model(attention_bias=bias, windows=windows)
-    fast, modules = runners(model)
+    fast, modules = runners(model, cache_dtype)
     whole = []
     one_call = cpu_decoder.fused.forward
     monkeypatch.setattr(cpu_decoder.fused, "forward",
@@ -106,3 +110,16 @@ def test_the_one_call_times_its_kernels_without_changing_their_results(monkeypat
         assert torch.equal(got, want)
     assert torch.equal(timed.storage.k, plain.storage.k)
     assert (seconds > 0).all()
+
+
+def test_the_one_call_rounds_to_bf16_as_torch_does():
+    """K/V written by `decoder.c` into a bf16 cache are torch's float32 -> bfloat16 (to nearest,
+    ties to even): ties either way, carries into the exponent, overflow to infinity, subnormals,
+    signed zeros, infinities."""
+    g = torch.Generator().manual_seed(0)
+    edges = np.array([0x3F80_8000, 0x3F81_8000, 0x3F80_7FFF, 0x3F80_8001, 0x3FFF_FFFF,
+                      0x7F7F_FFFF, 0x7F7F_7FFF, 0x0000_8000, 0x0001_8000, 0x007F_FFFF,
+                      0x8000_0000, 0x7F80_0000, 0xFF80_0000, 0xBF80_8000], dtype=np.uint32)
+    x = torch.cat([torch.from_numpy(edges.view(np.float32)), torch.randn(4096, generator=g) * 3,
+                   torch.randn(256, generator=g) * 1e-39, torch.randn(256, generator=g) * 1e38])
+    assert torch.equal(fused.round_bf16(x).view(torch.int16), x.bfloat16().view(torch.int16))

@@ -1,0 +1,192 @@
+/* The part of `paged_attention.c` that reads the K/V cache, written once for each element type
+ * the cache may hold: `paged_attention.c` includes this file twice, with
+ *   KV_T       the cache's element type (float; uint16_t holding bfloat16 bits),
+ *   KV_(name)  this form's name of a function (name; name##_bf16),
+ *   KV_STAGED  0: the float32 form reads the cache in place; 1: the bf16 form widens each block
+ *              of KEYS keys (then each chunk of CHUNK values) of the kv heads a task reads into
+ *              `stage` (float32, exactly: a bf16 is a float32's top half) once for all its rows,
+ *              and the same scores8 / weigh read it there.
+ * Every product and sum is the float32 form's, in the same order: the bf16 form's result is bit
+ * for bit the float32 form's over the widened cache, and as row-invariant.
+ * (No include guard: included once per element type.)
+ */
+
+/* Cache lines of keys' slots requested from memory ahead of use, a few at a time between the
+ * rows' work (a burst of a whole block's lines would overflow the core's miss queue): the
+ * cursor walks slot after slot, every line of each (every kv head), in address order. */
+struct KV_(ahead) {
+    const char *cache;                  /* bytes: slot offsets are in elements */
+    const int64_t *off;
+    int64_t key, line, end, slot_lines;
+};
+
+static inline void KV_(prefetch_lines)(struct KV_(ahead) *a, int64_t n) {
+    for (; n > 0 && a->key < a->end; n--) {
+        __builtin_prefetch(a->cache + sizeof(KV_T) * a->off[a->key] + 64 * a->line, 0, 1);
+        if (++a->line == a->slot_lines) {
+            a->line = 0;
+            a->key++;
+        }
+    }
+}
+
+/* One request's heads h0 .. h0 + nh - 1, every query row of each, all together in one pass over
+ * the keys (slot by slot, every kv head of a slot at once, the slots AHEAD keys on requested
+ * early): each block of 8 keys is scored for every row while it is in the L1 cache, and each
+ * chunk of values weighed by every row likewise. Scratch: off, the slot offset of every key
+ * (seq_len rounded up to KEYS, the padding repeating the last key's); scores, keys_padded floats
+ * per row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len, row r = query
+ * r % q_len of head h0 + r / q_len). */
+static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV_T *k_cache,
+                                const KV_T *v_cache, float *out, int64_t out_token_stride,
+                                const int64_t *table, int64_t q_start, int64_t q_len,
+                                int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                float scale, int64_t window, float softcap, int64_t *off,
+                                float *scores, float *acc, float *inv, float *stage) {
+    const int64_t group = num_heads / num_kv_heads, slot_elems = num_kv_heads * head_dim;
+    const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1), rows = nh * q_len;
+    for (int64_t j = 0; j < padded; j++) {
+        const int64_t key = j < seq_len ? j : seq_len - 1;
+        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_elems;
+    }
+    const int64_t first_pos = seq_len - q_len;           /* query qi sits at first_pos + qi */
+    const int64_t lo_any = first_key(first_pos, window);
+    const int64_t slot_lines = (slot_elems * (int64_t)sizeof(KV_T) + 63) / 64;   /* 64-byte */
+    const int64_t k_start = lo_any & ~(int64_t)(KEYS - 1);
+#if KV_STAGED
+    /* the kv heads this task reads (kv_lo on), widened a block of keys or a chunk of values at a
+     * time into `stage`, slot i at stage + staged[i] */
+    const int64_t kv_lo = h0 / group, used = ((h0 + nh - 1) / group - kv_lo + 1) * head_dim;
+    int64_t staged[CHUNK];
+    for (int64_t i = 0; i < CHUNK; i++)
+        staged[i] = i * used;
+#endif
+    struct KV_(ahead) ka = {(const char *)k_cache, off, k_start + AHEAD, 0, seq_len, slot_lines};
+    const int64_t k_lines = (KEYS * slot_lines + rows - 1) / rows;    /* per row, a block's lines */
+    for (int64_t j0 = k_start; j0 < padded; j0 += KEYS) {
+        if (ka.key < j0 + AHEAD)
+            ka.key = j0 + AHEAD, ka.line = 0;
+#if KV_STAGED
+        stage_bf16(k_cache, off, j0, KEYS, kv_lo * head_dim, used, stage);
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            KV_(prefetch_lines)(&ka, k_lines);
+            const int64_t qi = r % q_len, hi = first_pos + qi, h = h0 + r / q_len;
+            if (j0 > hi || j0 + KEYS <= (first_key(hi, window) & ~(int64_t)(KEYS - 1)))
+                continue;
+            const float *qr = q + (q_start + qi) * q_token_stride + h * head_dim;
+#if KV_STAGED
+            *(v8f *)(scores + r * padded + j0) =
+                scores8(qr, stage + (h / group - kv_lo) * head_dim, staged, 0, head_dim) * scale;
+#else
+            *(v8f *)(scores + r * padded + j0) =
+                scores8(qr, k_cache + h / group * head_dim, off, j0, head_dim) * scale;
+#endif
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t hi = first_pos + r % q_len, lo = first_key(hi, window);
+        inv[r] = softmax_row(scores + r * padded, lo & ~(int64_t)(KEYS - 1),
+                             (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
+    }
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    struct KV_(ahead) va = {(const char *)v_cache, off, lo_any, 0, seq_len, slot_lines};
+    KV_(prefetch_lines)(&va, AHEAD * slot_lines);
+    const int64_t v_lines = (CHUNK * slot_lines + rows - 1) / rows;
+    for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
+#if KV_STAGED
+        stage_bf16(v_cache, off, c0, seq_len - c0 < CHUNK ? seq_len - c0 : CHUNK,
+                   kv_lo * head_dim, used, stage);
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            KV_(prefetch_lines)(&va, v_lines);
+            const int64_t row_hi = first_pos + r % q_len, row_lo = first_key(row_hi, window);
+            const int64_t lo = row_lo > c0 ? row_lo : c0;
+            const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
+#if KV_STAGED
+            if (lo <= hi)                   /* keys c0 + i at stage + i * used: shifted by c0 */
+                weigh(scores + r * padded + c0, stage + ((h0 + r / q_len) / group - kv_lo) *
+                      head_dim, staged, lo - c0, hi - c0, head_dim, acc + r * head_dim);
+#else
+            if (lo <= hi)
+                weigh(scores + r * padded, v_cache + (h0 + r / q_len) / group * head_dim, off,
+                      lo, hi, head_dim, acc + r * head_dim);
+#endif
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + (q_start + r % q_len) * out_token_stride + (h0 + r / q_len) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++)
+            o[d] = acc[r * head_dim + d] * inv[r];
+    }
+}
+
+/* requests: [num_reqs, 3] (first query row, q_len, seq_len); tables: [num_reqs, table_width]
+ * block ids. q rows are q_token_stride floats apart, heads head_dim apart; out likewise with
+ * out_token_stride. Returns 0, or -1 when scratch memory could not be allocated. A row's result
+ * does not depend on which task computes it. */
+int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_T *k_cache,
+                               const KV_T *v_cache, float *out, int64_t out_token_stride,
+                               const int64_t *requests, const int64_t *tables, int64_t table_width,
+                               int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                               float softcap, int num_threads) {
+    /* scratch per thread: the longest context (rounded up to KEYS), the most query rows of a
+     * task, the most scores of one (a request's rows times its keys: a long context's decode
+     * and a short context's verify rows never need their product) */
+    int64_t max_keys = KEYS, max_rows = 1, max_scores = KEYS;
+    for (int64_t b = 0; b < num_reqs; b++) {
+        const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
+        const int64_t rows = num_heads * requests[b * 3 + 1];
+        max_keys = padded > max_keys ? padded : max_keys;
+        max_rows = rows > max_rows ? rows : max_rows;
+        max_scores = rows * padded > max_scores ? rows * padded : max_scores;
+    }
+    /* parts per request: 1, or with fewer requests than threads enough head parts to share */
+    int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
+    if (parts > num_heads)
+        parts = num_heads;
+    const int64_t part_heads = (num_heads + parts - 1) / parts, tasks = num_reqs * parts;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+    {
+#if defined(__SSE__)
+        /* flush denormals to zero in this kernel only (restored below): a peaked softmax makes
+         * many tiny probabilities, and denormal arithmetic is ~100x slower */
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+#endif
+        int64_t *off = malloc(sizeof(int64_t) * max_keys);
+        float *scores = malloc(sizeof(float) * max_scores);
+        float *acc = malloc(sizeof(float) * max_rows * head_dim);
+        float *inv = malloc(sizeof(float) * max_rows);
+        /* the bf16 form's widened keys or values: CHUNK slots (KEYS <= CHUNK) */
+        float *stage = KV_STAGED ? malloc(sizeof(float) * CHUNK * num_kv_heads * head_dim) : NULL;
+        const int ok = off && scores && acc && inv && (stage || !KV_STAGED);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t b = t / parts, h0 = t % parts * part_heads;
+            const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
+            if (!ok || nh <= 0)
+                continue;
+            KV_(attend_request)(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
+                                tables + b * table_width, requests[b * 3], requests[b * 3 + 1],
+                                requests[b * 3 + 2], h0, nh, num_heads, num_kv_heads, head_dim,
+                                block_size, scale, window, softcap, off, scores, acc, inv, stage);
+        }
+        free(off);
+        free(scores);
+        free(acc);
+        free(inv);
+        free(stage);
+#if defined(__SSE__)
+        _mm_setcsr(csr);
+#endif
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,131 @@
+"""--kv-cache-dtype bfloat16 (vLLM's spelling): the full paged cache in bf16 on CPU. The budget
+holds twice the blocks, the C decoder still serves every step, greedy speculation stays lossless
+for n-gram and every lossy_kv compressor (drafts and verify read the same bf16 cache; prompt
+chunks over long contexts go to SDPA over the widened blocks), the drafting caches are counted
+against the bf16 full cache, and fp8 is refused in one line."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.kernels.cpu import paged_attention as cpu_attention
+from specserve.scheduler.config import EngineConfig, SpeculativeConfig
+from specserve.scheduler.messages import EngineRequest
+from specserve.server.cli import build_parser, check_vllm_flags, engine_config
+from specserve.spec_phases import loader
+from specserve.spec_phases.model import ModelConfig
+from specserve.spec_phases.sampling_params import SamplingParams
+
+PROMPTS = [[(7 * j * (i + 1) + i) % 900 + 3 for j in range(70 + 13 * i)] for i in range(3)]
+PROMPTS.append([11, 12, 13, 14, 15] * 12)                    # n-gram drafts on this one
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
+SPECS = {
+    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                               prompt_lookup_max=3),
+    **{f"lossy_kv-{name}": SpeculativeConfig(method="lossy_kv", num_speculative_tokens=6,
+                                             kv_compressor=name, kv_compressor_config=cfg)
+       for name, cfg in {
+           "window": SMALL_PAGES,
+           "quant": {**SMALL_PAGES, "key_bits": 4, "value_bits": 2},
+           "spherical": {**SMALL_PAGES, "tier": 1, "value_bits": 8, "calib_tokens": 64},
+           "mustafar": {"num_sink": 4, "window": 8, "page_size": 64, "sparsity": 0.7}}.items()},
+}
+
+
+def tiny_d64(vocab_size: int = 49152, max_position: int = 4096) -> ModelConfig:
+    """The tiny model with head_dim 64 (Mustafar's bitmap tiles need head_dim % 64 == 0)."""
+    return ModelConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=128, num_layers=2,
+                       num_heads=2, num_kv_heads=1, head_dim=64, max_position=max_position,
+                       bos_token_id=1, eos_token_ids=(2,))
+
+
+@pytest.fixture
+def core(make_engine, monkeypatch):
+    monkeypatch.setattr(loader, "tiny_config", tiny_d64)
+
+    def make(**kwargs):
+        return make_engine(device="cpu", dtype="float32", num_threads=1, block_size=8,
+                           max_num_batched_tokens=48, **kwargs)
+    return make
+
+
+def generate(core) -> tuple[list[list[int]], int]:
+    for i, ids in enumerate(PROMPTS):
+        core.add_request(EngineRequest(f"r{i}", ids, PARAMS))
+    outs = {f"r{i}": [] for i in range(len(PROMPTS))}
+    drafted = 0
+    while core.has_unfinished():
+        step = core.step()
+        for out in step.outputs:
+            outs[out.request_id].extend(out.new_token_ids)
+        drafted += step.stats.num_draft_tokens
+        pool = core.worker.draft_pool
+        if pool is not None and pool.states:
+            core.last_usage = pool.usage()
+    return [outs[f"r{i}"] for i in range(len(PROMPTS))], drafted
+
+
+def test_the_budget_holds_twice_the_blocks(core):
+    f32, bf16 = core(), core(kv_cache_dtype="bfloat16")
+    assert f32.worker.storage.k.dtype == torch.float32
+    assert bf16.worker.storage.k.dtype == bf16.worker.storage.v.dtype == torch.bfloat16
+    n = f32.worker.num_blocks
+    assert bf16.worker.num_blocks in (2 * n, 2 * n + 1)
+    assert abs(bf16.worker.storage.nbytes - f32.worker.storage.nbytes) <= (
+        f32.worker.storage.nbytes / n)
+    assert bf16.engine_info.kv_bytes_per_token * 2 == f32.engine_info.kv_bytes_per_token
+    assert (bf16.engine_info.kv_cache_dtype, f32.engine_info.kv_cache_dtype) == (
+        "bfloat16", "float32")
+    assert bf16.engine_info.dtype == "float32"                   # the model's stays float32
+    assert bf16.worker.runner.cpu_decoder is not None            # the C decoder serves it
+
+
+@pytest.mark.parametrize("tiled_max_keys", [cpu_attention.TILED_MAX_KEYS, 24])
+@pytest.mark.parametrize("method", list(SPECS))
+def test_speculation_is_lossless_on_a_bf16_cache(core, method, tiled_max_keys, monkeypatch):
+    """Greedy output with speculation equals greedy output without it, both over a bf16 cache,
+    with prompt chunks, decodes and verify rows sharing steps (and with the tiled bound lowered,
+    chunks over longer contexts on SDPA over the widened blocks)."""
+    monkeypatch.setattr(cpu_attention, "TILED_MAX_KEYS", tiled_max_keys)
+    plain, _ = generate(core(kv_cache_dtype="bfloat16"))
+    spec_core = core(kv_cache_dtype="bfloat16", speculative=SPECS[method])
+    out, drafted = generate(spec_core)
+    assert drafted > 0
+    assert out == plain
+    if method.startswith("lossy_kv"):
+        usage = spec_core.last_usage               # counted against the bf16 full cache
+        cfg = spec_core.worker.model_config
+        assert usage.full_bytes_per_token == cfg.kv_bytes_per_token(torch.bfloat16)
+        assert usage.full_bytes == usage.num_tokens * cfg.kv_bytes_per_token(torch.bfloat16)
+        assert spec_core.worker.draft_pool.state_dtype == torch.bfloat16
+
+
+def test_the_full_cache_in_the_host_pool_takes_bf16_too(core):
+    """lossy_kv with the full cache staged from a host pool (opt-in on CPU): bf16 there too."""
+    from dataclasses import replace
+
+    from specserve.kv_cache.host_pool import HostKVPool
+    plain, _ = generate(core(kv_cache_dtype="bfloat16"))
+    staged = core(kv_cache_dtype="bfloat16",
+                  speculative=replace(SPECS["lossy_kv-quant"], full_kv_in_host=True))
+    assert isinstance(staged.worker.storage, HostKVPool)
+    assert staged.worker.storage.k.dtype == torch.bfloat16
+    out, drafted = generate(staged)
+    assert out == plain and drafted > 0
+
+
+def test_fp8_and_unknown_spellings_are_refused_in_one_line(capsys):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")
+    parser = build_parser()
+    for value in ("fp8", "fp8_e4m3", "fp8_e5m2", "bf16", "float32"):
+        with pytest.raises(SystemExit) as info:
+            check_vllm_flags(parser.parse_args(["serve", "--kv-cache-dtype", value]))
+        assert info.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"--kv-cache-dtype {value}:" in lines[0]
+    args = parser.parse_args(["serve", "--kv-cache-dtype", "bfloat16"])
+    check_vllm_flags(args)
+    assert engine_config(args).worker_config().kv_cache_dtype == "bfloat16"
+    assert engine_config(parser.parse_args(["serve"])).kv_cache_dtype == "auto"
