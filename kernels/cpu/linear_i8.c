@@ -8,12 +8,14 @@
  *   Q4_1 (w = d * q + m, q in 0..15):  acc + d * (e * sum(q * a)) + m * (e * t)
  *   Q8_0 (w = d * q, q an int8):       acc + d * (e * (sum(u * a) - 128 * t)),  u = q + 128
  *   U8 (w = d_h * u + m_h, u in 0..63; d, m per half block of 16 k, h = 0, 1):
- *       acc + d_0 * (e * sum_0(u * a)) + m_0 * (e * t_0) + d_1 * (e * sum_1(u * a)) + m_1 * (e * t_1)
+ *       acc + d_0 * (e * sum_0(u * a)) + m_0 * (e * t_0)
+ *           + d_1 * (e * sum_1(u * a)) + m_1 * (e * t_1)
  * one fused multiply-add after another, block after block. Every GGUF type maps onto one of
- * them (kernels/cpu/linear.py): Q4_0 and Q4_K onto Q4_1, Q5_0, Q5_1, Q5_K and Q6_K onto U8. Integer sums are exact in any order,
- * so the result of a row depends on its own x alone: not on how many rows share the call, which
- * rows they are, nor on how the sums are split among registers. Every form (AVX512-VNNI
- * `vpdpbusd`, or plain C elsewhere) gives the same bits.
+ * them (kernels/cpu/linear.py): Q4_0 and Q4_K onto Q4_1; Q5_0, Q5_1, Q5_K and Q6_K onto U8.
+ * Integer sums are exact in any order, so the result of a row depends on its own x alone: not
+ * on how many rows share the call, which rows they are, nor on how the sums are split among
+ * registers. Every form (AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, or plain C) gives the same
+ * bits.
  *
  * Packed layouts, per panel of 16 columns and block of 32 k (the scales as float32):
  *   Q4_1_I8 (384 bytes): d[16], m[16], then 4 chunks of 64 bytes; chunk c's byte 4 * col + i

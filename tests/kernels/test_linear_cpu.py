@@ -168,10 +168,16 @@ def test_the_avx2_build_gives_the_native_builds_bits(monkeypatch, tmp_path):
     assert [w.layout for w in weights] == ["f32", "bf16", "q4_1", "q8_0"]
     x, b = torch.randn(300, 576, generator=g), torch.randn(200, generator=g)
     rows = (1, 3, 13, 16, 100, 300)
+    no_avx512 = "-mno-avx512f" if platform.machine() in ("x86_64", "AMD64") else "-O2"
+    assert_same_bits_when_built_with(no_avx512, weights, x, b, rows, monkeypatch, tmp_path)
+
+
+def assert_same_bits_when_built_with(flags, weights, x, b, rows, monkeypatch, tmp_path):
+    """Each weight's products on the first `rows` rows of x are the same bits from a linear
+    kernel built (afresh, in tmp_path) with `SPECSERVE_CFLAGS=flags` as from this build."""
     native_out = [[cpu_linear.linear(x[:m], w, b) for m in rows] for w in weights]
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    no_avx512 = "-mno-avx512f" if platform.machine() in ("x86_64", "AMD64") else "-O2"
-    monkeypatch.setenv("SPECSERVE_CFLAGS", no_avx512)
+    monkeypatch.setenv("SPECSERVE_CFLAGS", flags)
     for cached in (native.library, cpu_linear._lib):
         cached.cache_clear()
     try:

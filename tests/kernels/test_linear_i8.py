@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.cpu import linear as cpu_linear
-from specserve.kernels.cpu import native
-from tests.kernels.test_linear_cpu import q4_1_weight, q8_0_weight
+from tests.kernels.test_linear_cpu import assert_same_bits_when_built_with, q4_1_weight, q8_0_weight
 
 
 def quantized_rows(x: torch.Tensor):
@@ -93,21 +92,10 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
     x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
     x[1, 64:] *= 1e3                  # large codes: Q8_0's pairs near the int16 bound (AVX2)
     rows = (1, 2, 3, 4, 7, 70)
-    native_out = [[cpu_linear.linear(x[:m], w, b) for m in rows] for w in weights]
-    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     flags = {"avx2": "-mno-avx512f", "plain": "-mno-avx2 -mno-avx512f"}[form]
     x86 = platform.machine() in ("x86_64", "AMD64")
-    monkeypatch.setenv("SPECSERVE_CFLAGS", flags if x86 else "-O2")
-    for cached in (native.library, cpu_linear._lib):
-        cached.cache_clear()
-    try:
-        for w, outs in zip(weights, native_out):
-            for m, want in zip(rows, outs):
-                assert torch.equal(cpu_linear.linear(x[:m], w, b), want), (w.layout, m)
-        assert list(tmp_path.glob("kernels/linear-*.so"))
-    finally:
-        for cached in (native.library, cpu_linear._lib):
-            cached.cache_clear()
+    assert_same_bits_when_built_with(flags if x86 else "-O2", weights, x, b, rows, monkeypatch,
+                                     tmp_path)
 
 
 # GGUF types: block bytes, and where each block's float16 scales sit
