@@ -6,119 +6,199 @@
                 Positions it never reached read as its deepest observed one (optimism that
                 explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
-    cost        T(step) = c0 + c1 * rows + c2 * max_k + c3 * swap + c4 * pass_rows + c5 * prefill
-                          + c6 * drafts + c7 * [drafts > 0]
-                fitted online (non-negative least squares) on measured steps. rows: one per
-                decoding or verifying request; drafts: the verify rows of drafts, priced apart
-                (an extra row of a request already in the step costs less than a request's row:
-                its weights are read anyway, its sampling and bookkeeping shared); c7: what a
-                step that verifies any draft pays once (multi-row attention, acceptance, on a GPU
-                a larger captured graph: ~0.3 ms of a 2.3 ms step at 8 requests, whatever the
-                number of drafts; docs/BENCHMARKS.md §7.6, §9.12). prefill: the rows of prompt
-                chunks, priced apart because many rows share each weight read. c2: sequential
-                draft passes and c4: a row in them, both 0 for n-gram and token recycling; c3:
-                VeriCache's host -> device bytes, predicted from the last step. A drafter that
-                runs the model reports each draft pass (rows, seconds): c2 + c4 * rows is then
-                fitted on the passes alone, and the rest on the rest of the step
+    cost        T(step) = sum over the terms of `Prices` of price x the step's count of the term
+                (`CostModel`), the prices fitted online on measured steps.
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
                 marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the
-                best depth (the per-step costs c7 and c2 * d are shared across the batch's
-                drafts), and draft only where it promises MARGIN more goodput than no draft: the
-                drafting the model calls a gain of a few percent also pays what the model does
-                not see (the controller's own time, the acceptance estimate's optimism).
+                best depth (the once-per-step prices, `drafting_step` and `draft_pass` x d, are
+                shared across the batch's drafts), and draft only where it promises MARGIN more
+                goodput than no draft.
     probing     a request held at k = 0 for a few steps drafts one token, so its estimate stays
                 live. A probe rejected doubles that request's interval (8, 16, ... 64 steps), one
-                accepted resets it: on text that never repeats, probes at a fixed interval cost a
-                verify row each for little (16 requests probed every 8 steps: 2 verify rows a
-                step on top of 16). Probes ride on a draft pass the step runs anyway; when none
-                runs, the due probe takes every request idle for half its interval along (for a
-                drafter whose pass costs a forward, staggered probes would add a pass to nearly
-                every step). No probe where drafting could not pay even if every draft were
-                accepted (the cost model says so).
-Under load c1 * rows dominates, every extra draft lowers goodput and k falls to 0 by itself: no
-batch-size threshold, so no cliff.
+                accepted resets it: on text that never repeats each probe is a verify row for
+                nothing. Probes ride on a draft pass the step runs anyway; when none runs, the due
+                probe takes every request idle for half its interval along (for a drafter whose
+                pass costs a forward, staggered probes would add a pass to nearly every step). No
+                probe where drafting could not pay even if every draft were accepted.
+Under load the rows' price dominates, every extra draft lowers goodput and k falls to 0 by itself:
+no batch-size threshold, so no cliff.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, fields
+from operator import attrgetter, mul
 
 import numpy as np
 
-
-FIT_SHARE = 0.003               # the cost model's fits: at most this share of the steps' time
-# the goodput gain a step's drafts must promise over drafting none. What the model leaves out:
-# the controller's own time (choose, observe, refits: 0.5-0.6 ms of a ~40 ms step at 8 requests
-# on the AVX2 host, 0.8-1.0 before §9.13's cuts) and its acceptance estimate's optimism (~5%
-# more accepted drafts predicted than realised at 8 requests, §9.12); docs/BENCHMARKS.md §9.13
+# the cost model's fits may take at most this share of the steps' time: a fit costs about as much
+# as a step's whole controller, and the prices move slowly
+FIT_SHARE = 0.003
+# the goodput gain a step's drafts must promise over drafting none: what the cost model does not
+# see, the controller's own time and its acceptance estimate's optimism (it predicts somewhat more
+# accepted drafts than are realised)
 MARGIN = 0.03
-# candidates x depths up to which `_allocate`'s search runs in plain Python (faster below it, numpy
-# above: docs/BENCHMARKS.md §9.13)
-PYTHON_SEARCH = 1024
+
+
+@dataclass
+class Prices:
+    """Seconds a step costs per unit of each term. A step's count of each term:
+
+    step           1
+    row            the decoding or verifying requests: one row each
+    draft_pass     the sequential draft passes (a drafter that runs the model: the depth; 0 for
+                   n-gram and token recycling)
+    swap_byte      full-KV bytes staged host -> device for verification (VeriCache); 0 elsewhere
+    pass_row       the rows of those draft passes (0 for n-gram and token recycling)
+    prefill_row    the rows of prompt chunks, priced apart: many rows share each weight read
+    draft_row      the drafts' verify rows, priced apart from `row`: an extra row of a request
+                   already in the step shares its weight reads, sampling and bookkeeping.
+                   None: priced as `row` until steps with drafts are seen
+    drafting_step  1 for a step that verifies any draft: what such a step pays once (multi-row
+                   attention, acceptance, on a GPU a larger captured graph)
+    """
+    step: float = 0.02
+    row: float = 0.002
+    draft_pass: float = 0.0
+    swap_byte: float = 0.0
+    pass_row: float = 0.0
+    prefill_row: float = 0.0
+    draft_row: float | None = None
+    drafting_step: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.draft_row is None:
+            self.draft_row = self.row
+
+    def values(self) -> tuple[float, ...]:
+        """The prices in `TERMS` order."""
+        return _prices_in_order(self)
+
+
+TERMS = [f.name for f in fields(Prices)]
+_prices_in_order = attrgetter(*TERMS)
+
+
+def step_counts(rows: int, depth: int, swap_bytes: int = 0, draft_tokens: int = 0,
+                prefill_tokens: int = 0, pass_rows: int | None = None) -> tuple[float, ...]:
+    """A step's count of each term, in `TERMS` order. rows: decode and verify rows besides the
+    drafts'; depth: the longest draft (one draft pass per position); pass_rows: rows in the draft
+    passes (default: one per draft)."""
+    return (1.0, float(rows), float(depth), float(swap_bytes),
+            float(draft_tokens if pass_rows is None else pass_rows), float(prefill_tokens),
+            float(draft_tokens), float(draft_tokens > 0))
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a x - b|| over x >= 0: Lawson and Hanson's active-set method (Solving Least Squares
+    Problems, 1974, ch. 23; what scipy.optimize.nnls implements). Every coefficient starts held
+    at 0. While a held one would lower the residual by growing (its gradient is positive), free the
+    steepest and solve least squares over the free ones; where that solution has a coefficient
+    <= 0, move from x towards it until the first free coefficient reaches 0, hold that one, and
+    solve again. At the end no held coefficient could grow: the optimum."""
+    m, n = a.shape
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 10 * max(m, n) * np.finfo(float).eps * np.abs(a).sum(axis=0).max() * np.abs(b).max()
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ x)
+        grows = ~free & (gradient > tol)
+        if not grows.any():
+            break
+        free[np.flatnonzero(grows)[np.argmax(gradient[grows])]] = True
+        while True:
+            s = np.zeros(n)
+            s[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (s[free] > 0).all():
+                break
+            out = np.flatnonzero(free & (s <= 0))
+            ratios = x[out] / (x[out] - s[out])
+            x += ratios.min() * (s - x)
+            x[out[ratios.argmin()]] = 0.0
+            free &= x > 0
+            x[~free] = 0.0
+        x = s
+    return x
+
+
+def nonneg_least_squares(x: np.ndarray, y: np.ndarray, free_intercept: bool) -> np.ndarray:
+    """argmin ||x c - y|| over c >= 0 (`nnls`), columns scaled to 1 first (swap bytes run to 1e8
+    beside 0/1 indicators). With free_intercept the first column must be ones and its coefficient
+    may go negative: the other columns are centred (which takes the intercept out of the problem),
+    fitted, and the intercept is what their means leave."""
+    if free_intercept:
+        mean_x, mean_y = x[:, 1:].mean(axis=0), y.mean()
+        rest = nonneg_least_squares(x[:, 1:] - mean_x, y - mean_y, False)
+        return np.concatenate([[mean_y - mean_x @ rest], rest])
+    if x.shape[1] == 0:
+        return np.zeros(0)
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(x / scale, y) / scale
 
 
 class CostModel:
-    """Step time ~ c0 + c1 * rows + c2 * max_draft_len + c3 * swap_bytes + c4 * pass_rows
-    + c5 * prefill_tokens + c6 * draft_tokens + c7 * [draft_tokens > 0], refitted from recent
-    steps (columns as in the module docstring). The callers' num_tokens counts the rows of decodes
-    and verification, drafts included; draft_tokens the drafts alone; prefill_tokens the rows of
-    prompt chunks. A drafter that runs the model (lossy_kv, layer_skip) also pays a row in each
-    draft pass (c4, fitted on the passes it reports). swap_bytes: full-KV bytes staged host ->
-    device for verification (VeriCache); 0 elsewhere. A step's swap does not depend on its draft
-    lengths, but it raises the price of the step they share, which makes drafts worth more: the
-    controller sees it through the goodput ratio. Until steps with drafts are seen, c6 follows c1
-    (a draft's verify row priced as a row)."""
+    """Step time = prices . step_counts(...), refitted from recent steps. Arguments: `Prices`'s.
 
-    def __init__(self, c0: float = 0.02, c1: float = 0.002, c2: float = 0.0, c3: float = 0.0,
-                 c4: float = 0.0, c5: float = 0.0, c6: float | None = None, c7: float = 0.0,
-                 window: int = 256):
-        self.coef = np.array([c0, c1, c2, c3, c4, c5, c1 if c6 is None else c6, c7])
-        self.samples: deque[tuple[float, ...]] = deque(maxlen=window)
+    The callers' num_tokens counts the rows of decodes and verification, drafts included;
+    draft_tokens the drafts alone; prefill_tokens the rows of prompt chunks. A step's swap does
+    not depend on its draft lengths, but it raises the price of the step they share, which makes
+    drafts worth more: the controller sees it through the goodput ratio.
+
+    The fit: non-negative least squares over the recent steps, on the terms whose counts varied
+    (the others keep their price); the per-step price is the intercept, left free and floored at
+    1e-6 s. A drafter that runs the model reports each draft pass (rows, seconds): the passes
+    alone then fit draft_pass + pass_row x rows (the step-level fit cannot tell them apart when
+    every request drafts the same k, and confuses their scale with prefill steps and long
+    contexts), and the rest of the step fits the other prices."""
+
+    def __init__(self, *prices: float, window: int = 256, **named: float):
+        self.prices = Prices(*prices, **named)
+        self.samples: deque[tuple[float, ...]] = deque(maxlen=window)   # TERMS' counts, seconds
+        self.passes: deque[tuple[float, float]] = deque(maxlen=window)  # (rows, seconds)
         self.unfitted = 0                           # samples observed since the last fit
         self.unfitted_s = 0.0                       # their steps' seconds
         self.fit_s = 0.0                            # what the last fit took
         self.clock = time.perf_counter
-        # (rows, seconds) per draft pass
-        self.passes: deque[tuple[float, float]] = deque(maxlen=window)
+
+    @property
+    def coef(self) -> np.ndarray:
+        """The prices in `TERMS` order (read-only: set prices by name)."""
+        out = np.array(self.prices.values())
+        out.flags.writeable = False
+        return out
 
     def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0,
                 draft_tokens: int = 0, prefill_tokens: int = 0) -> float:
-        return float(self.coef @ np.array([1.0, num_tokens - draft_tokens, max_draft_len,
-                                           swap_bytes, draft_tokens, prefill_tokens,
-                                           draft_tokens, float(draft_tokens > 0)]))
+        counts = step_counts(num_tokens - draft_tokens, max_draft_len, swap_bytes, draft_tokens,
+                             prefill_tokens)
+        return sum(map(mul, self.prices.values(), counts))
 
     def draft_price(self) -> float:
         """What one more draft adds at a fixed depth: its draft row and its verify row."""
-        return float(self.coef[4] + self.coef[6])
+        return self.prices.pass_row + self.prices.draft_row
 
     def step_price(self) -> float:
         """What a step verifying any draft pays once, besides its drafts and passes."""
-        return float(self.coef[7])
+        return self.prices.drafting_step
 
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
                 draft_tokens: int = 0, draft_passes: list[tuple[int, float]] | None = None,
                 prefill_tokens: int = 0) -> None:
         """draft_passes: (rows, seconds) of each draft forward the step ran, where the drafter
-        reports them. Then the passes alone fit c2 (per pass) and c4 (per row): a pass of r rows
-        costs c2 + c4 * r, which the step-level fit cannot separate when every request drafts the
-        same k (max_k and drafts move together) and whose scale it confuses with prefill steps and
-        long contexts. The rest of the step (verify, sampling, cache upkeep) then fits the other
-        coefficients with c2, c4 fixed. Without passes c4 keeps its value (0: no draft rows)."""
+        reports them: they fit the pass prices, and leave the step with depth and pass rows 0."""
         self.unfitted += 1
         self.unfitted_s += seconds
         if draft_passes:
             self.passes.extend((float(r), float(s)) for r, s in draft_passes)
             self._fit_passes()
             seconds = max(seconds - sum(s for _, s in draft_passes), 0.0)
-            max_draft_len = 0                         # priced by the pass fit: held at zero
-        self.samples.append((1.0, float(num_tokens - draft_tokens), float(max_draft_len),
-                             float(swap_bytes), 0.0, float(prefill_tokens), float(draft_tokens),
-                             float(draft_tokens > 0), seconds))
-        # refit every 4 steps or more, when the fits have taken at most FIT_SHARE of the steps'
-        # time since the last one: about every 0.5-0.7 s of steps, a dozen of the CPU's ~40-60
-        # ms at 8 requests, a few hundred of a GPU's 2-3 ms (refits every 4 to 16 steps took
-        # ~0.2 ms a GPU step, more than the choice they steer could win back: docs/BENCHMARKS.md
-        # §7.5, §7.6; at 1% a CPU step at 8 requests still paid ~0.3 ms: §9.13)
+            max_draft_len = 0
+        counts = step_counts(num_tokens - draft_tokens, max_draft_len, swap_bytes, draft_tokens,
+                             prefill_tokens, pass_rows=0)
+        self.samples.append((*counts, seconds))
+        # refit every 4 steps or more, once the fits have taken at most FIT_SHARE of the steps'
+        # time since the last one
         if (len(self.samples) >= 8 and self.unfitted >= 4
                 and self.fit_s <= FIT_SHARE * self.unfitted_s):
             start = self.clock()
@@ -127,56 +207,31 @@ class CostModel:
             self.unfitted, self.unfitted_s = 0, 0.0
 
     def _fit_passes(self) -> None:
-        """c2 + c4 * rows over the recent draft passes, both >= 0 (NNLS on two columns)."""
+        """draft_pass + pass_row x rows over the recent draft passes, both >= 0. Passes that all had
+        the same rows price the pass alone."""
         if len(self.passes) < 4:
             return
         rows, secs = np.array(self.passes).T
         if np.ptp(rows) > 0:
-            (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], 1), secs, rcond=None)
+            per_pass, per_row = nonneg_least_squares(np.stack([np.ones_like(rows), rows], 1),
+                                                     secs, free_intercept=False)
         else:
-            a, b = -1.0, 0.0
-        if a < 0 or b < 0:                           # the better of the two one-column fits
-            a_only = (float(secs.mean()), 0.0)
-            b_only = (0.0, float(rows @ secs / (rows @ rows)))
-            a, b = min(a_only, b_only,
-                       key=lambda ab: float(np.sum((ab[0] + ab[1] * rows - secs) ** 2)))
-        self.coef[2], self.coef[4] = a, b
+            per_pass, per_row = secs.mean(), 0.0
+        self.prices.draft_pass, self.prices.pass_row = float(per_pass), float(per_row)
 
     def fit(self) -> None:
-        """Non-negative least squares over the regressors that varied (the others keep their value).
-
-        Exact NNLS by enumeration (eight coefficients): every subset of the free columns that keeps
-        the intercept is solved, solutions with a negative coefficient are discarded, the smallest
-        residual wins and, on a tie, the smaller subset (then the first in enumeration order).
-        Clamping an unconstrained solution is wrong when columns are collinear: at batch 1 with an
-        n-gram drafter, tokens = 1 + max_k exactly, and a split like c1 = 9 ms, c2 = -8.7 ms
-        clamped to c2 = 0 prices each draft token 30x too high.
-        """
+        """The step prices from the samples (the class docstring)."""
         data = np.array(self.samples)
-        n = len(self.coef)
-        x, y = data[:, :n], data[:, n]
-        free = [0] + [j for j in range(1, n) if np.ptp(x[:, j]) > 0]
-        fixed = [j for j in range(n) if j not in free]
-        target = y - x[:, fixed] @ self.coef[fixed]
-        # every subset at once, through the normal equations of the columns scaled to 1 (swap
-        # bytes run to 1e8 beside indicators): one batched pseudo-inverse, not a least-squares
-        # call per subset (1.3 against 4.4 ms a fit on the AVX2 host)
-        scale = np.abs(x[:, free]).max(axis=0)
-        xs = x[:, free] / scale
-        gram, moment = xs.T @ xs, xs.T @ target
-        masks = (np.arange(1 << (len(free) - 1))[:, None] >> np.arange(len(free) - 1)) & 1
-        keep = np.concatenate([np.ones((len(masks), 1)), masks], axis=1)     # intercept always
-        coef = np.einsum("mij,mj->mi", np.linalg.pinv(gram * keep[:, :, None] * keep[:, None, :]),
-                         moment * keep) * keep           # exact zeros where left out (not -1e-16)
-        resid = (target @ target - 2 * coef @ moment
-                 + np.einsum("mi,ij,mj->m", coef, gram, coef))
-        ok = ~(coef[:, 1:] < 0).any(axis=1)           # the intercept alone always qualifies
-        order = np.lexsort((np.arange(len(masks)), keep.sum(axis=1), np.round(resid, 12)))
-        best = order[ok[order]][0]
-        self.coef[free] = coef[best] / scale            # 0 where the best subset left a column
-        self.coef[0] = max(self.coef[0], 1e-6)
-        if 6 not in free:               # no drafts in the window: a draft's row priced as a row
-            self.coef[6] = self.coef[1]
+        counts, seconds = data[:, :-1], data[:, -1]
+        prices = np.array(self.prices.values())
+        varied = np.ptp(counts, axis=0) > 0
+        varied[0] = True                                  # the per-step price: the intercept
+        rest = seconds - counts[:, ~varied] @ prices[~varied]
+        prices[varied] = nonneg_least_squares(counts[:, varied], rest, free_intercept=True)
+        prices[0] = max(prices[0], 1e-6)
+        self.prices = Prices(*prices.tolist())
+        if not varied[TERMS.index("draft_row")]:           # no drafts seen: priced as a row
+            self.prices.draft_row = self.prices.row
 
 
 class DraftLengthController:
@@ -186,12 +241,11 @@ class DraftLengthController:
         self.k_max, self.ema, self.probe_every = k_max, ema, probe_every
         self.margin = margin
         self.longest_interval = probe_every * probe_backoff
-        # steps in a row given k = 0
-        self.idle: dict[str, int] = {}
+        self.idle: dict[str, int] = {}                  # steps in a row given k = 0
         self.interval: dict[str, int] = {}              # a request's probe interval (backed off)
         self.probing: set[str] = set()                  # probed this step, outcome not yet seen
-        self.depth: dict[str, int] = {}                                  # positions observed so far
-        self.prior = np.full(k_max, prior)                               # engine-wide p_i
+        self.depth: dict[str, int] = {}                 # positions observed so far
+        self.prior = np.full(k_max, prior)              # engine-wide p_i
         self.accept: dict[str, np.ndarray] = {}
         self.cost = cost or CostModel()
 
@@ -282,59 +336,49 @@ class DraftLengthController:
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
                   swap_bytes: int = 0, prefill_tokens: int = 0,
                   probs: np.ndarray | None = None) -> list[int]:
-        """For each depth d (the batch's longest draft: what the c2 term prices), give drafts in
-        order of marginal value, P(all drafts up to it accepted), each request at most d, while
-        goodput rises; keep the best depth. With the depth fixed the marginal values only fall and
-        the goodput bar only rises, so stopping at the first loss is exact for that depth. One
-        greedy pass over all depths at once would be myopic where a step pays for drafting once
-        (c7, and c2 > 0 per pass: lossy_kv, layer_skip): the batch's first draft pays it alone and
-        looks like a loss, while k = 1 for every request shares it. It runs on every step's
-        critical path: what decides that nothing pays comes first, from one number per request;
-        `_greedy` searches the rest."""
+        """The drafts of the best goodput (`_search`), against a bar of no draft raised by the
+        margin. It runs on every step's critical path: what decides that nothing pays comes
+        first, from one number per request.
+
+        Every set of m drafts at depth d has goodput (n + S) / (base_d + price * m), S the sum of
+        their values and base_d = base_0 + drafting_step + draft_pass * d the step before its
+        drafts. Nothing pays when
+        - the most valuable draft g (some request's first: a chain's value only falls) has
+          g / price below the bar: the goodput is a mediant of n / base_d (below n / base_0) and
+          S / (price * m) (at most g / price); or
+        - at d = 1 and at the deepest d, (n + d * F) / base_d is below the bar, F the sum of first
+          probabilities (no value in a chain exceeds its first; the bound is monotone in d): the
+          once-per-step prices are more than every draft together could win."""
         n = len(request_ids)
         limits = [min(c, self.k_max) for c in caps]
         most = max(limits, default=0)
         if most <= 0:
             return [0] * n
-        # a step's predicted time at depth d >= 1 before its drafts: base_d = base_0 + c7 + c2 * d
         base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
-        # whether any draft can pay, from one number per request (the usual case under load,
-        # decided without the arrays): every set of drafts at depth d has goodput
-        # (n + S) / (base_d + price * m), S the sum of its m values
-        # - a mediant of n / base_d <= n / base_0 and S / (price * m) <= g / price, g the most
-        #   valuable draft (some request's first: P(all drafts so far accepted) only falls along
-        #   a chain), so it beats n / base_0 only if g / price does;
-        # - at most (n + d * F) / base_d, F the sum of first probabilities (no chain value
-        #   exceeds its first), monotone in d: where it loses at d = 1 and at the deepest d, the
-        #   per-step costs (c7, c2 * d) are more than every draft together could win
-        # (both against the bar: n / base_0 raised by the margin)
         firsts = [self.first_prob(r) if probs is None else float(probs[i, 0])
                   for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0]
         price, step = self.cost.draft_price(), self.cost.step_price()
-        per_pass = float(self.cost.coef[2])
+        per_pass = self.cost.prices.draft_pass
         bar = (1.0 + self.margin) * n
         if max(firsts) * base0 <= bar * price:
             return [0] * n
         total = sum(firsts)
         if all((n + d * total) * base0 <= bar * (base0 + step + per_pass * d) for d in (1, most)):
             return [0] * n
-        best = bar / base0
-        if per_pass == 0 or sum(limits) * most <= PYTHON_SEARCH:
-            return self._greedy(request_ids, limits, probs, base0 + step, per_pass, price, best)
-        return self._greedy_arrays(request_ids, limits, probs, base0 + step, per_pass, price,
-                                   best)
+        return self._search(request_ids, limits, probs, base0 + step, per_pass, price,
+                            bar / base0)
 
-    def _greedy(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
+    def _search(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
                 base: float, per_pass: float, price: float, best: float) -> list[int]:
-        """`_allocate`'s search: the candidate drafts in order of value (then position, then
-        request), and for each depth d a greedy over those at positions < d on a step of
-        base + per_pass * d; a depth counts where one of its drafts at position d - 1 is taken,
-        and the depth of the highest goodput wins (the first on a tie) where it beats `best`
-        (else no draft). Where no cost grows with depth (per_pass = 0) the deepest depth's
-        candidates hold every other's, and its greedy alone decides (what it takes is what the
-        shallowest depth reaching it would take). Plain Python: a few dozen candidates on every
-        step's critical path, where numpy's per-call overhead made a vectorised search several
-        times slower (docs/BENCHMARKS.md §9.13)."""
+        """The candidate drafts in order of value (then position, then request), and for each
+        depth d a greedy over those at positions < d on a step of base + per_pass * d: take the
+        next while goodput rises (with the depth fixed, values only fall and the bar only rises,
+        so stopping at the first loss is exact for that depth). A depth counts where one of its
+        drafts at position d - 1 is taken; the depth of the highest goodput wins (the first on a
+        tie) where it beats `best` (else no draft). Searching depth by depth matters where a step
+        pays for drafting once: the batch's first draft alone looks like a loss, while k = 1 for
+        every request shares the pass. Where no price grows with depth (draft_pass = 0) the
+        deepest depth's candidates hold every other's, and its greedy alone decides."""
         n = len(request_ids)
         candidates = []
         for i, (r, k) in enumerate(zip(request_ids, limits)):
@@ -362,49 +406,3 @@ class DraftLengthController:
             if taken and reached and goodput > best:
                 best, chosen = goodput, ks
         return chosen
-
-    def _greedy_arrays(self, request_ids: list[str], limits: list[int],
-                       probs: np.ndarray | None, base: float, per_pass: float, price: float,
-                       best: float) -> list[int]:
-        """`_greedy` vectorised over every depth and candidate at once: where there are many
-        (64 requests drafting 8 with a per-pass cost: 0.5 against 1 ms in Python)."""
-        n = len(request_ids)
-        most = max(limits)
-        if probs is None:
-            probs = np.stack([self.probs(r) for r in request_ids])
-        chain = np.cumprod(probs, axis=1)                                            # [n, k_max]
-        limits = np.asarray(limits, dtype=np.int64)
-        valid = (np.arange(self.k_max)[None, :] < limits[:, None]) & (chain > 0)
-        if not valid.any():
-            return [0] * n
-        req, pos = np.nonzero(valid)
-        gain = chain[req, pos]
-        # by value; a request's drafts stay in position order
-        order = np.lexsort((req, pos, -gain))
-        req, pos, gain = req[order], pos[order], gain[order]
-        depths = np.arange(1, most + 1)
-        base = base + per_pass * depths
-        # every depth at once: row d-1 takes the candidates of position < d, in value order
-        take = pos[None, :] < depths[:, None]                                  # [depths, cands]
-        counts = np.cumsum(take, axis=1)
-        goodput = ((n + np.cumsum(np.where(take, gain, 0.0), axis=1))
-                   / (base[:, None] + price * counts))
-        # each taken candidate against the goodput before it (the depth's last taken, or none)
-        cand = np.arange(len(gain))
-        last = np.maximum.accumulate(np.where(take, cand, -1), axis=1)
-        before = np.concatenate([np.full((len(depths), 1), -1), last[:, :-1]], axis=1)
-        previous = np.where(before >= 0, np.take_along_axis(goodput, before.clip(0), axis=1),
-                            (n / base)[:, None])
-        loss = take & ~(goodput > previous)
-        # the greedy stops at the first loss: candidates before it are taken
-        cutoff = np.where(loss.any(axis=1), loss.argmax(axis=1), len(gain))
-        taken = take & (cand[None, :] < cutoff[:, None])
-        # a depth counts where it is reached (some request's draft at position d - 1 is taken);
-        # its value is the goodput after its last taken draft; the first best depth wins
-        reached = (taken & (pos[None, :] == depths[:, None] - 1)).any(axis=1)
-        last_taken = len(gain) - 1 - taken[:, ::-1].argmax(axis=1)
-        value = np.where(reached, goodput[depths - 1, last_taken], -np.inf)
-        d = int(value.argmax())
-        if not value[d] > best:
-            return [0] * n
-        return np.bincount(req[taken[d]], minlength=n).tolist()

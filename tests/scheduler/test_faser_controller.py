@@ -2,7 +2,6 @@
 import numpy as np
 import pytest
 
-from specserve.scheduler import faser
 from specserve.scheduler.faser import FIT_SHARE, MARGIN, CostModel, DraftLengthController
 
 
@@ -75,7 +74,7 @@ def test_collinear_batch_one_samples_do_not_inflate_the_token_price():
     """Batch 1, n-gram drafts: tokens = 1 + max_k in every sample. The fit must stay non-negative
     and predictive (a clamped unconstrained split once priced a draft token 30x too high: k fell to
     0)."""
-    model = CostModel(c2=0.001)
+    model = CostModel(draft_pass=0.001)
     rng = np.random.default_rng(1)
     for _ in range(64):
         k = int(rng.integers(0, 9))
@@ -246,8 +245,8 @@ def test_a_step_that_verifies_drafts_pays_once_for_it():
         secs = (truth["c0"] + truth["c1"] * batch + truth["c6"] * drafts
                 + truth["c7"] * (drafts > 0) + rng.normal(0, 1e-5))
         model.observe(batch + drafts, min(drafts, 4), secs, draft_tokens=drafts)
-    assert abs(model.coef[1] - 0.004) < 1e-4 and abs(model.coef[6] - 0.0013) < 1e-4
-    assert abs(model.step_price() - 0.0037) < 2e-4 and model.coef[2] < 1e-4
+    assert abs(model.prices.row - 0.004) < 1e-4 and abs(model.prices.draft_row - 0.0013) < 1e-4
+    assert abs(model.step_price() - 0.0037) < 2e-4 and model.prices.draft_pass < 1e-4
     ids = [f"r{i}" for i in range(8)]
     ctl = DraftLengthController(4, cost=model, margin=0.0)     # the prices alone decide
     for r in ids:
@@ -257,7 +256,7 @@ def test_a_step_that_verifies_drafts_pays_once_for_it():
     assert ctl.choose(ids, [4] + [0] * 7, 8)[0] >= 3
     # one price per draft and none per step: a probe's fit on this loop read ~3 ms a draft, and
     # the lone single draft looked worth it
-    one_price = DraftLengthController(4, cost=CostModel(0.0005, 0.004, c6=0.003), margin=0.0)
+    one_price = DraftLengthController(4, cost=CostModel(0.0005, 0.004, draft_row=0.003), margin=0.0)
     for r in ids:
         one_price.accept[r] = np.full(4, 0.8)
     assert one_price.choose(ids, [1] + [0] * 7, 8)[0] == 1
@@ -296,7 +295,7 @@ def test_no_probe_where_even_certain_acceptance_cannot_pay():
     for r in ids:
         teach(ctl, r, 0.0)
     assert all(max(ctl.choose(ids, [8] * 4, 4)) == 0 for _ in range(4 * ctl.probe_every))
-    ctl.cost.coef[2] = 0.001
+    ctl.cost.prices.draft_pass = 0.001
     ks = [ctl.choose(ids, [8] * 4, 4) for _ in range(ctl.probe_every)]
     assert sum(map(max, ks)) >= 1
 
@@ -306,7 +305,7 @@ def test_drafts_must_promise_the_margin():
     against 8 for 32.5 (+1.6%): taken at no margin, refused at the default one (3%: what the
     model leaves out, the controller's own time and its optimism); at 90% acceptance (+8.6%)
     taken at both."""
-    model = CostModel(0.0005, 0.004, c6=0.0013, c7=0.0037)
+    model = CostModel(0.0005, 0.004, draft_row=0.0013, drafting_step=0.0037)
     ids = [f"r{i}" for i in range(8)]
     caps = [4] + [0] * 7
     for p, taken in ((0.8, (True, False)), (0.9, (True, True))):
@@ -318,7 +317,7 @@ def test_drafts_must_promise_the_margin():
 
 
 def _greedy_allocation(ctl, ids, caps, other, swap):
-    """The allocation written plainly, one draft at a time (what both searches must equal)."""
+    """The allocation written plainly, one draft at a time (what the search must equal)."""
     drafts = []
     for i, r in enumerate(ids):
         chain = np.cumprod(ctl.probs(r)[:min(caps[i], ctl.k_max)])
@@ -355,11 +354,8 @@ def _random_batch(rng, coef, most):
     return ctl, ids, caps, int(rng.integers(n, 3 * n))
 
 
-@pytest.mark.parametrize("python_search", [0, 10**9])
-def test_allocation_equals_the_plain_greedy(monkeypatch, python_search):
-    """Both searches (plain Python and numpy over every depth at once) against the greedy
-    written one draft at a time."""
-    monkeypatch.setattr(faser, "PYTHON_SEARCH", python_search)
+def test_allocation_equals_the_plain_greedy():
+    """The search against the greedy written one draft at a time."""
     rng = np.random.default_rng(4)
     for _ in range(500):
         coef = [rng.uniform(0.001, 0.3), rng.uniform(0, 0.01),
@@ -383,7 +379,7 @@ def test_the_flat_allocation_equals_the_allocation_over_depths():
                 rng.choice([0.0, rng.uniform(0, 0.05)])]
         ctl, ids, caps, other = _random_batch(rng, coef, 40)
         flat = ctl._allocate(ids, caps, other)
-        ctl.cost.coef[2] = 1e-300
+        ctl.cost.prices.draft_pass = 1e-300
         assert ctl._allocate(ids, caps, other) == flat
 
 
@@ -399,15 +395,16 @@ def test_nothing_pays_is_decided_without_the_arrays(monkeypatch):
     def no_arrays(request_id):
         raise AssertionError("the per-request arrays were built")
 
-    dear_pass = DraftLengthController(8, cost=CostModel(0.0014, 0.00008, 0.0027, c5=0.00016))
-    dear_row = DraftLengthController(8, cost=CostModel(0.02, 0.002, c6=0.01))
+    dear_pass = DraftLengthController(8, cost=CostModel(0.0014, 0.00008, 0.0027,
+                                                        prefill_row=0.00016))
+    dear_row = DraftLengthController(8, cost=CostModel(0.02, 0.002, draft_row=0.01))
     for ctl in (dear_pass, dear_row):
         for r in ids:
             ctl.observe(r, 1, 0)
         assert ctl.first_prob("r0") == pytest.approx(0.42)
         monkeypatch.setattr(ctl, "probs", no_arrays)
         assert ctl._allocate(ids, [8] * 8, 8) == [0] * 8
-    cheap = DraftLengthController(8, cost=CostModel(0.0014, 0.00008, 0.0001, c5=0.00016))
+    cheap = DraftLengthController(8, cost=CostModel(0.0014, 0.00008, 0.0001, prefill_row=0.00016))
     for r in ids:
         cheap.observe(r, 1, 0)
     monkeypatch.setattr(cheap, "probs", no_arrays)
@@ -429,10 +426,10 @@ def test_measured_draft_passes_price_passes_apart_from_the_rest_of_the_step():
         rest = 0.050 + 0.001 * batch * (k + 1)
         model.observe(batch * (k + 1), k, rest + sum(s for _, s in passes), draft_tokens=batch * k,
                       draft_passes=passes)
-    assert abs(model.coef[2] - 0.030) < 1e-3 and abs(model.coef[4] - 0.002) < 2e-4
+    assert abs(model.prices.draft_pass - 0.030) < 1e-3 and abs(model.prices.pass_row - 0.002) < 2e-4
     # a single request drafting 8: eight 1-row passes, 8 * 32 ms, not a share of the batch's passes
     assert abs(model.predict(9, 8, draft_tokens=8) - model.predict(1, 0)
-               - 8 * 0.032 - 8 * model.coef[6]) < 1e-3
+               - 8 * 0.032 - 8 * model.prices.draft_row) < 1e-3
 
 
 def test_pass_fit_stays_non_negative():
@@ -440,7 +437,7 @@ def test_pass_fit_stays_non_negative():
     # faster with more rows: noise
     for rows, secs in [(1, 0.05), (2, 0.04), (4, 0.03), (8, 0.02)] * 2:
         model.observe(rows * 2, 1, secs + 0.01, draft_tokens=rows, draft_passes=[(rows, secs)])
-    assert model.coef[2] > 0 and model.coef[4] == 0.0
+    assert model.prices.draft_pass > 0 and model.prices.pass_row == 0.0
 
 
 @pytest.mark.parametrize("step_s, gap", [(0.06, 12), (0.0021, 318), (1.0, 4)])
@@ -459,10 +456,10 @@ def test_refits_once_the_fits_have_taken_their_share_of_the_steps_time(monkeypat
     assert fits == [min(8 + gap * i, 256) for i in range(1 + (1200 - 8) // gap)]
 
 
-def test_the_enumerated_fit_equals_scipy_nnls():
-    """The fit solves every subset of columns at once through scaled normal equations: on noisy
-    steps whose true prices include zeros (the unconstrained fit would go negative there) it must
-    land where a textbook NNLS does."""
+def test_the_fit_equals_scipy_nnls_over_every_column():
+    """The fit leaves the per-step price free (centred columns): on noisy steps whose true prices
+    include zeros (the unconstrained fit would go negative there) it must land where a textbook
+    NNLS over every column, the intercept's included, does."""
     from scipy.optimize import nnls
     rng = np.random.default_rng(7)
     for trial in range(20):
