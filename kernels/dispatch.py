@@ -42,7 +42,6 @@ OPS = {
     "spherical_encode": "spherical_encode",
     "spherical_decode": "spherical_encode",
     "spherical_attention": "spherical_attention",
-    "rejection_sample": "rejection_sample",
 }
 
 

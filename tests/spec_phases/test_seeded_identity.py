@@ -19,6 +19,13 @@ DRAFTERS = {
                                          prompt_lookup_min=1, prompt_lookup_max=3, frontier_size=2),
 }
 
+# Drafts accepted over the whole run at least: seeded sampling on the fixed tiny model makes every
+# drafter deterministic on these prompts (measured 39 of 107 drafted for ngram and 39 of 111 with
+# frontiers, 77 of 161 for token_recycling, 23 of 1456 for layer_skip, 125 of 1529 for lossy_kv);
+# the floors are about half of that, room for another host's float rounding
+MIN_ACCEPTED = {"ngram": 20, "token_recycling": 38, "layer_skip": 10, "lossy_kv": 60,
+                "ngram+frontiers": 20}
+
 
 def prompts():
     loop = [11, 12, 13, 14, 15] * 5                  # repetitive: drafts get accepted
@@ -51,9 +58,7 @@ def test_seeded_sampling_is_identical_with_speculation_on_and_off(make_engine, n
     plain, _, _ = generate(make_engine, None, seeds)
     spec, drafted, accepted = generate(make_engine, DRAFTERS[name], seeds)
     assert spec == plain
-    assert drafted > 0
-    if name in ("ngram", "ngram+frontiers"):
-        assert accepted > 0                           # drafts were accepted, not only rejected
+    assert drafted > 0 and accepted >= MIN_ACCEPTED[name]
 
 
 def test_different_seeds_give_different_texts(make_engine):
