@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.spec_phases.plan import ScheduledRequest, StepResult
-from specserve.spec_phases.verify import Verifier, accept
+from specserve.spec_phases.verify import (RowSpan, Verifier, accept, hidden_rows, per_span,
+                                          sample_starts)
 
 
 @dataclass
@@ -27,6 +28,11 @@ class Verifying:
     row_tokens: list[int] = field(default_factory=list)
     raw: list[torch.Tensor] = field(default_factory=list)     # raw logits per frontier
     tokens: list[int] | None = None           # accepted drafts + one token, once decided
+
+    def next_rows(self, count: int, hidden_start: int) -> RowSpan:
+        """Its next `count` verify rows (after those computed), at hidden_start in a forward."""
+        return RowSpan(self.req, self.drafts, len(self.row_tokens), count, hidden_start,
+                       self.uniforms)
 
     def decide(self) -> None:
         """Decided once a computed row disagrees with its draft, or the bonus row exists."""
@@ -56,12 +62,10 @@ class FrontierVerifier(Verifier):
         sampling = [(r, d) for r, d in zip(reqs, drafts) if r.sample]
         uniforms = self.sampler.uniforms([(r, len(d) + 1) for r, d in sampling])
         states = [Verifying(r, d, u) for (r, d), u in zip(sampling, uniforms)]
-        spans, end, it = [], 0, iter(states)
-        for r, d in zip(reqs, first):
-            end += r.num_new_tokens + len(d)
-            if r.sample:
-                spans.append((next(it), end - len(d) - 1, len(d) + 1))
-        pending = self._advance(hidden, spans)
+        counts = [len(d) + 1 for r, d in zip(reqs, first) if r.sample]
+        pending = self._advance(hidden, states, [
+            v.next_rows(n, start)
+            for v, n, start in zip(states, counts, sample_starts(reqs, first))])
         if pending and self.on_decided is not None:
             self.on_decided([v for v in states if v.tokens is not None])
         while pending:                                    # later frontiers: survivors only
@@ -71,32 +75,28 @@ class FrontierVerifier(Verifier):
                 [v.req.next_position + v.computed for v in pending],
                 [v.req.block_ids for v in pending])
             result.num_frontiers += 1
-            spans, at = [], 0
+            spans, start = [], 0
             for v, c in zip(pending, chunks):
-                spans.append((v, at, len(c)))
-                at += len(c)
-            pending = self._advance(hidden, spans)
+                spans.append(v.next_rows(len(c), start))
+                start += len(c)
+            pending = self._advance(hidden, pending, spans)
         for v in states:
             result.sampled[v.req.request_id] = self.sampled_tokens(
                 v.req, len(v.drafts), v.tokens, torch.cat(v.raw), num_computed=v.computed)
         return result
 
-    def _advance(self, hidden: torch.Tensor,
-                 spans: list[tuple[Verifying, int, int]]) -> list[Verifying]:
-        """spans: (request, first hidden row, rows) this forward computed. Returns the requests
-        that need their next frontier."""
+    def _advance(self, hidden: torch.Tensor, states: list[Verifying],
+                 spans: list[RowSpan]) -> list[Verifying]:
+        """spans[i]: the rows of states[i] this forward computed. Returns the requests that need
+        their next frontier."""
         if not spans:
             return []
-        idx = [first + j for _, first, n in spans for j in range(n)]
-        raw = self.runner.compute_logits(hidden[torch.tensor(idx, device=hidden.device)])
-        lo = [len(v.row_tokens) for v, _, _ in spans]
-        tokens = self.sample_rows(raw, [(v.req, v.drafts, a, n) for (v, _, n), a in zip(spans, lo)],
-                                  [v.uniforms for v, _, _ in spans])
-        at = 0
-        for v, _, n in spans:
-            v.row_tokens.extend(tokens[at:at + n])
-            v.raw.append(raw[at:at + n])
-            at += n
+        raw = self.runner.compute_logits(hidden[hidden_rows(spans, hidden.device)])
+        tokens = self.sample_rows(raw, spans)
+        for v, (_, raw_rows), (_, row_tokens) in zip(states, per_span(raw, spans),
+                                                      per_span(tokens, spans)):
+            v.row_tokens.extend(row_tokens)
+            v.raw.append(raw_rows)
             v.computed = len(v.row_tokens) - 1
             v.decide()
-        return [v for v, _, _ in spans if v.tokens is None]
+        return [v for v in states if v.tokens is None]

@@ -18,12 +18,49 @@ end of the prompt) and plain decoding is a verify pass with zero drafts: one pat
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
 import torch
 
 from specserve.spec_phases.plan import SampledTokens, ScheduledRequest, StepResult
 from specserve.spec_phases.proposers.base import Proposer
 from specserve.spec_phases.runner import ModelRunner
 from specserve.spec_phases.sampler import SampleRow, Sampler
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpan:
+    """A run of one sampling request's verify rows that one forward computed.
+
+    A request's verify row i is the target after its last token and drafts[:i]; row len(drafts) is
+    the bonus row. The run is rows first .. first + count - 1, and sits in the forward's hidden
+    states at hidden_start .. hidden_start + count - 1. uniforms: the request's uniforms for all its
+    rows (row i draws with uniforms[i])."""
+    req: ScheduledRequest
+    drafts: list[int]
+    first: int
+    count: int
+    hidden_start: int
+    uniforms: torch.Tensor
+
+    @property
+    def rows(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+def hidden_rows(spans: Sequence[RowSpan], device: torch.device) -> torch.Tensor:
+    """The hidden-state rows of the spans, span after span: the rows whose logits are computed."""
+    return torch.tensor([s.hidden_start + j for s in spans for j in range(s.count)],
+                        device=device)
+
+
+def per_span(rows, spans: Sequence[RowSpan]) -> Iterator[tuple[RowSpan, object]]:
+    """Cut `rows` (a tensor or list with one entry per row, span after span) into each span's."""
+    at = 0
+    for s in spans:
+        yield s, rows[at:at + s.count]
+        at += s.count
 
 
 class Verifier:
@@ -42,59 +79,51 @@ class Verifier:
                                      [r.block_ids for r in reqs])
         result = StepResult()
         self.runner.prompt_logprobs(reqs, drafts, hidden, result.prompt_logprobs)
-        spans, end = [], 0                     # (request, drafts, first row, rows) that sample
-        for r, d in zip(reqs, drafts):
-            end += r.num_new_tokens + len(d)
-            if r.sample:
-                spans.append((r, d, end - len(d) - 1, len(d) + 1))
-        if not spans:
+        sampling = [(r, d) for r, d in zip(reqs, drafts) if r.sample]
+        if not sampling:
             return result
-        rows = [first + j for _, _, first, n in spans for j in range(n)]
-        raw = self.runner.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        uniforms = self.sampler.uniforms([(r, len(d) + 1) for r, d, _, _ in spans])
-        tokens = self.sample_rows(raw, [(r, d, 0, n) for r, d, _, n in spans], uniforms)
-        at = 0
-        for r, d, _, n in spans:
-            out = accept(d, tokens[at:at + n])
-            result.sampled[r.request_id] = self.sampled_tokens(r, len(d), out, raw[at:at + n])
-            at += n
+        uniforms = self.sampler.uniforms([(r, len(d) + 1) for r, d in sampling])
+        spans = [RowSpan(r, d, 0, len(d) + 1, start, u)
+                 for (r, d), start, u in zip(sampling, sample_starts(reqs, drafts), uniforms)]
+        raw = self.runner.compute_logits(hidden[hidden_rows(spans, hidden.device)])
+        tokens = self.sample_rows(raw, spans)
+        for (s, raw_rows), (_, row_tokens) in zip(per_span(raw, spans), per_span(tokens, spans)):
+            out = accept(s.drafts, row_tokens)
+            result.sampled[s.req.request_id] = self.sampled_tokens(s.req, len(s.drafts), out,
+                                                                   raw_rows)
         return result
 
-    def sample_rows(self, raw: torch.Tensor, spans: list[tuple[ScheduledRequest, list[int], int,
-                    int]], uniforms: list[torch.Tensor]) -> list[int]:
-        """Raw logits of rows [lo, lo + n) of each (request, drafts, lo, n) -> the token each row
-        draws; uniforms[i] holds request i's uniforms for all its rows."""
+    def sample_rows(self, raw: torch.Tensor, spans: Sequence[RowSpan]) -> list[int]:
+        """Raw logits of the spans' rows, span after span -> the token each row draws."""
         sample_rows, inputs = [], []
-        for r, d, lo, n in spans:
-            for i in range(lo, lo + n):
-                sample_rows.append(self.row(r, d, i))
-                inputs.append(d[i - 1] if i else r.token_ids[-1])
+        for s in spans:
+            for i in s.rows:
+                sample_rows.append(self.row(s.req, s.drafts, i))
+                inputs.append(s.drafts[i - 1] if i else s.req.token_ids[-1])
         if self.observer is not None:
             self.observer.observe(torch.tensor(inputs), raw)
-        keep_raw = bool(self.masks) or any(r.params.logprobs is not None  # logprobs read raw
-                                           for r, _, _, _ in spans)
+        keep_raw = bool(self.masks) or any(s.req.params.logprobs is not None  # logprobs read raw
+                                           for s in spans)
         logits = self.sampler.process(raw.clone() if keep_raw else raw, sample_rows)
         if self.masks:
             self.apply_masks(logits, raw, spans)
-        u = torch.cat([us[lo:lo + n] for (_, _, lo, n), us in zip(spans, uniforms)])
+        u = torch.cat([s.uniforms[s.first:s.first + s.count] for s in spans])
         return self.sampler.sample(logits, sample_rows, u).tolist()
 
     def apply_masks(self, logits: torch.Tensor, raw: torch.Tensor,
-                    spans: list[tuple[ScheduledRequest, list[int], int, int]]) -> None:
+                    spans: Sequence[RowSpan]) -> None:
         """Forbidden tokens -> -inf in each constrained row. A row the processors had already
         emptied of every allowed token (min_tokens banning the EOS the grammar needs) keeps the
         grammar: its raw logits over the allowed tokens."""
-        at = 0
-        for r, _, lo, n in spans:
-            mask = self.masks.get(r.request_id)
+        for (s, rows), (_, raw_rows) in zip(per_span(logits, spans), per_span(raw, spans)):
+            mask = self.masks.get(s.req.request_id)
             if mask is not None:
-                allowed = mask[lo:lo + n].to(logits.device)
-                rows = logits[at:at + n].masked_fill(~allowed, float("-inf"))
-                dead = torch.isneginf(rows).all(dim=-1)
+                allowed = mask[s.first:s.first + s.count].to(logits.device)
+                masked = rows.masked_fill(~allowed, float("-inf"))
+                dead = torch.isneginf(masked).all(dim=-1)
                 if bool(dead.any()):
-                    rows[dead] = raw[at:at + n][dead].masked_fill(~allowed[dead], float("-inf"))
-                logits[at:at + n] = rows
-            at += n
+                    masked[dead] = raw_rows[dead].masked_fill(~allowed[dead], float("-inf"))
+                rows.copy_(masked)
 
     @staticmethod
     def row(r: ScheduledRequest, drafts: list[int], i: int) -> SampleRow:
@@ -122,3 +151,14 @@ def accept(drafts: list[int], row_tokens: list[int]) -> list[int]:
     while a < len(drafts) and drafts[a] == row_tokens[a]:
         a += 1
     return drafts[:a] + [row_tokens[a]]
+
+
+def sample_starts(reqs: Sequence[ScheduledRequest], drafts: Sequence[Sequence[int]]) -> list[int]:
+    """Where each sampling request's first verify row (after its last new token) sits in a forward
+    over every request's [new tokens + drafts], in order."""
+    starts, end = [], 0
+    for r, d in zip(reqs, drafts):
+        end += r.num_new_tokens + len(d)
+        if r.sample:
+            starts.append(end - len(d) - 1)
+    return starts

@@ -79,12 +79,13 @@ class DraftAttention:
         dk, dv, valid, width, pages = self.layers[layer]
         rows, col = q.shape[0], width + self.step
         dk[:rows, :, col], dv[:rows, :, col] = k, v
-        dense = get_op("batched_attention")(q, dk[:rows, :, :col + 1], dv[:rows, :, :col + 1],
-                                            self.comp.sm_scale,
-                                  valid[:rows, :col + 1])
+        dense = get_op("batched_attention", q.device.type)(
+            q, dk[:rows, :, :col + 1], dv[:rows, :, :col + 1], self.comp.sm_scale,
+            valid[:rows, :col + 1])
         if pages is None:
             return dense[0].to(q.dtype)
-        return get_op("merge_attention")([pages.attend(q, rows), dense])[0].to(q.dtype)
+        merge = get_op("merge_attention", q.device.type)
+        return merge([pages.attend(q, rows), dense])[0].to(q.dtype)
 
 
 class LossyKVProposer(Proposer):

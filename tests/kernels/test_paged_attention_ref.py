@@ -36,7 +36,7 @@ def test_mixed_batch_matches_dense_attention_per_request():
         query_start.append(query_start[-1] + num_q)
     q = torch.cat(q_parts)
     meta = PagedAttentionMetadata(query_start, [s[0] for s in shapes], tables, block_size)
-    out = get_op("paged_attention")(q, k_cache, v_cache, meta, dim ** -0.5)
+    out = get_op("paged_attention", "cpu")(q, k_cache, v_cache, meta, dim ** -0.5)
     for b, (length, num_q) in enumerate(shapes):
         slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size
                               for p in range(length)])
