@@ -13,7 +13,7 @@ side of the boundary; the server reaches the engine only through `server/engine_
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -140,10 +140,10 @@ class EngineClientProtocol(Protocol):
     @property
     def is_dead(self) -> bool: ...
 
-    def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def submit(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Raises EngineOverloadedError (queue full), EngineDeadError or ParamError (e.g. prompt too
-        long) before yielding anything. The iterator ends after the output with `finished=True`; a
-        consumer that stops early (client gone) must call `abort(request_id)`."""
+        long) before yielding anything. The generator ends after the output with `finished=True`;
+        a consumer that stops early (client gone) must call `abort(request_id)`, and closes it."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -1,8 +1,9 @@
 """The FastAPI app: routes, guards and error handlers around one engine client.
 
 `build_app(engine, tokenizer, settings)` takes any object with the engine methods (the real
-`AsyncEngine` or a test fake). Extra routers (e.g. `/metrics`) are passed in by whoever builds the
-app; they can read `app.state.serving` (the `ServingContext`) for the engine and settings.
+`AsyncEngine` or a test fake). Extra routers (`AppRouter`s, e.g. `/metrics`) are passed in by
+whoever builds the app; they can read `app.state.serving` (the `ServingContext`) for the engine
+and settings.
 """
 from __future__ import annotations
 
@@ -40,8 +41,16 @@ DOCS_ASSETS = "/docs-assets"          # Swagger UI and ReDoc, served from the fa
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+class AppRouter(APIRouter):
+    """A router mounted beside the OpenAI ones. `attach` is called once the app is built, after
+    the app's own middleware (e.g. to add an outermost HTTP middleware)."""
+
+    def attach(self, app: FastAPI) -> None:
+        pass
+
+
 def build_app(engine, tokenizer, settings: ServerSettings,
-              routers: Sequence[APIRouter] = ()) -> FastAPI:
+              routers: Sequence[AppRouter] = ()) -> FastAPI:
     app = FastAPI(title="specserve", version=VERSION,
                   description="OpenAI-compatible server (vLLM semantics) with speculative "
                               "decoding.", docs_url=None, redoc_url=None,
@@ -69,9 +78,7 @@ def build_app(engine, tokenizer, settings: ServerSettings,
                        allow_credentials=settings.cors_credentials)
     # e.g. /metrics: HTTP middleware (outermost), request trackers
     for router in routers:
-        attach = getattr(router, "attach", None)
-        if attach is not None:
-            attach(app)
+        router.attach(app)
     return app
 
 

@@ -8,10 +8,9 @@ how a client disconnect, a stop string or an error frees KV blocks within one en
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from specserve.scheduler.messages import (EngineDeadError, EngineOverloadedError, EngineRequest,
                                           ModelInfo, RequestOutput)
@@ -35,7 +34,8 @@ class RequestTimeout(Exception):
 
 
 class EngineClient:
-    """Wraps any object with the `EngineClientProtocol` methods (the real engine or a test fake)."""
+    """Wraps any object with the `EngineClientProtocol` methods (the real engine or a test fake):
+    all of them, `is_dead` and `shutdown` included."""
 
     def __init__(self, engine, request_timeout_s: float | None = None):
         self.engine = engine
@@ -51,14 +51,12 @@ class EngineClient:
 
     @property
     def is_dead(self) -> bool:
-        return bool(getattr(self.engine, "is_dead", False))
+        return self.engine.is_dead
 
-    async def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def submit(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
         outputs = self.engine.submit(request)
-        if inspect.isawaitable(outputs):          # `async def submit` returning an iterator
-            outputs = await outputs
         self.in_flight.add(request.request_id)
         return outputs
 
@@ -81,9 +79,7 @@ class EngineClient:
         return ChoiceStream(self, requests, tracker, deadline)
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.engine.shutdown()
 
 
 class ChoiceStream:
@@ -122,7 +118,7 @@ class ChoiceStream:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _pump(self, index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, index: int, outputs: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for output in outputs:
                 await self.queue.put((index, output))
@@ -134,12 +130,10 @@ class ChoiceStream:
         except BaseException as exc:
             await self.queue.put((index, exc))
         finally:
-            aclose = getattr(outputs, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except BaseException:
-                    pass
+            try:
+                await outputs.aclose()
+            except BaseException:
+                pass
         await self.queue.put((index, _END))
 
     def __aiter__(self):

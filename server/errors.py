@@ -134,7 +134,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "Method Not Allowed."
         else:
             message = str(exc.detail)
-        return error_response(status, message, None, getattr(exc, "headers", None))
+        return error_response(status, message, None, exc.headers)
 
     @app.exception_handler(EngineOverloadedError)
     async def _overloaded(_: Request, exc: EngineOverloadedError):

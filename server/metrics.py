@@ -1,9 +1,9 @@
 """`GET /metrics`: vLLM-compatible Prometheus exposition (metrics-and-deploy.md §1–3).
 
-`make_router(engine, settings)` is what `server/cli.py` mounts. The router carries an `attach(app)`
-that `build_app` calls once the app exists: it adds the HTTP middleware and hands the engine client
-a
-`RequestTracker` factory. Engine metrics come from `engine.on_step` (StepStats, engine thread).
+`make_router(engine, settings)` is what `server/cli.py` mounts: a `MetricsRouter`, whose
+`attach(app)` `build_app` calls once the app exists: it adds the HTTP middleware and hands the
+engine client a `RequestTracker` factory. Engine metrics come from `engine.on_step` (StepStats,
+engine thread).
 
 With `disable_log_stats` there are no `vllm:`/`specserve:` series and no log line; `/metrics` still
 answers, with the process, Python and HTTP series.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
                                PlatformCollector, ProcessCollector, Summary, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.responses import Response
 
 from specserve.scheduler.messages import EngineInfo
+from specserve.server.app import AppRouter
 from specserve.server.metrics_catalog import EngineMetrics, MetricLabels
 from specserve.server.metrics_recorders import RequestTracker, StepRecorder
 from specserve.server.settings import ServerSettings
@@ -133,7 +133,7 @@ class HttpMetricsMiddleware:
             await self.app(scope, receive_wrapper, send_wrapper)
         finally:
             route = scope.get("route")
-            handler = getattr(route, "path", None) or "none"
+            handler = (route.path if route is not None else "") or "none"
             if handler not in HTTP_EXCLUDED:
                 elapsed, method = time.perf_counter() - start, scope.get("method", "GET")
                 self.metrics.requests.labels(handler, method, f"{status[0] // 100}xx").inc()
@@ -143,18 +143,22 @@ class HttpMetricsMiddleware:
                 self.metrics.response_size.labels(handler).observe(size_out[0])
 
 
-def make_router(engine, settings: ServerSettings) -> APIRouter:
-    metrics = ServerMetrics(engine, settings)
-    router = APIRouter()
+class MetricsRouter(AppRouter):
+    """`GET /metrics`; attached, it adds the HTTP middleware and hands the engine client a
+    `RequestTracker` factory."""
 
-    @router.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics():
-        return Response(metrics.expose(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+    def __init__(self, engine, settings: ServerSettings):
+        super().__init__()
+        self.metrics = metrics = ServerMetrics(engine, settings)
 
-    def attach(app) -> None:
-        app.add_middleware(HttpMetricsMiddleware, metrics=metrics.http)
-        app.state.serving.client.tracker_factory = metrics.tracker
+        @self.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics():
+            return Response(metrics.expose(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
-    router.attach = attach
-    router.metrics = metrics
-    return router
+    def attach(self, app) -> None:
+        app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics.http)
+        app.state.serving.client.tracker_factory = self.metrics.tracker
+
+
+def make_router(engine, settings: ServerSettings) -> MetricsRouter:
+    return MetricsRouter(engine, settings)

@@ -346,7 +346,7 @@ def test_requests_refused_at_admission_are_rejections_not_finished_requests(tiny
     metrics = ServerMetrics(stand_in(tiny_core()), ServerSettings(served_model_names=("tiny",)))
 
     class Full:
-        model_info = None
+        model_info, is_dead = None, False
 
         def submit(self, request):
             raise EngineOverloadedError("queue full")
