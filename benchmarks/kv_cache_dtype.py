@@ -1,0 +1,141 @@
+"""Plain decoding at long context with the full KV cache in float32 (`auto` on CPU) and in bf16
+(`--kv-cache-dtype bfloat16`): a benchmark, not a test.
+
+One engine per setting, built once in this process; runs alternate between them (auto, bfloat16,
+auto, bfloat16, ...) so drift on a shared host lands on both. Each run: `concurrency` requests of
+`prompt-len` random tokens (fresh ones every run, prefix caching off), `output-len` greedy tokens
+each (ignore_eos). Reported per run: TTFT, TPOT (the mean gap between a request's tokens after
+its first, as vLLM's bench computes it; p50 over requests), output tokens/s over the run, and the
+decode steps' time in the one-call decoder's kernels (attention with the K/V write, linear,
+elementwise: `kernels/cpu/decoder.c` times them).
+
+    python benchmarks/kv_cache_dtype.py --prompt-len 2800 --output-len 64 --concurrency 1 \\
+        --rounds 2 --json benchmarks/results/cpu/kv-cache-dtype/c1.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from specserve.kernels.cpu import decoder as cpu_fused
+from specserve.scheduler.config import EngineConfig
+from specserve.scheduler.engine import EngineCore
+from specserve.scheduler.messages import EngineRequest
+from specserve.spec_phases.sampling_params import SamplingParams
+
+SECONDS = torch.zeros(3, dtype=torch.float64)        # decoder.c: linear, attention, elementwise
+_forward = cpu_fused.forward
+
+
+def timed_forward(*args, **kwargs):
+    kwargs.setdefault("seconds", SECONDS)
+    return _forward(*args, **kwargs)
+
+
+def run(core: EngineCore, tag: str, concurrency: int, prompt_len: int, output_len: int,
+        seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    vocab = core.worker.model_config.vocab_size
+    for i in range(concurrency):
+        ids = torch.randint(100, min(40000, vocab), (prompt_len,), generator=g).tolist()
+        core.add_request(EngineRequest(f"{tag}-{i}", ids, params))
+    start = time.perf_counter()
+    stamps: dict[str, list[float]] = {}
+    decode_s, decode_steps = 0.0, 0
+    kernels = torch.zeros(3, dtype=torch.float64)
+    while core.has_unfinished():
+        SECONDS.zero_()
+        t = time.perf_counter()
+        step = core.step()
+        now = time.perf_counter()
+        for out in step.outputs:
+            stamps.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
+        if step.stats.num_prompt_tokens == 0 and step.outputs:         # a pure decode step
+            decode_s += now - t
+            decode_steps += 1
+            kernels += SECONDS
+    elapsed = time.perf_counter() - start
+    core.check_integrity()
+    ttft = [s[0] - start for s in stamps.values()]
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps.values() if len(s) > 1]
+    tokens = sum(len(s) for s in stamps.values())
+    per_step = kernels / max(decode_steps, 1) * 1e3
+    return {"ttft_s_p50": round(statistics.median(ttft), 3),
+            "tpot_ms_p50": round(1e3 * statistics.median(tpot), 2),
+            "output_tokens_per_s": round(tokens / elapsed, 2),
+            "decode_step_ms": round(1e3 * decode_s / max(decode_steps, 1), 2),
+            "decode_step_attention_ms": round(float(per_step[1]), 2),
+            "decode_step_linear_ms": round(float(per_step[0]), 2),
+            "decode_step_elementwise_ms": round(float(per_step[2]), 2),
+            "seconds": round(elapsed, 2)}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return platform.processor() or "?"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "bfloat16"])
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=2800)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    cpu_fused.forward = timed_forward
+    cores = {}
+    for kv in args.kv_cache_dtype:
+        cores[kv] = EngineCore(EngineConfig(
+            model=args.model, dtype=args.dtype, device="cpu", kv_cache_dtype=kv,
+            kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.concurrency,
+            enable_prefix_caching=False))
+        run(cores[kv], f"warm-{kv}", args.concurrency, 64, 8, seed=999)     # builds the kernels
+    env = {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "dtype": args.dtype, "model": args.model or "embedded",
+           "prompt_len": args.prompt_len, "output_len": args.output_len,
+           "concurrency": args.concurrency,
+           "kv_bytes_per_token": {kv: c.engine_info.kv_bytes_per_token
+                                  for kv, c in cores.items()},
+           "num_blocks": {kv: c.worker.num_blocks for kv, c in cores.items()}}
+    print(json.dumps(env))
+    results = []
+    for r in range(args.rounds):
+        for i, (kv, core) in enumerate(cores.items()):
+            res = {"round": r + 1, "kv_cache_dtype": kv,
+                   **run(core, f"r{r}-{kv}", args.concurrency, args.prompt_len, args.output_len,
+                         seed=100 * r + i)}
+            results.append(res)
+            print(json.dumps(res), flush=True)
+    base = [x["tpot_ms_p50"] for x in results if x["kv_cache_dtype"] == args.kv_cache_dtype[0]]
+    for kv in args.kv_cache_dtype[1:]:
+        mine = [x["tpot_ms_p50"] for x in results if x["kv_cache_dtype"] == kv]
+        print(f"TPOT {kv} / {args.kv_cache_dtype[0]}: "
+              f"{statistics.mean(mine) / statistics.mean(base):.3f}")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
