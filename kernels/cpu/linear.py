@@ -27,10 +27,10 @@ Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-b
 Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
 LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6}
+ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8")     # layouts `weight_rows` reads back
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
 # (w = d * q + m, q in 0..63, d and m per 16 k; only the int8 form runs it)
-ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8")     # layouts `weight_rows` reads back
 GGUF_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q4_k": "q4_1", "q8_0": "q8_0", "q5_0": "u8",
                  "q5_1": "u8", "q5_k": "u8", "q6_k": "u8"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -261,11 +261,11 @@ def pack_q8_0(blocks: torch.Tensor, in_features: int, int8: bool = False) -> Pac
 
 
 def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of a C-packed weight (float32 or Q8_0 panels), exactly the (dequantized) weight's:
+    """Rows of a C-packed weight (`ROW_LAYOUTS`), exactly the (dequantized) weight's:
     [len(rows), in] (a tied embedding's lookup read from the packed LM head, so the matrix is held
     once)."""
     if packed.layout not in ROW_LAYOUTS:
-        raise ValueError(f"weight_rows reads float32 or Q8_0 panels, not {packed.layout}")
+        raise ValueError(f"weight_rows reads {ROW_LAYOUTS} panels, not {packed.layout}")
     rows = rows.to(torch.int64).contiguous()
     if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < packed.out_features):
         raise IndexError(f"weight rows out of range [0, {packed.out_features})")

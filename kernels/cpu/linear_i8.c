@@ -97,21 +97,32 @@ static void i8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *
         }
 }
 
-/* One block's finish into a (row, panel)'s 16 sums, as the header says; isum the block's int32
- * code sums (Q8_0: before the 128 * t correction). The same operations in every form. */
+/* One block's finish into a (row, panel)'s 16 sums, as the header says, in the same operations
+ * in every form. lo, hi: the block's int32 code sums (U8: of its first and second half; else
+ * two parts of one sum, Q8_0's before the 128 * t correction); i: the (row, block) index. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 typedef __m512 i8_tile_acc;
 #define I8_MANY_ROWS I8_TILE      /* rows of a tile where rows share it (else one panel) */
 #define I8_ONE_ROW_PANELS 4       /* panels of a one-row tile */
 
-static inline __m512 i8_finish(const uint8_t *blk, int layout, __m512i isum, float e, float et,
-                               int32_t t, __m512 acc) {
+static inline __m512 i8_finish(const uint8_t *blk, int layout, __m512i lo, __m512i hi,
+                               const struct i8_rows *a, int64_t i, __m512 acc) {
+    const __m512 e = _mm512_set1_ps(a->e[i]);
+    if (layout == U8_I8) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk), _mm512_mul_ps(_mm512_cvtepi32_ps(lo), e), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk + 2 * SCALES), _mm512_set1_ps(a->eth[2 * i]),
+                              acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk + SCALES),
+                              _mm512_mul_ps(_mm512_cvtepi32_ps(hi), e), acc);
+        return _mm512_fmadd_ps(_mm512_loadu_ps(blk + 3 * SCALES),
+                               _mm512_set1_ps(a->eth[2 * i + 1]), acc);
+    }
+    __m512i isum = _mm512_add_epi32(lo, hi);
     if (layout == Q8_0_I8)
-        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * t));
-    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(e));
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk), s, acc);
+        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a->t[i]));
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), e), acc);
     if (layout == Q4_1_I8)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk + SCALES), _mm512_set1_ps(et), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(blk + SCALES), _mm512_set1_ps(a->et[i]), acc);
     return acc;
 }
 
@@ -162,28 +173,11 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
                 }
             }
         }
-        for (int r = 0; r < MR; r++) {
-            const int64_t i = (m0 + r) * blocks + b;
-            for (int p = 0; p < NP; p++) {
-                const uint8_t *blk = panels[p] + b * bytes;
-                if (layout != U8_I8) {
-                    acc[r * NP + p] = i8_finish(blk, layout,
-                                                _mm512_add_epi32(lo[r * NP + p], hi[r * NP + p]),
-                                                a->e[i], a->et[i], a->t[i], acc[r * NP + p]);
-                    continue;
-                }
-                const __m512 e = _mm512_set1_ps(a->e[i]);      /* U8: each half its scales */
-                __m512 v = acc[r * NP + p];
-                v = _mm512_fmadd_ps(_mm512_loadu_ps(blk),
-                                    _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r * NP + p]), e), v);
-                v = _mm512_fmadd_ps(_mm512_loadu_ps(blk + 2 * SCALES),
-                                    _mm512_set1_ps(a->eth[2 * i]), v);
-                v = _mm512_fmadd_ps(_mm512_loadu_ps(blk + SCALES),
-                                    _mm512_mul_ps(_mm512_cvtepi32_ps(hi[r * NP + p]), e), v);
-                acc[r * NP + p] = _mm512_fmadd_ps(_mm512_loadu_ps(blk + 3 * SCALES),
-                                                  _mm512_set1_ps(a->eth[2 * i + 1]), v);
-            }
-        }
+        for (int r = 0; r < MR; r++)
+            for (int p = 0; p < NP; p++)
+                acc[r * NP + p] = i8_finish(panels[p] + b * bytes, layout, lo[r * NP + p],
+                                            hi[r * NP + p], a, (m0 + r) * blocks + b,
+                                            acc[r * NP + p]);
     }
 }
 
