@@ -163,3 +163,25 @@ def test_gguf_types_run_from_their_codes(kind):
     else:
         got = cpu_linear.linear(x, dense, b).double()
         assert float(((got - exact).abs() / scale).max()) <= 1e-6
+
+
+def test_a_fused_weight_of_mixed_types_runs_on_byte_codes():
+    """q/k/v of different GGUF types (Q4_K beside Q6_K) pack together onto the U8 family (a 4-bit
+    block's d and m serve both halves) and compute each part's quantized product; with float32
+    activations, or with a Q8_0 part, they are not packed (the dense weight serves)."""
+    q4, deq4 = random_blocks("q4_k", 32, 256, 1)
+    q6, deq6 = random_blocks("q6_k", 16, 256, 2)
+    packed = cpu_linear.pack_gguf_parts([("q4_k", q4), ("q6_k", q6)], 256, int8=True)
+    assert packed.layout == "u8_i8" and packed.out_features == 48
+    codes4, d4, m4 = cpu_linear.gguf_codes("q4_k", q4, 256)
+    codes6, d6, m6 = cpu_linear.gguf_codes("q6_k", q6, 256)
+    codes = torch.cat((codes4, codes6))
+    d = torch.cat((d4.repeat_interleave(2, 1), d6))
+    m = torch.cat((m4.repeat_interleave(2, 1), m6))
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(4))
+    got = cpu_linear.linear(x, packed, None).double()
+    scale = F.linear(x.double().abs(), torch.cat((deq4, deq6)).double().abs())
+    assert float(((got - model_product_halves(x, codes, d, m)).abs() / scale).max()) <= 1e-5
+    assert cpu_linear.pack_gguf_parts([("q4_k", q4), ("q6_k", q6)], 256) is None
+    q8, _ = q8_0_weight(16, 256, 3)
+    assert cpu_linear.pack_gguf_parts([("q4_k", q4), ("q8_0", q8)], 256, int8=True) is None
