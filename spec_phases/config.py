@@ -24,7 +24,7 @@ class SpeculativeConfig:
     recycling_top_k: int = 8                        # token_recycling: candidates kept per token id
     adaptive: bool = False                          # FASER goodput controller (scheduler/faser.py)
     # FASER overlap: with frontiers, draft the next step of requests the first frontier decided
-    # on a thread (n-gram only; measured: no gain, docs/BENCHMARKS.md)
+    # on a thread (n-gram only; off by default: no measured gain on a CPU)
     overlap_draft: bool = False
     # FASER early pruning: verify drafts in frontiers of this many positions; a request whose
     # drafts were rejected skips the later ones. 0: one verify pass

@@ -53,8 +53,8 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """"auto": bf16 on CUDA, fp32 on CPU. On CPU fp32 is what keeps greedy output token-identical
     with speculation on and off: bf16 rounds each row's attention output, and those roundings
     shift with how the batch is padded, so a verify row can round differently from the decode it
-    replaces. `--dtype bfloat16` (prepacked where the CPU has AVX512-BF16 or AMX) is 1.2-1.3x
-    faster and opt-in (`docs/BENCHMARKS.md`)."""
+    replaces. `--dtype bfloat16` (prepacked for oneDNN where the CPU has AVX512-BF16 or AMX) is
+    therefore opt-in."""
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if dtype not in _DTYPES:

@@ -10,7 +10,7 @@ SDPA call per shape); at 16 decodes over ~150-token contexts that was a third of
 2-core AVX2 host. The kernel's rows are also invariant by construction (see the C source): a
 row's output depends only on its query and the keys it sees, so tiling changes nothing in a row.
 Past ~800 keys SDPA's blocked kernel was the faster of the two on such a host in a probe (a
-tile's scores no longer fit the core's caches); below, the tiles win (docs/BENCHMARKS.md §9.11).
+tile's scores no longer fit the core's caches); below, the tiles win.
 
 A bfloat16 cache (`--kv-cache-dtype bfloat16`) is read by the kernel's bf16 form, which widens
 each value exactly to float32 in registers and sums in the float32 form's order (bit for bit the
