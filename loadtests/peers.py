@@ -11,7 +11,7 @@ exists.
       llama-venv/     llama-cpp-python[server], compiled from the sdist
       hf-model/       the embedded GGUF dequantized to an HF folder (vLLM-CPU cannot read GGUF)
 
-CLI: `python -m specserve.loadtests.peers install [vllm|llama|hf|all]`.
+CLI: `python -m loadtests.peers install [vllm|llama|hf|all]`.
 """
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def llama_peer(port: int, n_ctx: int = 8192, num_threads: int = 2) -> Peer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specserve.loadtests.peers")
+    parser = argparse.ArgumentParser(prog="python -m loadtests.peers")
     sub = parser.add_subparsers(dest="command", required=True)
     inst = sub.add_parser("install", help="install peers into the cache folder (idempotent)")
     inst.add_argument("which", choices=["vllm", "llama", "hf", "all"], nargs="?", default="all")

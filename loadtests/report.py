@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from specserve.loadtests.vllm_bench import markdown as bench_markdown
+from loadtests.vllm_bench import markdown as bench_markdown
 
 OURS_PREFIX = "specserve"
 

@@ -1,6 +1,6 @@
 """Replicas behind vLLM's router (`pip install vllm-router`, or the `router` extra) on one machine.
 
-    python -m specserve.loadtests.router [--model tiny-random] [--groups 6] [--per-group 6]
+    python -m loadtests.router [--model tiny-random] [--groups 6] [--per-group 6]
         [--prefix-words 300] [--kill-requests 48] [--out FILE.json]
 
 Starts `--replicas` `specserve serve` processes (the embedded SmolLM2 GGUF unless --model says
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import httpx
 
-from specserve.loadtests.metrics import parse_prometheus
-from specserve.loadtests.peers import Peer, free_port
+from loadtests.metrics import parse_prometheus
+from loadtests.peers import Peer, free_port
 
 NAME = "m"                     # --served-model-name of every replica
 REJOIN_TRIES = 80                # requests sent, four at a time, half a second apart
@@ -332,7 +332,7 @@ def run(model: str | None, replicas: int = 2, groups: int = 6, per_group: int = 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m specserve.loadtests.router", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtests.router", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="MODEL for `specserve serve` (default: the "
                     "embedded GGUF; tiny-random: the random-weight test model)")

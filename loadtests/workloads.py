@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from specserve.loadtests.client import RequestSpec
-from specserve.loadtests.stats import SLO
+from loadtests.client import RequestSpec
+from loadtests.stats import SLO
 
 TokenCounter = Callable[[str], int]
 

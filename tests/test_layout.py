@@ -4,8 +4,8 @@
 Edges that skip a layer are allowed module by module (NARROW), each for one reason:
 - server -> spec_phases.sampling_params: the typed request parameters (and ParamError) are the step
   contract's, shared by every layer; the server builds them from the JSON body.
-- server, loadtests -> spec_phases.paths: where the embedded model and the cache directory are (the
-  tokenizer files sit beside the model; peers are given the same file).
+- server, loadtests (a tool) -> spec_phases.paths: where the embedded model and the cache
+  directory are (the tokenizer files sit beside the model; peers are given the same file).
 - server -> kv_cache.compress.registry: the compressor names, for the CLI's choices.
 - server -> spec_phases.tokenizer: one tokenizer loader; the worker's grammar masks (structured
   output) must see the same tokens the server encodes and decodes.
@@ -21,13 +21,14 @@ ALLOWED = {
     "spec_phases": {"spec_phases", "kv_cache", "kernels"},
     "kv_cache": {"kv_cache", "kernels"},
     "kernels": {"kernels"},
-    "loadtests": {"loadtests"},                  # HTTP only
 }
 NARROW = {
     "server": {"spec_phases.sampling_params", "spec_phases.paths", "kv_cache.compress.registry",
                "spec_phases.tokenizer"},
-    "loadtests": {"spec_phases.paths"},
 }
+# Tool folders of the checkout, never installed with the server (run from the repository root as
+# `python -m loadtests.compare`): the product modules each may import. loadtests speaks HTTP.
+TOOLS = {"loadtests": {"spec_phases.paths"}}
 
 
 def imported_layers(path: Path) -> set[tuple[str, int]]:
@@ -58,6 +59,11 @@ def test_imports_go_one_way():
                 if not (target.split(".")[0] in allowed or target in narrow
                         or target.rsplit(".", 1)[0] in narrow):
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    for tool, narrow in TOOLS.items():
+        for path in (ROOT / tool).rglob("*.py"):
+            bad += [f"{path.relative_to(ROOT)}:{line} imports {target}"
+                    for target, line in imported_layers(path)
+                    if not (target in narrow or target.rsplit(".", 1)[0] in narrow)]
     assert not bad, "\n".join(bad)
 
 
@@ -69,3 +75,5 @@ def test_every_package_folder_is_installed():
             rel = init.parent.relative_to(ROOT)
             assert ("specserve." + ".".join(rel.parts)
                     in declared), f"{rel} missing from pyproject packages"
+    installed = set(config["package-dir"].values()) | {name.split(".")[1] for name in declared}
+    assert installed == set(ALLOWED), f"only the product is installed: {installed ^ set(ALLOWED)}"

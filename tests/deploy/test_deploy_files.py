@@ -114,7 +114,7 @@ def test_compose_services_files_and_scrape_target():
 
 def test_router_flags_are_the_load_tests():
     """compose and Kubernetes run the router with the flags loadtests/router.py measured."""
-    from specserve.loadtests.router import ROUTER_FLAGS
+    from loadtests.router import ROUTER_FLAGS
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     (router,) = [d for d in k8s().values() if d["kind"] == "Deployment"
                  and d["metadata"]["name"] == "specserve-router"]

@@ -1,14 +1,14 @@
 """Two real `specserve serve` replicas (the tiny random-weight model) behind vLLM's router
 (`vllm-router`, installed by the test extra): shared prefixes land where they are cached, and a
 replica killed under load loses at most the requests in flight on it, none started after, and
-rejoins when restarted. `python -m specserve.loadtests.router` is the same run, larger, on the
+rejoins when restarted. `python -m loadtests.router` is the same run, larger, on the
 embedded model (docs/deploy.md has its figures). No timing assertions: the timeouts are hang
 guards."""
 from __future__ import annotations
 
 import pytest
 
-from specserve.loadtests import router
+from loadtests import router
 
 pytestmark = pytest.mark.timeout(1200)
 

@@ -7,10 +7,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from specserve.loadtests.client import (RequestSpec, first_model_id, run_closed_loop, run_open_loop,
+from loadtests.client import (RequestSpec, first_model_id, run_closed_loop, run_open_loop,
                                         stream_completion)
-from specserve.loadtests.metrics import scrape
-from specserve.loadtests.stats import summarize
+from loadtests.metrics import scrape
+from loadtests.stats import summarize
 import httpx
 
 METRICS = 'vllm:spec_decode_num_drafts_total{engine="0",model_name="fake"} 4.0\n'

@@ -1,5 +1,5 @@
 """The quick side-by-side (loadtests/compare.py): workloads, server commands, the ratio table."""
-from specserve.loadtests import compare
+from loadtests import compare
 
 
 def test_workloads_a_and_b_have_the_issue_shapes():

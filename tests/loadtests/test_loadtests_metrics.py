@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from specserve.loadtests.metrics import (counter_totals, parse_labels, parse_prometheus,
+from loadtests.metrics import (counter_totals, parse_labels, parse_prometheus,
                                          spec_decode_delta)
 
 BEFORE = """\

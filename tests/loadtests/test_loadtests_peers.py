@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from specserve.loadtests import peers
-from specserve.loadtests.peers import Peer, ensure_venv, free_port
+from loadtests import peers
+from loadtests.peers import Peer, ensure_venv, free_port
 
 SERVER = """
 import http.server, sys

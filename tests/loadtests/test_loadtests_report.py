@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from specserve.loadtests.report import markdown, ratio_rows, write
+from loadtests.report import markdown, ratio_rows, write
 
 
 def _summary(tput, ttft, itl, e2e99, goodput, completed=4):

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from specserve.loadtests.client import RequestResult
-from specserve.loadtests.stats import SLO, distribution, percentile, ratio, summarize, tpot
+from loadtests.client import RequestResult
+from loadtests.stats import SLO, distribution, percentile, ratio, summarize, tpot
 
 
 def test_percentile_interpolates_like_numpy_linear():

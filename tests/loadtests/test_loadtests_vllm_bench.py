@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.loadtests.vllm_bench import WRAPPER, agreement, bench_command, markdown
+from loadtests.vllm_bench import WRAPPER, agreement, bench_command, markdown
 
 THEIRS = {"output_throughput": 100.0, "mean_ttft_ms": 200.0, "median_ttft_ms": 150.0,
           "median_itl_ms": 50.0, "median_tpot_ms": 40.0, "mean_e2el_ms": 3000.0, "completed": 16,

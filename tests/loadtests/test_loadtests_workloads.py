@@ -3,7 +3,7 @@ import statistics
 
 import pytest
 
-from specserve.loadtests.workloads import (cells, chat_prompts, code_edit_prompts, gamma_arrivals,
+from loadtests.workloads import (cells, chat_prompts, code_edit_prompts, gamma_arrivals,
                                            long_prompts)
 
 

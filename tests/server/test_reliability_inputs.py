@@ -170,7 +170,7 @@ def test_a_request_past_the_deadline_fails_with_504_and_is_aborted(tok):
 
 def test_the_soak_commands_bad_inputs_each_get_a_4xx(tok):
     """loadtests/soak.py sends these to a live server; here the same bodies meet the app."""
-    from specserve.loadtests.soak import BAD_INPUTS
+    from loadtests.soak import BAD_INPUTS
     engine = FakeEngine(tok)
     client = TestClient(build_app(engine, tok, ServerSettings(served_model_names=("smollm2",))))
     for name, raw in BAD_INPUTS:
