@@ -2,7 +2,7 @@
 benchmark).
 
 It runs on every step's critical path, so its time adds to every step: small next to a CPU step,
-up to several percent of a launch-bound GPU step (25-45 ms on the H100, BENCHMARKS §7).
+several percent of a GPU step with CUDA graphs (0.12-0.17 ms of 2-3 ms; docs/BENCHMARKS.md §7.3).
 
     python benchmarks/controller.py --batch 8 32 64
 """

@@ -2,7 +2,7 @@
 captures, run eagerly under TRITON_INTERPRET=1, computes the hidden states and the KV writes of the
 runner's eager forward over the same decode and verify steps bitwise (one split or several),
 padded rows touch only the padding block, and only batches that fit a captured shape are served.
-Capture and replay themselves need a GPU (docs/BENCHMARKS.md §7.5 has the run on one)."""
+Capture and replay themselves need a GPU (docs/BENCHMARKS.md §7.2 has the run on one)."""
 from __future__ import annotations
 
 import pytest
