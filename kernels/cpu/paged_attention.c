@@ -81,6 +81,37 @@ static inline v8f scores8(const float *q, const float *k, const int64_t *off, in
     return s;
 }
 
+/* scores8 for two query rows at once against the same keys (each key's vector loaded once for
+ * both): each row's products and sums are scores8's, in its order, so each row's scores are bit
+ * for bit what scores8 gives it alone */
+static inline void scores8x2(const float *qa, const float *qb, const float *k, const int64_t *off,
+                             int64_t j0, int64_t head_dim, float scale, float *sa, float *sb) {
+    const float *kp[KEYS];
+    v8f acc_a[KEYS], acc_b[KEYS];
+    for (int i = 0; i < KEYS; i++) {
+        kp[i] = k + off[j0 + i];
+        acc_a[i] = splat8(0.0f);
+        acc_b[i] = splat8(0.0f);
+    }
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 8) {
+        const v8f qav = *(const v8f *)(qa + d), qbv = *(const v8f *)(qb + d);
+        for (int i = 0; i < KEYS; i++) {
+            const v8f kv = *(const v8f *)(kp[i] + d);
+            acc_a[i] = fma8(qav, kv, acc_a[i]);
+            acc_b[i] = fma8(qbv, kv, acc_b[i]);
+        }
+    }
+    v8f a = tree8x8(acc_a), b = tree8x8(acc_b);
+    for (int64_t d = lanes; d < head_dim; d++)
+        for (int i = 0; i < KEYS; i++) {
+            a[i] += qa[d] * kp[i][d];
+            b[i] += qb[d] * kp[i][d];
+        }
+    *(v8f *)sa = a * scale;
+    *(v8f *)sb = b * scale;
+}
+
 /* acc[0 .. 8 * nv) += p[j] * V[j] for keys lo..hi in order, V[j] at v + off[j]: a row's
  * weighted sum continued over a chunk of keys (registers in, the same chain of fused
  * multiply-adds as one pass over all its keys) */
@@ -119,6 +150,73 @@ static void weigh(const float *p, const float *v, const int64_t *off, int64_t lo
     for (int64_t d = lanes; d < head_dim; d++)            /* dimensions past the lanes */
         for (int64_t j = lo; j <= hi; j++)
             acc[d] += p[j] * v[off[j] + d];
+}
+
+/* weigh8 for two rows over the same keys lo..hi (each value vector loaded once for both): each
+ * row's chain of fused multiply-adds is weigh8's */
+static inline __attribute__((always_inline)) void weigh8x2(const float *pa, const float *pb,
+                                                           const float *v, const int64_t *off,
+                                                           int64_t lo, int64_t hi, float *acc_a,
+                                                           float *acc_b, const int nv) {
+    v8f a[8], b[8];
+    for (int c = 0; c < nv; c++) {
+        a[c] = *(const v8f *)(acc_a + 8 * c);
+        b[c] = *(const v8f *)(acc_b + 8 * c);
+    }
+    for (int64_t j = lo; j <= hi; j++) {
+        const v8f paj = splat8(pa[j]), pbj = splat8(pb[j]);
+        const float *vj = v + off[j];
+        for (int c = 0; c < nv; c++) {
+            const v8f vv = *(const v8f *)(vj + 8 * c);
+            a[c] = fma8(paj, vv, a[c]);
+            b[c] = fma8(pbj, vv, b[c]);
+        }
+    }
+    for (int c = 0; c < nv; c++) {
+        *(v8f *)(acc_a + 8 * c) = a[c];
+        *(v8f *)(acc_b + 8 * c) = b[c];
+    }
+}
+
+/* weigh for two rows whose keys are lo_a..hi_a and lo_b..hi_b: the keys both see together, the
+ * rest row by row; each row still takes its keys in order, so each row's sums are weigh's */
+static void weigh2(const float *pa, const float *pb, const float *v, const int64_t *off,
+                   int64_t lo_a, int64_t hi_a, int64_t lo_b, int64_t hi_b, int64_t head_dim,
+                   float *acc_a, float *acc_b) {
+    const int64_t lo = lo_a > lo_b ? lo_a : lo_b, hi = hi_a < hi_b ? hi_a : hi_b;
+    if (lo > hi) {
+        if (lo_a <= hi_a)
+            weigh(pa, v, off, lo_a, hi_a, head_dim, acc_a);
+        if (lo_b <= hi_b)
+            weigh(pb, v, off, lo_b, hi_b, head_dim, acc_b);
+        return;
+    }
+    if (lo_a < lo)
+        weigh(pa, v, off, lo_a, lo - 1, head_dim, acc_a);
+    if (lo_b < lo)
+        weigh(pb, v, off, lo_b, lo - 1, head_dim, acc_b);
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 64) {
+        switch ((lanes - d) / 8 < 8 ? (lanes - d) / 8 : 8) {   /* a constant count each case */
+        case 8: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 8); break;
+        case 7: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 7); break;
+        case 6: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 6); break;
+        case 5: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 5); break;
+        case 4: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 4); break;
+        case 3: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 3); break;
+        case 2: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 2); break;
+        default: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 1); break;
+        }
+    }
+    for (int64_t d = lanes; d < head_dim; d++)            /* dimensions past the lanes */
+        for (int64_t j = lo; j <= hi; j++) {
+            acc_a[d] += pa[j] * v[off[j] + d];
+            acc_b[d] += pb[j] * v[off[j] + d];
+        }
+    if (hi_a > hi)
+        weigh(pa, v, off, hi + 1, hi_a, head_dim, acc_a);
+    if (hi_b > hi)
+        weigh(pb, v, off, hi + 1, hi_b, head_dim, acc_b);
 }
 
 /* a row's scores (keys first..end-1, in place) -> e^(s - max) over lo..hi, 0 elsewhere; returns
@@ -161,6 +259,7 @@ static inline int64_t first_key(int64_t pos, int64_t window) {
 }
 
 #define CHUNK 16                      /* keys whose values every row weighs in turn (in L1) */
+#define SCORES_IN_CACHE (64 * 1024)   /* floats of a task's scores kept in the L2 cache */
 #define AHEAD 16                                /* keys ahead whose slots are requested early */
 
 /* bfloat16 K/V: the top 16 bits of a float32, widened exactly by a shift */

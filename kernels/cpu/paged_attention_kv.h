@@ -70,19 +70,39 @@ static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV
 #if KV_STAGED
         stage_bf16(k_cache, off, j0, KEYS, kv_lo * head_dim, used, stage);
 #endif
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t r = 0; r < rows;) {
             KV_(prefetch_lines)(&ka, k_lines);
-            const int64_t qi = r % q_len, hi = first_pos + qi, h = h0 + r / q_len;
-            if (j0 > hi || j0 + KEYS <= (first_key(hi, window) & ~(int64_t)(KEYS - 1)))
+            const int64_t h = h0 + r / q_len;
+            /* row r, with row r + 1 where it reads the same kv head (scores8x2) */
+            const int two = r + 1 < rows && (h0 + (r + 1) / q_len) / group == h / group;
+            int need = 0;
+            for (int64_t s = r; s < r + 1 + two; s++) {
+                const int64_t hi = first_pos + s % q_len;
+                need |= !(j0 > hi || j0 + KEYS <= (first_key(hi, window) & ~(int64_t)(KEYS - 1)));
+            }
+            if (!need) {
+                r += 1 + two;
                 continue;
-            const float *qr = q + (q_start + qi) * q_token_stride + h * head_dim;
+            }
 #if KV_STAGED
-            *(v8f *)(scores + r * padded + j0) =
-                scores8(qr, stage + (h / group - kv_lo) * head_dim, staged, 0, head_dim) * scale;
+            const float *kh = stage + (h / group - kv_lo) * head_dim;
+            const int64_t *ko = staged, kj = 0;
 #else
-            *(v8f *)(scores + r * padded + j0) =
-                scores8(qr, k_cache + h / group * head_dim, off, j0, head_dim) * scale;
+            const float *kh = k_cache + h / group * head_dim;
+            const int64_t *ko = off, kj = j0;
 #endif
+            const float *qr = q + (q_start + r % q_len) * q_token_stride + h * head_dim;
+            if (two) {
+                KV_(prefetch_lines)(&ka, k_lines);
+                const int64_t h1 = h0 + (r + 1) / q_len;
+                const float *q1 = q + (q_start + (r + 1) % q_len) * q_token_stride + h1 * head_dim;
+                scores8x2(qr, q1, kh, ko, kj, head_dim, scale, scores + r * padded + j0,
+                          scores + (r + 1) * padded + j0);
+                r += 2;
+            } else {
+                *(v8f *)(scores + r * padded + j0) = scores8(qr, kh, ko, kj, head_dim) * scale;
+                r += 1;
+            }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -99,20 +119,36 @@ static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV
         stage_bf16(v_cache, off, c0, seq_len - c0 < CHUNK ? seq_len - c0 : CHUNK,
                    kv_lo * head_dim, used, stage);
 #endif
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t r = 0; r < rows;) {
             KV_(prefetch_lines)(&va, v_lines);
-            const int64_t row_hi = first_pos + r % q_len, row_lo = first_key(row_hi, window);
-            const int64_t lo = row_lo > c0 ? row_lo : c0;
-            const int64_t hi = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
-#if KV_STAGED
-            if (lo <= hi)                   /* keys c0 + i at stage + i * used: shifted by c0 */
-                weigh(scores + r * padded + c0, stage + ((h0 + r / q_len) / group - kv_lo) *
-                      head_dim, staged, lo - c0, hi - c0, head_dim, acc + r * head_dim);
+            const int64_t h = h0 + r / q_len;
+            const int two = r + 1 < rows && (h0 + (r + 1) / q_len) / group == h / group;
+            int64_t lo[2], hi[2];
+            for (int s = 0; s <= two; s++) {
+                const int64_t row_hi = first_pos + (r + s) % q_len;
+                const int64_t row_lo = first_key(row_hi, window);
+                lo[s] = row_lo > c0 ? row_lo : c0;
+                hi[s] = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
+            }
+#if KV_STAGED                               /* keys c0 + i at stage + i * used: shifted by c0 */
+            const float *p = scores + r * padded + c0;
+            const float *vh = stage + (h / group - kv_lo) * head_dim;
+            const int64_t *vo = staged, shift = c0;
 #else
-            if (lo <= hi)
-                weigh(scores + r * padded, v_cache + (h0 + r / q_len) / group * head_dim, off,
-                      lo, hi, head_dim, acc + r * head_dim);
+            const float *p = scores + r * padded;
+            const float *vh = v_cache + h / group * head_dim;
+            const int64_t *vo = off, shift = 0;
 #endif
+            if (two) {
+                KV_(prefetch_lines)(&va, v_lines);
+                weigh2(p, p + padded, vh, vo, lo[0] - shift, hi[0] - shift, lo[1] - shift,
+                       hi[1] - shift, head_dim, acc + r * head_dim, acc + (r + 1) * head_dim);
+                r += 2;
+            } else {
+                if (lo[0] <= hi[0])
+                    weigh(p, vh, vo, lo[0] - shift, hi[0] - shift, head_dim, acc + r * head_dim);
+                r += 1;
+            }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -145,6 +181,9 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
     }
     /* parts per request: 1, or with fewer requests than threads enough head parts to share */
     int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
+    /* and, where a request's scores would not stay in the core's caches, one per kv head */
+    if (max_scores > SCORES_IN_CACHE && parts < num_kv_heads)
+        parts = num_kv_heads;
     if (parts > num_heads)
         parts = num_heads;
     const int64_t part_heads = (num_heads + parts - 1) / parts, tasks = num_reqs * parts;
