@@ -585,11 +585,23 @@ def log_banner(args, config: EngineConfig, path: Path, engine, defaults: dict) -
     tokens = engine_info.num_blocks * engine_info.block_size
     architecture = ("llama (tiny, random weights)" if args.model == TINY_RANDOM
                     else describe_model(path))
+    device = engine_info.device
+    if config.device == "auto" and device == "cpu":   # e.g. the CUDA image on a host with no GPU
+        device = f"cpu (--device auto: {no_cuda_reason()})"
     logger.info("specserve %s: model %s (%s), architecture %s, dtype %s, device %s, max_model_len "
                 "%d, KV cache %d tokens (%d blocks of %d), speculative %s, sampling defaults %s",
                 VERSION, args.model or info.name, path, architecture, engine_info.dtype,
-                engine_info.device, info.max_model_len, tokens, engine_info.num_blocks,
+                device, info.max_model_len, tokens, engine_info.num_blocks,
                 engine_info.block_size, speculative, defaults or "none")
+
+
+def no_cuda_reason() -> str:
+    """Why `--device auto` chose the CPU, for the start banner."""
+    import torch
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    return (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but finds no CUDA "
+            "device: no GPU given to the container (docker run --gpus all) or no NVIDIA driver")
 
 
 def extra_routers(engine, settings) -> list:

@@ -46,9 +46,21 @@ def test_the_banner_names_what_is_served(caplog):
         log_banner(args, config, path, engine, {"temperature": 0.6})
     line = caplog.records[-1].getMessage()
     for part in (f"specserve {VERSION}", "model SmolLM2", "architecture llama (GGUF)",
-                 "dtype float32", "device cpu", "KV cache 1600 tokens (100 blocks of 16)",
+                 "dtype float32", "device cpu (--device auto: torch ",
+                 "KV cache 1600 tokens (100 blocks of 16)",
                  '"method":"ngram"', '"num_speculative_tokens":3', "'temperature': 0.6"):
         assert part in line, (part, line)
+
+
+def test_the_banner_says_why_auto_chose_the_cpu(monkeypatch):
+    """The CUDA image on a host with no GPU serves on the CPU; its banner says why."""
+    import torch
+    from specserve.server.cli import no_cuda_reason
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert no_cuda_reason() == f"torch {torch.__version__} is a CPU build"
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert no_cuda_reason().startswith(
+        f"torch {torch.__version__} is built for CUDA 13.0 but finds no CUDA device: ")
 
 
 def free_port() -> int:
