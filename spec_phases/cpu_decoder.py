@@ -1,12 +1,10 @@
-"""The decoder stack on the CPU's C kernels with a step's buffers allocated once, where
-`LlamaModel.forward` goes through modules, dispatch and per-op allocation ("Python and dispatch"
-in `benchmarks/profile_step.py`, docs/BENCHMARKS.md §9.6-9.11). A step whose every query the C
-attention serves (decodes, verify rows, prompt chunks over contexts of up to TILED_MAX_KEYS tokens:
-`paged_attention.short_requests`) runs the whole stack in one call of `kernels/cpu/decoder.c`; a
-step with a chunk over a longer context calls the kernels one by one from here.
+"""The decoder stack on the CPU's C kernels in one call of `kernels/cpu/decoder.c` per step, with
+the step's buffers allocated once, where `LlamaModel.forward` goes through modules, dispatch and
+per-op allocation. The call runs the same kernels on the same inputs in the same order as the
+modules do (each module's CPU op is one of these kernels), so the hidden states are bitwise
+theirs (tests/spec_phases/test_cpu_decoder.py). Every query of a step goes through the C paged
+attention (decodes and verify rows as they are, prompt chunks in tiles: `paged_attention.c`).
 
-Both call the same kernels on the same inputs in the same order as the modules do, so the hidden
-states are bitwise theirs (tests/spec_phases/test_cpu_decoder.py), whichever path a step takes.
 It serves the layer shape most checkpoints have (Llama, Mistral, Qwen2: no q/k norms, no sandwich
 norms, SwiGLU, one RoPE) once every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`)
 and the kernels built; the runner takes it for steps over the paged cache in device memory
@@ -22,16 +20,13 @@ import os
 
 import torch
 
-from specserve.kernels.cpu import activation as cpu_activation
 from specserve.kernels.cpu import decoder as fused
 from specserve.kernels.cpu import linear as cpu_linear
 from specserve.kernels.cpu import paged_attention as cpu_attention
-from specserve.kernels.cpu import rms_norm as cpu_norm
-from specserve.kernels.cpu import rope as cpu_rope
 from specserve.kernels.cpu.native import BuildError, library
 from specserve.kernels.metadata import LayerAttention, PagedAttentionMetadata
 from specserve.kv_cache.storage import KVStorage
-from specserve.spec_phases.model import DecoderLayer, LlamaModel
+from specserve.spec_phases.model import LlamaModel
 
 CACHE_DTYPES = fused.CACHE_DTYPES           # the K/V cache's element types it reads and writes
 
@@ -79,53 +74,25 @@ class CpuDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, storage: KVStorage,
                 meta: PagedAttentionMetadata, slot_mapping: torch.Tensor,
                 attention: LayerAttention, layers: list[int] | None = None) -> torch.Tensor:
-        """As `LlamaModel.forward` with `runner.PagedAttention`: final-norm hidden states. A step
-        whose every query the C attention serves runs in one call of `decoder.c`; one with a
-        chunk over a longer context calls the kernels one by one (the same kernels, in the same
-        order)."""
+        """As `LlamaModel.forward` with `runner.PagedAttention`: final-norm hidden states, the
+        whole stack in one call of `decoder.c`."""
         model, n = self.model, input_ids.shape[0]
         x = model.embed(input_ids).contiguous()             # the residual stream, updated in place
+        run = range(len(model.layers)) if layers is None else layers
+        if not len(run):
+            return model.norm(x)
         cos, sin = model.ropes[0].table(positions)
         cos, sin = cos.reshape(n, self.head_dim), sin.reshape(n, self.head_dim)
-        run = range(len(model.layers)) if layers is None else layers
         b = {"x": x, "h": torch.empty(n, self.hidden), "qkv": torch.empty(n, self.qkv_size),
              "qk": torch.empty(n, self.num_heads + self.num_kv_heads, self.head_dim),
              "attn": torch.empty(n, self.q_size), "out": torch.empty(n, self.hidden),
              "gate_up": torch.empty(n, 2 * self.intermediate),
              "act": torch.empty(n, self.intermediate)}
         short = cpu_attention.short_requests(meta)
-        if len(run) and short is not None and short.whole:
-            structs, layer_structs = self._structs(attention, meta.block_size)
-            fused.forward(structs, layer_structs, torch.tensor(run, dtype=torch.int64), b, cos,
-                          sin, storage.k, storage.v, slot_mapping, short.requests, short.tables)
-            return b["h"]
-        qk_in = b["qkv"][:, :self.q_size + self.num_kv_heads * self.head_dim].view(
-            n, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = b["qkv"][:, self.q_size + self.num_kv_heads * self.head_dim:].view(
-            n, self.num_kv_heads, self.head_dim)
-        q, k = b["qk"][:, :self.num_heads], b["qk"][:, self.num_heads:]
-        h, out = b["h"], b["out"]                      # out: o_proj's, then down_proj's output
-        delta = None
-        for i in run:
-            layer: DecoderLayer = model.layers[i]
-            cpu_norm.add_rms_norm_into(x, delta, layer.input_layernorm._float_weight(), self.eps,
-                                       h)
-            cpu_linear.linear_into(h, layer.qkv_proj.packed, layer.qkv_proj.bias, b["qkv"])
-            cpu_rope.rope_into(qk_in, cos, sin, b["qk"])
-            storage.write(i, slot_mapping, k, v)
-            o = cpu_attention.paged_attention(q, storage.k[i], storage.v[i], meta,
-                                              **attention.options(i))
-            cpu_linear.linear_into(o.view(n, self.q_size), layer.o_proj.packed, None, out)
-            cpu_norm.add_rms_norm_into(x, out, layer.post_attention_layernorm._float_weight(),
-                                       self.eps, h)
-            cpu_linear.linear_into(h, layer.gate_up_proj.packed, None, b["gate_up"])
-            cpu_activation.silu_mul_into(b["gate_up"], b["act"])
-            cpu_linear.linear_into(b["act"], layer.down_proj.packed, None, out)
-            delta = out
-        if delta is None:
-            return model.norm(x)
-        cpu_norm.add_rms_norm_into(x, delta, model.norm._float_weight(), self.eps, h)
-        return h
+        structs, layer_structs = self._structs(attention, meta.block_size)
+        fused.forward(structs, layer_structs, torch.tensor(run, dtype=torch.int64), b, cos, sin,
+                      storage.k, storage.v, slot_mapping, short.requests, short.tables)
+        return b["h"]
 
     def _structs(self, attention: LayerAttention, block_size: int
                  ) -> tuple[fused.Model, ctypes.Array]:

@@ -1,6 +1,5 @@
-"""A decode / verify step's whole decoder stack in one call of the C kernel `decoder.c` (the
-kernels `spec_phases/cpu_decoder.py` otherwise calls one by one, in the same order: bitwise the
-same hidden states). The structures below mirror the C ones field for field; the caller fills
+"""A step's whole decoder stack in one call of the C kernel `decoder.c` (the kernels the model's
+modules call one by one, in the same order: bitwise the same hidden states). The structures below mirror the C ones field for field; the caller fills
 them once per model (`spec_phases/cpu_decoder.py`) and keeps the tensors they point into alive.
 """
 from __future__ import annotations
@@ -71,7 +70,7 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
     [rows, width] (`decoder.c`). k_cache, v_cache: float32 or bfloat16 [layers, slots, kv heads,
     head_dim] (CACHE_DTYPES), written at `slots` (int64 [rows]); requests, tables:
-    `paged_attention.short_requests`'s, every query of the step among them (`whole`). seconds:
+    `paged_attention.short_requests`'s (every query of the step). seconds:
     None, or float64 [3] to which the call adds its time in the linear layers, in attention (with
     the K/V write) and in the elementwise kernels (`benchmarks/profile_step.py`)."""
     rows = buffers["x"].shape[0]

@@ -292,6 +292,177 @@ static void stage_bf16(const uint16_t *cache, const int64_t *off, int64_t from, 
     }
 }
 
+/* Rows in lanes: TILE query rows of one head (consecutive positions) held across a vector's
+ * lanes, for prompt chunks (`attend_tiles`). Each lane computes what its row computes in
+ * `attend_request`, operation for operation: a score's eight partial sums over the dimensions
+ * d = l mod 8 (the same fused multiply-adds in the same order) summed by the same tree; the
+ * softmax's maximum, exponentials and its sum by key index mod 8; each value dimension's chain of
+ * fused multiply-adds in key order. Only which lanes hold what changes, so a prompt row computes
+ * bit for bit what the decode at its position computes. */
+#if defined(__AVX512F__)
+#define TILE 16
+typedef float vrow __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vrowi __attribute__((vector_size(64), aligned(4)));
+static inline vrow fma_row(vrow a, vrow b, vrow c) {
+    return (vrow)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#else
+#define TILE 8
+typedef v8f vrow;
+typedef v8i vrowi;
+static inline vrow fma_row(vrow a, vrow b, vrow c) {
+    return fma8(a, b, c);
+}
+#endif
+
+static inline vrow splat_row(float x) {
+#if TILE == 16
+    return (vrow)_mm512_set1_ps(x);
+#else
+    return splat8(x);
+#endif
+}
+
+static inline vrowi splat_rowi(int32_t x) {
+#if TILE == 16
+    return (vrowi)_mm512_set1_epi32(x);
+#else
+    return (v8i){x, x, x, x, x, x, x, x};
+#endif
+}
+
+static inline vrow exp_row(vrow x) {                          /* exp8 on each 8 lanes */
+#if TILE == 16
+    const __m512 w = (__m512)x;
+    const v8f a = exp8((v8f)_mm512_castps512_ps256(w));
+    const v8f b = exp8((v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+    return (vrow)_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(
+        (__m256)a)), _mm256_castps_pd((__m256)b), 1));
+#else
+    return exp8(x);
+#endif
+}
+
+/* the scores of TILE rows (qt: their queries, dimension-major, qt[d * TILE + row]) against two
+ * keys ka, kb, times scale, into sa, sb (TILE floats each) */
+static inline void tile_scores2(const float *qt, const float *ka, const float *kb,
+                                int64_t head_dim, float scale, float *sa, float *sb) {
+    vrow pa[8], pb[8];
+    for (int l = 0; l < 8; l++)
+        pa[l] = pb[l] = splat_row(0.0f);
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 8)
+        for (int l = 0; l < 8; l++) {
+            vrow qv = *(const vrow *)(qt + (d + l) * TILE);
+            __asm__("" : "+v"(qv));             /* one load for both keys (not one each) */
+            pa[l] = fma_row(qv, splat_row(ka[d + l]), pa[l]);
+            pb[l] = fma_row(qv, splat_row(kb[d + l]), pb[l]);
+        }
+    vrow a = ((pa[0] + pa[1]) + (pa[2] + pa[3])) + ((pa[4] + pa[5]) + (pa[6] + pa[7]));
+    vrow b = ((pb[0] + pb[1]) + (pb[2] + pb[3])) + ((pb[4] + pb[5]) + (pb[6] + pb[7]));
+    for (int64_t d = lanes; d < head_dim; d++) {
+        const vrow qv = *(const vrow *)(qt + d * TILE);
+        a = a + qv * ka[d];
+        b = b + qv * kb[d];
+    }
+    *(vrow *)sa = a * scale;
+    *(vrow *)sb = b * scale;
+}
+
+/* weigh for four rows whose score columns are p + i (stride TILE, key j at (j - base) * TILE):
+ * keys lo..hi all four see, nv vectors of W dimensions from v + off[j] (W: 8 for v8f, TILE
+ * for vrow; nv <= 4), into acc[i] */
+#define WEIGH_TILE4(name, vec, W, splat, fma)                                                    \
+    static inline __attribute__((always_inline)) void name(                                     \
+        const float *p, int64_t base, const float *v, const int64_t *off, int64_t lo,            \
+        int64_t hi, float *const acc[4], const int nv) {                                         \
+        vec a[4][4];                                                                             \
+        for (int i = 0; i < 4; i++)                                                              \
+            for (int c = 0; c < nv; c++)                                                         \
+                a[i][c] = *(const vec *)(acc[i] + W * c);                                        \
+        for (int64_t j = lo; j <= hi; j++) {                                                     \
+            const float *pj = p + (j - base) * TILE;                                             \
+            const float *vj = v + off[j];                                                        \
+            vec vv[4];                                                                           \
+            for (int c = 0; c < nv; c++)                                                         \
+                vv[c] = *(const vec *)(vj + W * c);                                              \
+            for (int i = 0; i < 4; i++) {                                                        \
+                const vec pij = splat(pj[i]);                                                    \
+                for (int c = 0; c < nv; c++)                                                     \
+                    a[i][c] = fma(pij, vv[c], a[i][c]);                                          \
+            }                                                                                    \
+        }                                                                                        \
+        for (int i = 0; i < 4; i++)                                                              \
+            for (int c = 0; c < nv; c++)                                                         \
+                *(vec *)(acc[i] + W * c) = a[i][c];                                              \
+    }
+WEIGH_TILE4(weigh_tile4, v8f, 8, splat8, fma8)
+WEIGH_TILE4(weigh_tile4_wide, vrow, TILE, splat_row, fma_row)
+
+/* one row's weigh over keys lo..hi from a tile's score column (stride TILE) */
+static void weigh_column(const float *p, int64_t base, const float *v, const int64_t *off,
+                         int64_t lo, int64_t hi, int64_t head_dim, float *acc) {
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 8) {
+        v8f a = *(const v8f *)(acc + d);
+        for (int64_t j = lo; j <= hi; j++)
+            a = fma8(splat8(p[(j - base) * TILE]), *(const v8f *)(v + off[j] + d), a);
+        *(v8f *)(acc + d) = a;
+    }
+    for (int64_t d = lanes; d < head_dim; d++)
+        for (int64_t j = lo; j <= hi; j++)
+            acc[d] += p[(j - base) * TILE] * v[off[j] + d];
+}
+
+/* weigh for rows 4 at a time: the keys all four see together (32 dimensions at a time), the rest
+ * row by row; each row takes its keys in order, dimension by dimension as weigh does */
+static void weigh_tile(const float *p, int64_t base, const float *v, const int64_t *off,
+                       const int64_t *lo, const int64_t *hi, int64_t head_dim, float *acc) {
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int i0 = 0; i0 < TILE; i0 += 4) {
+        int64_t clo = lo[i0], chi = hi[i0];
+        for (int i = i0 + 1; i < i0 + 4; i++) {
+            clo = lo[i] > clo ? lo[i] : clo;
+            chi = hi[i] < chi ? hi[i] : chi;
+        }
+        if (clo > chi) {
+            for (int i = i0; i < i0 + 4; i++)
+                if (lo[i] <= hi[i])
+                    weigh_column(p + i, base, v, off, lo[i], hi[i], head_dim,
+                                 acc + i * head_dim);
+            continue;
+        }
+        for (int i = i0; i < i0 + 4; i++)
+            if (lo[i] < clo)
+                weigh_column(p + i, base, v, off, lo[i], clo - 1, head_dim, acc + i * head_dim);
+        /* dimensions in vectors of TILE floats, 4 at a time, then one of 8 where left: each
+         * dimension a lane of a fused multiply-add, as weigh's 8-float vectors */
+        const int64_t wide = head_dim & ~(int64_t)(TILE - 1);
+        for (int64_t d = 0, step; d < lanes; d += step) {
+            step = d >= wide ? 8 : wide - d < 4 * TILE ? wide - d : 4 * TILE;
+            float *const a[4] = {acc + i0 * head_dim + d, acc + (i0 + 1) * head_dim + d,
+                                 acc + (i0 + 2) * head_dim + d, acc + (i0 + 3) * head_dim + d};
+            if (d >= wide) {
+                weigh_tile4(p + i0, base, v + d, off, clo, chi, a, 1);
+                continue;
+            }
+            switch ((wide - d) / TILE < 4 ? (wide - d) / TILE : 4) {
+            case 4: weigh_tile4_wide(p + i0, base, v + d, off, clo, chi, a, 4); break;
+            case 3: weigh_tile4_wide(p + i0, base, v + d, off, clo, chi, a, 3); break;
+            case 2: weigh_tile4_wide(p + i0, base, v + d, off, clo, chi, a, 2); break;
+            default: weigh_tile4_wide(p + i0, base, v + d, off, clo, chi, a, 1); break;
+            }
+        }
+        for (int i = i0; i < i0 + 4; i++)
+            for (int64_t d = lanes; d < head_dim; d++)
+                for (int64_t j = clo; j <= chi; j++)
+                    acc[i * head_dim + d] += p[(j - base) * TILE + i] * v[off[j] + d];
+        for (int i = i0; i < i0 + 4; i++)
+            if (hi[i] > chi)
+                weigh_column(p + i, base, v, off, chi + 1, hi[i], head_dim, acc + i * head_dim);
+    }
+}
+
 #define KV_T float
 #define KV_(name) name
 #define KV_STAGED 0

@@ -1,20 +1,14 @@
-"""Paged attention on the CPU (float32 queries, a float32 or bfloat16 cache): every short query
-(decodes and verify rows, q_len <= SHORT_QUERY) and every prefill chunk over a context of at most
-TILED_MAX_KEYS tokens in one call of the C kernel `paged_attention.c`, which reads K/V from the
-paged cache in place (a chunk goes in as tiles of SHORT_QUERY rows, each tile a request of its own
-that ends at its last row); chunks over longer contexts as the reference runs them (SDPA over
-their gathered blocks).
-
-The reference gathers each request's blocks into a copy and batches requests by exact shape (one
-SDPA call per shape); at 16 decodes over ~150-token contexts that was a third of a step on a
-2-core AVX2 host. The kernel's rows are also invariant by construction (see the C source): a
-row's output depends only on its query and the keys it sees, so tiling changes nothing in a row.
-Past ~800 keys SDPA's blocked kernel was the faster of the two on such a host in a probe (a
-tile's scores no longer fit the core's caches); below, the tiles win.
+"""Paged attention on the CPU (float32 queries, a float32 or bfloat16 cache): every query of a
+step in one call of the C kernel `paged_attention.c`, which reads K/V from the paged cache in
+place. Decodes and verify rows (q_len <= SHORT_QUERY) go in as they are; a prompt chunk goes in
+as tiles of SHORT_QUERY rows, each tile a request of its own that ends at its last row, which the
+kernel runs rows in lanes. A row's output depends only on its query and the keys it sees, by
+construction (see the C source): a prompt row computes bit for bit what a decode at its
+position computes, whatever the chunking, the context length or what shares the call.
 
 A bfloat16 cache (`--kv-cache-dtype bfloat16`) is read by the kernel's bf16 form, which widens
-each value exactly to float32 in registers and sums in the float32 form's order (bit for bit the
-float32 kernel over the widened cache); the long chunks' gathered blocks are widened for SDPA.
+each value exactly to float32 and sums in the float32 form's order (bit for bit the float32
+kernel over the widened cache).
 """
 from __future__ import annotations
 
@@ -26,11 +20,10 @@ import torch
 
 from specserve.kernels.cpu.native import BuildError, library
 from specserve.kernels.metadata import PagedAttentionMetadata
-from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
+from specserve.kernels.reference.paged_attention import SHORT_QUERY
 
 FAILURES = (BuildError,)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)     # caches the kernel reads (float32 queries)
-TILED_MAX_KEYS = 768     # prefill chunks over contexts up to this long: the C kernel, in tiles
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -48,37 +41,31 @@ def _kernel(bf16: bool = False):
 
 @dataclass(frozen=True)
 class ShortRequests:
-    """The queries the kernel serves this step, as it reads them: short requests, and prefill
-    chunks cut into tiles of at most SHORT_QUERY rows (a tile of rows a..b of a chunk is a request
-    of b - a rows whose context ends at row b's position)."""
+    """The step's queries as the kernel reads them: short requests, and prefill chunks cut into
+    tiles of at most SHORT_QUERY rows (a tile of rows a..b of a chunk is a request of b - a rows
+    whose context ends at row b's position)."""
     requests: torch.Tensor          # [n, 3] int64: first query row, q_len, seq_len
     tables: torch.Tensor            # [n, width] int64 block ids (padded with 0)
-    whole: bool                     # every query of the step is among them
 
 
-def short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
+def short_requests(meta: PagedAttentionMetadata) -> ShortRequests:
     """Built once per step (every layer reuses it)."""
     return meta.memo("cpu_short", lambda: _short_requests(meta))
 
 
-def _short_requests(meta: PagedAttentionMetadata) -> ShortRequests | None:
-    rows, tables, whole = [], [], True
+def _short_requests(meta: PagedAttentionMetadata) -> ShortRequests:
+    rows, tables = [], []
     for b, seq_len in enumerate(meta.seq_lens):
         start, q_len = meta.query_start[b], meta.query_start[b + 1] - meta.query_start[b]
-        if q_len > SHORT_QUERY and seq_len > TILED_MAX_KEYS:
-            whole = False                                      # the reference takes it
-            continue
         table = meta.block_tables[b][:-(-seq_len // meta.block_size)]
         for first in range(0, q_len, SHORT_QUERY):
             rows_in = min(SHORT_QUERY, q_len - first)
             rows.append((start + first, rows_in, seq_len - q_len + first + rows_in))
             tables.append(table)
-    if not rows:
-        return None
-    width = max(len(t) for t in tables)
+    width = max((len(t) for t in tables), default=1)
     padded = [list(t) + [0] * (width - len(t)) for t in tables]
-    return ShortRequests(torch.tensor(rows, dtype=torch.int64),
-                         torch.tensor(padded, dtype=torch.int64), whole)
+    return ShortRequests(torch.tensor(rows, dtype=torch.int64).reshape(-1, 3),
+                         torch.tensor(padded, dtype=torch.int64).reshape(-1, width))
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -97,11 +84,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, D] float32."""
     num_heads, head_dim = q.shape[1:]
     out = torch.empty(q.shape, dtype=q.dtype)
-    for where, blocks, mask in chunk_groups(meta, window, TILED_MAX_KEYS):  # long contexts
-        out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
-                                     meta.block_size, softcap)
     short = short_requests(meta)
-    if short is None:
+    if not short.requests.shape[0]:
         return out
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()

@@ -158,6 +158,139 @@ static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV
     }
 }
 
+/* attend_request's results for the queries of one request's heads h0 .. h0 + nh - 1 when q_len
+ * is a multiple of TILE (a prompt chunk's tile): TILE consecutive queries of a head at a time,
+ * rows in lanes (see TILE), every head of the task that reads a kv head together, so that each
+ * block of its keys and chunk of its values is read once for all of them. The keys a tile sees
+ * are scored into scores[(g * keys + j - first) * TILE + row] (g: the head among those), soft-maxed
+ * lane by lane, then weighed four rows at a time. Scratch: off (seq_len rounded up to KEYS),
+ * scores (TILE floats per key and head), acc and qt (TILE * head_dim per head), inv (TILE per
+ * head), stage (bf16 form: CHUNK * head_dim). */
+static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T *k_cache,
+                              const KV_T *v_cache, float *out, int64_t out_token_stride,
+                              const int64_t *table, int64_t q_start, int64_t q_len,
+                              int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale, int64_t window, float softcap, int64_t *off,
+                              float *scores, float *acc, float *qt, float *inv, float *stage) {
+    const int64_t group = num_heads / num_kv_heads, slot_elems = num_kv_heads * head_dim;
+    const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1);
+    for (int64_t j = 0; j < padded; j++) {
+        const int64_t key = j < seq_len ? j : seq_len - 1;
+        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_elems;
+    }
+#if KV_STAGED
+    int64_t staged[CHUNK];                      /* key i of a staged block at stage + i * D */
+    for (int64_t i = 0; i < CHUNK; i++)
+        staged[i] = i * head_dim;
+#endif
+    const int64_t first_pos = seq_len - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += TILE) {
+        int64_t lo[TILE], hi[TILE];
+        vrowi lo_v, hi_v;
+        for (int i = 0; i < TILE; i++) {
+            hi[i] = first_pos + t0 + i;
+            lo[i] = first_key(hi[i], window);
+            lo_v[i] = (int32_t)lo[i];
+            hi_v[i] = (int32_t)hi[i];
+        }
+        const int64_t first = lo[0] & ~(int64_t)(KEYS - 1);
+        const int64_t end = (hi[TILE - 1] + KEYS) & ~(int64_t)(KEYS - 1), keys = end - first;
+        for (int64_t hg = h0; hg < h0 + nh;) {            /* the task's heads of one kv head */
+            const int64_t kv_at = hg / group * head_dim;
+            const int64_t h_end = (hg / group + 1) * group < h0 + nh ? (hg / group + 1) * group
+                                                                       : h0 + nh;
+            const int64_t n = h_end - hg;
+            for (int64_t g = 0; g < n; g++)
+                for (int i = 0; i < TILE; i++) {
+                    const float *qr = q + (q_start + t0 + i) * q_token_stride
+                                      + (hg + g) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        qt[(g * head_dim + d) * TILE + i] = qr[d];
+                }
+            for (int64_t j0 = first; j0 < end; j0 += KEYS) {
+#if KV_STAGED
+                stage_bf16(k_cache, off, j0, KEYS, kv_at, head_dim, stage);
+                const float *kb = stage;
+                const int64_t *ko = staged, kj = 0;
+#else
+                const float *kb = k_cache + kv_at;
+                const int64_t *ko = off, kj = j0;
+#endif
+                for (int64_t g = 0; g < n; g++) {
+                    float *sg = scores + (g * keys + j0 - first) * TILE;
+                    for (int i = 0; i < KEYS; i += 2)
+                        tile_scores2(qt + g * head_dim * TILE, kb + ko[kj + i],
+                                     kb + ko[kj + i + 1], head_dim, scale, sg + i * TILE,
+                                     sg + (i + 1) * TILE);
+                }
+            }
+            for (int64_t g = 0; g < n; g++) {
+                float *sg = scores + g * keys * TILE;
+                if (softcap > 0.0f)
+                    for (int i = 0; i < TILE; i++)
+                        for (int64_t j = lo[i]; j <= hi[i]; j++) {
+                            float *sj = sg + (j - first) * TILE + i;
+                            *sj = tanhf(*sj / softcap) * softcap;
+                        }
+                vrow most;
+                for (int i = 0; i < TILE; i++)
+                    most[i] = sg[(lo[i] - first) * TILE + i];
+                for (int64_t j = first; j < end; j++) {    /* the maximum each row sees (exact) */
+                    const vrowi key = splat_rowi((int32_t)j);
+                    const vrow sj = *(const vrow *)(sg + (j - first) * TILE);
+                    const vrowi more = (key >= lo_v) & (key <= hi_v) & (sj > most);
+                    most = (vrow)(((vrowi)sj & more) | ((vrowi)most & ~more));
+                }
+                vrow sum[KEYS];                          /* by key index mod 8, as softmax_row */
+                for (int l = 0; l < KEYS; l++)
+                    sum[l] = splat_row(0.0f);
+                for (int64_t j0 = first; j0 < end; j0 += KEYS)
+                    for (int l = 0; l < KEYS; l++) {
+                        const vrowi key = splat_rowi((int32_t)(j0 + l));
+                        vrow *sj = (vrow *)(sg + (j0 + l - first) * TILE);
+                        const vrowi seen = (key >= lo_v) & (key <= hi_v);
+                        const vrow e = (vrow)((vrowi)exp_row(*sj - most) & seen);
+                        *sj = e;
+                        sum[l] += e;
+                    }
+                *(vrow *)(inv + g * TILE) = 1.0f / (((sum[0] + sum[1]) + (sum[2] + sum[3]))
+                                                    + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
+            }
+            memset(acc, 0, sizeof(float) * n * TILE * head_dim);
+            for (int64_t c0 = lo[0]; c0 <= hi[TILE - 1]; c0 += CHUNK) {
+                const int64_t c1 = c0 + CHUNK - 1 < hi[TILE - 1] ? c0 + CHUNK - 1 : hi[TILE - 1];
+                int64_t clo[TILE], chi[TILE];
+                for (int i = 0; i < TILE; i++) {
+                    clo[i] = lo[i] > c0 ? lo[i] : c0;
+                    chi[i] = hi[i] < c1 ? hi[i] : c1;
+                }
+#if KV_STAGED                               /* keys c0 + i at stage + i * D: shifted by c0 */
+                stage_bf16(v_cache, off, c0, c1 - c0 + 1, kv_at, head_dim, stage);
+                for (int i = 0; i < TILE; i++)
+                    clo[i] -= c0, chi[i] -= c0;
+                for (int64_t g = 0; g < n; g++)
+                    weigh_tile(scores + g * keys * TILE, first - c0, stage, staged, clo, chi,
+                               head_dim, acc + g * TILE * head_dim);
+#else
+                for (int64_t g = 0; g < n; g++)
+                    weigh_tile(scores + g * keys * TILE, first, v_cache + kv_at, off, clo, chi,
+                               head_dim, acc + g * TILE * head_dim);
+#endif
+            }
+            for (int64_t g = 0; g < n; g++)
+                for (int i = 0; i < TILE; i++) {
+                    float *o = out + (q_start + t0 + i) * out_token_stride
+                               + (hg + g) * head_dim;
+                    const float *a = acc + (g * TILE + i) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        o[d] = a[d] * inv[g * TILE + i];
+                }
+            hg = h_end;
+        }
+    }
+}
+
 /* requests: [num_reqs, 3] (first query row, q_len, seq_len); tables: [num_reqs, table_width]
  * block ids. q rows are q_token_stride floats apart, heads head_dim apart; out likewise with
  * out_token_stride. Returns 0, or -1 when scratch memory could not be allocated. A row's result
@@ -200,9 +333,10 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
         float *scores = malloc(sizeof(float) * max_scores);
         float *acc = malloc(sizeof(float) * max_rows * head_dim);
         float *inv = malloc(sizeof(float) * max_rows);
+        float *qt = malloc(sizeof(float) * TILE * head_dim * num_heads);
         /* the bf16 form's widened keys or values: CHUNK slots (KEYS <= CHUNK) */
         float *stage = KV_STAGED ? malloc(sizeof(float) * CHUNK * num_kv_heads * head_dim) : NULL;
-        const int ok = off && scores && acc && inv && (stage || !KV_STAGED);
+        const int ok = off && scores && acc && inv && qt && (stage || !KV_STAGED);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -213,15 +347,26 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
             const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
             if (!ok || nh <= 0)
                 continue;
-            KV_(attend_request)(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
-                                tables + b * table_width, requests[b * 3], requests[b * 3 + 1],
-                                requests[b * 3 + 2], h0, nh, num_heads, num_kv_heads, head_dim,
-                                block_size, scale, window, softcap, off, scores, acc, inv, stage);
+            /* a chunk's tiles rows in lanes, the rest (decodes, verify rows) row by row */
+            const int64_t q0 = requests[b * 3], q_len = requests[b * 3 + 1];
+            const int64_t seq_len = requests[b * 3 + 2], tiled = q_len / TILE * TILE;
+            const int64_t *table = tables + b * table_width;
+            if (tiled)
+                KV_(attend_tiles)(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
+                                  table, q0, tiled, seq_len - (q_len - tiled), h0, nh,
+                                  num_heads, num_kv_heads, head_dim, block_size, scale, window,
+                                  softcap, off, scores, acc, qt, inv, stage);
+            if (q_len > tiled)
+                KV_(attend_request)(q, q_token_stride, k_cache, v_cache, out,
+                                    out_token_stride, table, q0 + tiled, q_len - tiled, seq_len,
+                                    h0, nh, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                    window, softcap, off, scores, acc, inv, stage);
         }
         free(off);
         free(scores);
         free(acc);
         free(inv);
+        free(qt);
         free(stage);
 #if defined(__SSE__)
         _mm_setcsr(csr);

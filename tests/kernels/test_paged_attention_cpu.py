@@ -68,46 +68,53 @@ def test_takes_strided_queries():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_do_not_depend_on_what_shares_the_call(threads):
-    """A verify row, or a prompt chunk's row (the chunk cut into tiles), computes bit for bit
-    what the decode at its position computes alone, and a request's rows are the same with or
-    without neighbours (any thread count)."""
+@pytest.mark.parametrize("num_heads,num_kv,dim,window,softcap,cache_dtype", [
+    (9, 3, 64, 0, 0.0, torch.float32), (9, 3, 64, 0, 0.0, torch.bfloat16),
+    (4, 2, 24, 50, 0.0, torch.float32), (6, 6, 12, 0, 4.0, torch.float32),
+    (2, 1, 88, 0, 0.0, torch.bfloat16)])
+def test_rows_do_not_depend_on_what_shares_the_call(threads, num_heads, num_kv, dim, window,
+                                                    softcap, cache_dtype):
+    """A verify row, or a prompt chunk's row (the chunk cut into tiles, run rows in lanes),
+    computes bit for bit what the decode at its position computes alone, over short and long
+    contexts, and a request's rows are the same with or without neighbours (any thread count;
+    head sizes on and off the vector widths, sliding windows, soft-capping, bf16 caches)."""
     torch.set_num_threads(threads)
-    block_size, num_heads, num_kv, dim = 16, 9, 3, 64
-    shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40), (35, 35)]
+    block_size = 16
+    shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40), (35, 35), (1100, 70),
+              (930, 17)]
     q, k_cache, v_cache, query_start, tables = make_batch(shapes, block_size, num_heads, num_kv,
-                                                          dim, num_blocks=64)
+                                                          dim, num_blocks=200)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = dim ** -0.5
+    opts = dict(window=window, softcap=softcap)
     batch = cpu_paged.paged_attention(q, k_cache, v_cache,
-                                      meta_of(shapes, query_start, tables, block_size), scale)
+                                      meta_of(shapes, query_start, tables, block_size), scale,
+                                      **opts)
     for b, (length, num_q) in enumerate(shapes):
         for i in range(num_q):
             row = query_start[b] + i
             alone = cpu_paged.paged_attention(
                 q[row:row + 1], k_cache, v_cache,
-                meta_of([(length - num_q + i + 1, 1)], [0, 1], [tables[b]], block_size), scale)
+                meta_of([(length - num_q + i + 1, 1)], [0, 1], [tables[b]], block_size), scale,
+                **opts)
             assert torch.equal(alone[0], batch[row]), (b, i)
         own = cpu_paged.paged_attention(
             q[query_start[b]:query_start[b + 1]], k_cache, v_cache,
-            meta_of([shapes[b]], [0, num_q], [tables[b]], block_size), scale)
+            meta_of([shapes[b]], [0, num_q], [tables[b]], block_size), scale, **opts)
         assert torch.equal(own, batch[query_start[b]:query_start[b + 1]])
+    torch.testing.assert_close(
+        batch, reference(q, k_cache, v_cache, meta_of(shapes, query_start, tables, block_size),
+                         scale, window, softcap), rtol=1e-5, atol=1e-5)
 
 
-def test_chunks_over_long_contexts_go_to_the_reference(monkeypatch):
-    """A prompt chunk over more than TILED_MAX_KEYS tokens of context is the reference's (SDPA
-    over its gathered blocks, bit for bit); one over fewer is cut into tiles of SHORT_QUERY rows
-    for the C kernel, each tile ending at its last row's position."""
-    monkeypatch.setattr(cpu_paged, "TILED_MAX_KEYS", 30)
+def test_a_chunk_goes_in_as_tiles_ending_at_their_last_row():
+    """Every query is the C kernel's, however long its context: a prompt chunk is cut into tiles
+    of SHORT_QUERY rows, each a request ending at its last row's position."""
     shapes = [(40, 30), (9, 1), (28, 20)]
-    q, k_cache, v_cache, query_start, tables = make_batch(shapes, 4, 6, 2, 16)
-    meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
-    got = cpu_paged.paged_attention(q, k_cache, v_cache, meta(), 0.25)
-    want = reference(q, k_cache, v_cache, meta(), 0.25)
-    assert torch.equal(got[:30], want[:30])                       # the long context's chunk
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    short = cpu_paged.short_requests(meta())
-    assert not short.whole
-    assert short.requests.tolist() == [[30, 1, 9], [31, 16, 24], [47, 4, 28]]
+    _, _, _, query_start, tables = make_batch(shapes, 4, 6, 2, 16)
+    short = cpu_paged.short_requests(meta_of(shapes, query_start, tables, 4))
+    assert short.requests.tolist() == [[0, 16, 26], [16, 14, 40], [30, 1, 9], [31, 16, 24],
+                                       [47, 4, 28]]
 
 
 def test_dispatch_picks_the_c_kernel_on_cpu_and_reference_when_forced(monkeypatch):
@@ -123,9 +130,7 @@ def test_a_bf16_cache_is_the_float32_kernel_on_the_widened_cache(num_heads, num_
                                                                  softcap, monkeypatch):
     """--kv-cache-dtype bfloat16: the kernel's bf16 form widens each value exactly and sums in
     the float32 form's order, so its rows are bit for bit the float32 kernel's over the widened
-    cache (decodes, verify rows, tiled chunks); a chunk over a longer context goes to SDPA over
-    the widened blocks, the same bits too."""
-    monkeypatch.setattr(cpu_paged, "TILED_MAX_KEYS", 30)               # (40, 30): SDPA's
+    cache (decodes, verify rows, chunks in tiles)."""
     shapes = [(9, 1), (13, 5), (20, 20), (37, 17), (16, 1), (30, 16), (40, 30), (1, 1)]
     q, k32, v32, query_start, tables = make_batch(shapes, 4, num_heads, num_kv, dim)
     k16, v16 = k32.bfloat16(), v32.bfloat16()
@@ -137,24 +142,6 @@ def test_a_bf16_cache_is_the_float32_kernel_on_the_widened_cache(num_heads, num_
     assert got.dtype == torch.float32 and torch.equal(got, want)
     torch.testing.assert_close(got, reference(q, k16, v16, meta(), dim ** -0.5, window, softcap),
                                rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_rows_do_not_depend_on_what_shares_the_call(threads):
-    """With a bf16 cache too, every row computes bit for bit what the decode at its position
-    computes alone, whatever the row count of the call."""
-    torch.set_num_threads(threads)
-    shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40)]
-    q, k32, v32, query_start, tables = make_batch(shapes, 16, 9, 3, 64, num_blocks=64)
-    k16, v16 = k32.bfloat16(), v32.bfloat16()
-    batch = cpu_paged.paged_attention(q, k16, v16, meta_of(shapes, query_start, tables, 16), 0.125)
-    for b, (length, num_q) in enumerate(shapes):
-        for i in range(num_q):
-            row = query_start[b] + i
-            alone = cpu_paged.paged_attention(
-                q[row:row + 1], k16, v16,
-                meta_of([(length - num_q + i + 1, 1)], [0, 1], [tables[b]], 16), 0.125)
-            assert torch.equal(alone[0], batch[row]), (b, i)
 
 
 def test_bf16_queries_go_to_the_reference():

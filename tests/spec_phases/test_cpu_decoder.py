@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from specserve.kernels.cpu import decoder as fused
-from specserve.kernels.cpu import paged_attention as cpu_attention
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases import cpu_decoder
 from specserve.spec_phases.loader import build_random_model, tiny_config
@@ -36,16 +35,11 @@ def runners(model, cache_dtype=torch.float32):
 
 
 @pytest.mark.parametrize("bias,windows", [(False, ()), (True, ()), (False, (0, 8))])
-@pytest.mark.parametrize("tiled_max_keys", [cpu_attention.TILED_MAX_KEYS, 30])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_bitwise_the_modules_over_mixed_steps(bias, windows, tiled_max_keys, cache_dtype,
-                                              monkeypatch):
-    """Steps whose every query the C attention serves (decodes, verify rows, prompt chunks over
-    short contexts, in tiles) run the whole stack in one call (`kernels/cpu/decoder.c`); a step
-    with a chunk over a longer context (here: over 30 tokens, the bound lowered) calls the
-    kernels one by one: both bitwise the modules, with attention bias and with a sliding window
-    on one layer; over a bf16 cache too (the one call rounds K/V as torch does)."""
-    monkeypatch.setattr(cpu_attention, "TILED_MAX_KEYS", tiled_max_keys)
+def test_bitwise_the_modules_over_mixed_steps(bias, windows, cache_dtype, monkeypatch):
+    """Every step (prompt chunks in tiles, decodes, verify rows) runs the whole stack in one
+    call (`kernels/cpu/decoder.c`), bitwise the modules, with attention bias and with a sliding
+    window on one layer; over a bf16 cache too (the one call rounds K/V as torch does)."""
     model = packed_model(attention_bias=bias, windows=windows)
     fast, modules = runners(model, cache_dtype)
     whole = []
@@ -64,8 +58,7 @@ def test_bitwise_the_modules_over_mixed_steps(bias, windows, tiled_max_keys, cac
         assert torch.equal(got, want)
         assert torch.equal(fast.storage.k, modules.storage.k)
         assert torch.equal(fast.storage.v, modules.storage.v)
-    # every step, or with the bound at 30 tokens all but the 40-token prompt's
-    one_call_steps = 3 if tiled_max_keys >= 40 else 2
+    one_call_steps = 3                                                # every step
     assert whole == [model.config.num_layers] * one_call_steps
     skip = [1]                                                        # self-speculation's subset
     assert torch.equal(fast.forward([(3,)], [41], [tables[2]], skip),
