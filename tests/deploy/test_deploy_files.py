@@ -1,6 +1,6 @@
 """deploy/ and the Dockerfile: the dashboard matches its generator, compose and Kubernetes manifests
-hang together, Prometheus accepts the config and rules, hadolint passes, and the image installs the
-project exactly as the README does (Docker cannot build here; these checks are what stands in)."""
+hang together, Prometheus accepts the config and rules, and hadolint passes (test_images.py checks
+what the images install; docs/deploy.md has the builds, which need a Docker engine)."""
 from __future__ import annotations
 
 import importlib.util
@@ -96,7 +96,8 @@ def test_compose_services_files_and_scrape_target():
     assert set(router["depends_on"]) == {"specserve-1", "specserve-2"}
     for service in services.values():
         for volume in service.get("volumes", []):
-            assert (DEPLOY / volume.split(":")[0]).exists(), volume
+            source = volume.split(":")[0]      # a file of deploy/, or a volume compose declares
+            assert (DEPLOY / source).exists() or source in compose["volumes"], volume
         assert (":" in service.get("image", "x:pinned")
                 and not service.get("image", "").endswith(":latest"))
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
@@ -154,7 +155,8 @@ def k8s() -> dict[tuple[str, str], dict]:
         for doc in yaml.safe_load_all(path.read_text()):
             assert {"apiVersion", "kind"} <= set(doc), path
             name = doc.get("metadata", {}).get("name", "")
-            assert doc["kind"] == "Kustomization" or name in ("specserve", "specserve-router"), path
+            assert doc["kind"] == "Kustomization" or name in (
+                "specserve", "specserve-router", "specserve-models", "specserve-cache"), path
             docs[(doc["kind"], name)] = doc
     return docs
 
@@ -166,7 +168,9 @@ def test_k8s_manifests_hang_together():
                          ("PrometheusRule", "specserve"), ("Kustomization", ""),
                          ("ServiceAccount", "specserve-router"), ("Role", "specserve-router"),
                          ("RoleBinding", "specserve-router"), ("Deployment", "specserve-router"),
-                         ("Service", "specserve-router"), ("ServiceMonitor", "specserve-router")}
+                         ("Service", "specserve-router"), ("ServiceMonitor", "specserve-router"),
+                         ("PersistentVolumeClaim", "specserve-models"),
+                         ("PersistentVolumeClaim", "specserve-cache")}
     kustomize = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
     assert sorted(kustomize["resources"]) == sorted(p.name for p in (DEPLOY / "k8s").glob("*.yaml")
                                                    if p.name != "kustomization.yaml")
@@ -244,35 +248,9 @@ def test_k8s_core_manifests_pass_the_kubernetes_schemas():
     docs = [d for (kind, _), d in k8s().items() if kind != "Kustomization"]
     core = [d for d in docs if not d["apiVersion"].startswith(("keda.sh/",
                                                                 "monitoring.coreos.com/"))]
-    assert len(docs) == 11 and len(core) == 7
+    assert len(docs) == 13 and len(core) == 9
     for doc in core:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
-
-
-def readme_install_line() -> str:
-    serve = re.findall(r"```bash\n(python3 -m venv[^\n]*)\n```",
-                       (ROOT / "README.md").read_text())[0]
-    return serve.split(" && .venv/bin/specserve serve")[0]
-
-
-def test_dockerfile_installs_like_the_readme_and_has_both_targets():
-    text = (ROOT / "Dockerfile").read_text()
-    run_lines = [line[len("RUN "):] for line in text.splitlines()
-                 if line.startswith("RUN python3 -m venv")]
-    assert run_lines == [readme_install_line()] * 2
-    stages = re.findall(r"^FROM \S+ AS (\S+)$", text, re.M)
-    # gpu last: the default target
-    assert stages == ["cpu-build", "cpu", "gpu-build", "gpu"]
-    for stage in ("cpu", "gpu"):
-        body = text.split(f" AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
-        assert "USER 10001" in body and "EXPOSE 8000" in body and "/health" in body
-        assert 'ENTRYPOINT ["specserve", "serve"]' in body
-    import tomllib
-    package_dirs = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-        .values())
-    copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))
-    assert package_dirs == copied, package_dirs ^ copied
 
 
 def hadolint() -> str:
