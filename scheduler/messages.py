@@ -85,8 +85,9 @@ class StepStats:
     swap_bytes_h2d: int = 0              # lossy_kv, full cache in host memory: bytes moved
     swap_bytes_d2h: int = 0
     grammar_compile_s: list[float] = field(default_factory=list)   # structured output: seconds
-                                         # per grammar compiled (the worker's cache missed)
-    grammar_cache_hits: int = 0          # constrained requests whose grammar was already compiled
+                                         # per grammar compiled (the engine's cache missed)
+    grammar_cache_hits: int = 0          # constrained requests whose constraint was compiled (or
+                                         # compiling) already
 
 
 @dataclass(frozen=True)

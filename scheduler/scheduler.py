@@ -238,8 +238,6 @@ class Scheduler:
         stats.step_time_s = result.step_time_s
         stats.num_frontiers = result.num_frontiers
         stats.num_drafted_ahead = result.num_drafted_ahead
-        stats.grammar_compile_s = list(result.grammar_compile_s)
-        stats.grammar_cache_hits = result.grammar_cache_hits
         if self.controller is not None:
             # drafts the grammar cut were never computed: priced as no rows
             drafted = [s.num_drafted - s.num_masked for s in result.sampled.values()]

@@ -7,8 +7,8 @@ import json
 from collections.abc import Sequence
 
 from specserve.scheduler.messages import EngineRequest, ModelInfo
-from specserve.spec_phases.grammar import check as check_grammar
-from specserve.spec_phases.grammar import vllm_json_schema
+from specserve.scheduler.structured_output import check as check_grammar
+from specserve.scheduler.structured_output import vllm_json_schema
 from specserve.spec_phases.sampling_params import Constraint, ParamError
 
 

@@ -54,7 +54,8 @@ class ServerSettings:
     auto_tool_choice: bool = True
     reasoning_parser: str | None = None            # --reasoning-parser (server/output_parsing.py)
     # JSON schemas' objects without additionalProperties admit unnamed properties (vLLM's
-    # guidance backend); default: none (vLLM's default grammar; spec_phases/grammar.py)
+    # guidance backend); default: none (vLLM's default grammar;
+    # scheduler/structured_output.py)
     json_unnamed_properties: bool = False
 
     def __post_init__(self) -> None:

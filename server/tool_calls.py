@@ -122,8 +122,8 @@ def parse_tools(tools: list[dict] | None, tool_choice: str | dict | None,
 
 
 def call_grammar(req: ToolRequest) -> Constraint | None:
-    """For "required" and a named function: the "tool_calls" constraint (spec_phases/grammar.py
-    builds its grammar), which admits only well-formed calls with valid arguments."""
+    """For "required" and a named function: the "tool_calls" constraint
+    (scheduler/structured_output.py builds its grammar), which admits only well-formed calls with valid arguments."""
     if req.choice == "auto":
         return None
     tools = [{"name": t.name, "parameters": t.parameters} for t in req.tools

@@ -2,9 +2,11 @@
 
     schedule() -> StepPlan      execute(plan) -> StepResult      commit(plan, result) -> outputs
 
-Two crossings per step, both plain snapshots (tuples, ints, typed `SamplingParams`) that pickle, so
-the worker could run in another process. Nothing else crosses: the plan names the requests whose
-device-side state the worker drops, the result carries the swap bytes and draft-pass timings.
+Two crossings per step, both plain snapshots (tuples, ints, text, typed `SamplingParams`) that
+pickle, so the worker can run in another process (tests/scheduler/test_worker_process.py runs it
+so). Nothing else crosses: the plan names the requests whose device-side state the worker drops
+and carries each constrained request's compiled grammar once, the result carries the swap bytes and
+draft-pass timings. Before the first step the worker sends its `WorkerFacts`, once.
 
 Every forward pass is a verify phase: a prefill chunk is a verify over prompt tokens with nothing
 to sample until the chunk reaches the end; a decode is a verify with zero drafts.
@@ -66,11 +68,21 @@ def needs_history(params: SamplingParams, num_draft_tokens: int, prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
+class RequestGrammar:
+    """A constrained request's compiled grammar (llguidance's grammar text, validated by the
+    engine: scheduler/structured_output.py), sent with the first plan that schedules it."""
+    request_id: str
+    grammar: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     requests: tuple[ScheduledRequest, ...]
     frontier_size: int = 0          # > 0: verify drafts this many positions at a time (pruning)
     finished_ids: tuple[str, ...] = ()    # finished or aborted since the last plan: drop state
     preempted_ids: tuple[str, ...] = ()   # preempted (recompute): drop their drafting caches
+    grammars: tuple[RequestGrammar, ...] = ()   # requests scheduled for the first time with a
+                                                # constraint: the worker builds their matchers
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +114,25 @@ class StepResult:
     swap_bytes: tuple[int, int] = (0, 0)        # full-cache bytes (host->device, device->host)
                                                 # moved this step (VeriCache with a host pool)
     num_drafted_ahead: int = 0                  # requests whose drafts came from the overlap thread
-    grammar_compile_s: list[float] = field(default_factory=list)   # structured output: each
-                                                # grammar compiled since the last step, in seconds
-    grammar_cache_hits: int = 0                 # requests that found their grammar compiled
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What the worker is, sent once when it starts: all the engine sizes its scheduler and KV
+    manager with and reports (the engine reads nothing else of the worker)."""
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    max_model_len: int              # the config's or the model's, capped by the KV cache
+    num_blocks: int                 # full-cache blocks
+    device: str                     # "cpu", "cuda", ...
+    dtype: str                      # the model's: "float32", "bfloat16", ...
+    kv_cache_dtype: str             # the full cache's elements
+    kv_bytes_per_token: int         # full cache, all layers, K + V
+    device_kv_gb: float             # the device's KV budget
+    # lossy_kv's drafting pool when its bytes are budgeted (full cache in host memory), else None:
+    # the device bytes for every request's compressed cache, and one request's bytes at n tokens
+    # for n = 0 .. max_model_len
+    draft_capacity_bytes: int | None = None
+    draft_bytes_at: tuple[int, ...] = ()
+    draft_kv_bytes_per_token: float | None = None   # lossy_kv: compressed pages, all layers

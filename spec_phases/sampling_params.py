@@ -25,8 +25,9 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match (structured output), as plain text: the worker compiles it
-    (`spec_phases/grammar.py`, cached by this value) and masks every sampled or verified row.
+    """What the output must match (structured output), as plain text: the engine compiles it
+    (`scheduler/structured_output.py`, cached by this value) and the worker masks every sampled
+    or verified row (`spec_phases/grammar.py`).
 
     kind: "json_schema" (spec: the schema as JSON text), "json_object" (any JSON object), "regex"
     (spec: the pattern), "choice" (one of `choices`, verbatim), "lark" (spec: a Lark grammar),

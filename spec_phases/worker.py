@@ -1,5 +1,6 @@
-"""The worker: model, KV storage, drafter and verifier on one device. The scheduler reaches the
-device only through `Worker.execute(plan) -> StepResult` (spec_phases/plan.py)."""
+"""The worker: model, KV storage, drafter and verifier on one device. The engine reaches it only
+through messages (spec_phases/plan.py): `Worker.facts() -> WorkerFacts` once at start, then
+`Worker.execute(plan) -> StepResult` each step."""
 from __future__ import annotations
 
 import logging
@@ -8,16 +9,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.kv_cache.draft_pool import DraftBudget, DraftPool
+from specserve.kv_cache.draft_pool import DraftPool
 from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
 from specserve.spec_phases.calibration import build_compressor
 from specserve.spec_phases.config import KV_CACHE_DTYPES, SpeculativeConfig, WorkerConfig
 from specserve.spec_phases.frontiers import FrontierVerifier
-from specserve.spec_phases.grammar import GrammarBook
+from specserve.spec_phases.grammar import GrammarMatchers
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.overlap import DraftAhead
-from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult
+from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult, WorkerFacts
 from specserve.spec_phases.proposers.base import DraftRequest, Proposer
 from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer, default_skip_layers
 from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
@@ -130,6 +131,11 @@ class Worker:
             budget_gb * 2**30, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         if self.num_blocks < 1:
             raise ValueError("the KV cache budget is too small for one block")
+        self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
+        if self.max_model_len > self.num_blocks * bs:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
+                           self.max_model_len, self.num_blocks * bs)
+            self.max_model_len = self.num_blocks * bs
         shape = (cfg.num_layers, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
                  self.kv_dtype)
         graphs = self.device.startswith("cuda") and not config.enforce_eager and not in_host
@@ -143,8 +149,8 @@ class Worker:
         self.draft_pool: DraftPool | None = None
         self.proposer = self._proposer(spec, in_host)
         self.verifier = Verifier(self.runner, self.sampler, self.proposer)
-        self.grammars = GrammarBook(lambda: load_tokenizer(config.model), cfg.vocab_size,
-                                    cfg.eos_token_ids)
+        self.grammars = GrammarMatchers(lambda: load_tokenizer(config.model), cfg.vocab_size,
+                                        cfg.eos_token_ids)
         self.draft_ahead = None
         if spec is not None and spec.overlap_draft and self.proposer is not None:
             self.draft_ahead = DraftAhead(self.proposer, spec.num_speculative_tokens)
@@ -160,12 +166,11 @@ class Worker:
             logger.info("decode steps run eagerly: no CUDA graphs for head size %d",
                         self.model_config.head_dim)
             return None
-        cfg, config = self.model_config, self.config
-        max_len = min(config.max_model_len or cfg.max_position, cfg.max_position,
-                      self.num_blocks * config.block_size)
+        config = self.config
         start = time.perf_counter()
         spec = config.speculative
-        graphs = cuda_graphs.StepGraphs(self.model, self.storage, config.max_num_seqs, max_len,
+        graphs = cuda_graphs.StepGraphs(self.model, self.storage, config.max_num_seqs,
+                                        self.max_model_len,
                                         spec.num_speculative_tokens if spec else 0)
         logger.info("CUDA graphs: batches of %s requests x %s rows each captured in %.1f s",
                     graphs.sizes, graphs.query_lens, time.perf_counter() - start)
@@ -240,11 +245,10 @@ class Worker:
         if self.draft_pool is not None:
             self.draft_pool.release(plan.finished_ids + plan.preempted_ids)
         self.grammars.release(plan.finished_ids)     # kept across preemption: outputs are kept
+        for g in plan.grammars:
+            self.grammars.start(g.request_id, g.grammar)
         if not plan.requests:
             return StepResult()
-        for r in plan.requests:                      # compile while the prompt prefills
-            if r.params.constraint is not None:
-                self.grammars.prefetch(r.request_id, r.params.constraint)
         drafts, passes, ahead = self._draft(plan.requests)            # draft phase
         drafts, masks, masked = self._constrain(plan.requests, drafts)
         if plan.frontier_size:                                        # verify phase
@@ -261,7 +265,6 @@ class Worker:
         for r in plan.requests:
             if r.request_id in masks:
                 self.grammars.advance(r.request_id, result.sampled[r.request_id].token_ids)
-        result.grammar_compile_s, result.grammar_cache_hits = self.grammars.drain_stats()
         result.draft_passes, result.num_drafted_ahead = passes, ahead
         result.swap_bytes = self._swap_delta()
         result.step_time_s = time.perf_counter() - start
@@ -300,9 +303,7 @@ class Worker:
         for i, r in enumerate(reqs):
             if r.params.constraint is None or not r.sample:
                 continue
-            drafts[i], c = self.grammars.constrain(
-                r.request_id, r.params.constraint, r.num_output_tokens, r.output_token_ids,
-                drafts[i])
+            drafts[i], c = self.grammars.constrain(r.request_id, drafts[i])
             masks[r.request_id] = c.masks
             if c.num_masked:
                 masked[r.request_id] = c.num_masked
@@ -321,11 +322,23 @@ class Worker:
         return (storage.bytes_h2d - h2d + (encoded - seen_encoded) * storage.bytes_per_token,
                 storage.bytes_d2h - d2h)
 
-    # -- what the engine reads at start-up and in integrity checks ---------------------------
-    def draft_budget(self, max_tokens: int) -> DraftBudget | None:
-        """The drafting cache's byte ledger for contexts up to max_tokens, for the scheduler's KV
-        manager (None without a budgeted drafting pool)."""
-        return self.draft_pool.budget(max_tokens) if self.draft_pool is not None else None
+    # -- what the engine asks at start-up and in integrity checks ----------------------------
+    def facts(self) -> WorkerFacts:
+        """What this worker is, plain data: the engine's one message from it before the steps."""
+        cfg, pool = self.model_config, self.draft_pool
+        budget = pool.budget(self.max_model_len) if pool is not None else None
+        return WorkerFacts(
+            vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids),
+            bos_token_id=cfg.bos_token_id, max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks, device=self.device,
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_bytes_per_token=cfg.kv_bytes_per_token(self.kv_dtype),
+            device_kv_gb=self.device_kv_gb,
+            draft_capacity_bytes=budget.capacity if budget is not None else None,
+            draft_bytes_at=budget.bytes_at if budget is not None else (),
+            draft_kv_bytes_per_token=(pool.usage().compressed_page_bytes_per_token
+                                      if pool is not None else None))
 
     def check_integrity(self, live_ids: set[str], releasing: set[str],
                         reserved_bytes: int | None) -> None:

@@ -1,7 +1,7 @@
 """Structured output on the tiny model: the grammar mask on plain decoding and under speculation
-(spec_phases/grammar.py). Greedy text with a schema is identical with speculation on and off for
-every drafter; sampling keeps the masked target distribution; drafts the grammar forbids are cut
-and counted as drafted and rejected."""
+(scheduler/structured_output.py compiles, spec_phases/grammar.py masks). Greedy text with a schema
+is identical with speculation on and off for every drafter; sampling keeps the masked target
+distribution; drafts the grammar forbids are cut and counted as drafted and rejected."""
 import json
 from collections import Counter
 
@@ -10,7 +10,8 @@ import pytest
 
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
-from specserve.spec_phases.grammar import check, unpack_bitmask
+from specserve.scheduler.structured_output import check
+from specserve.spec_phases.grammar import unpack_bitmask
 from specserve.spec_phases.sampling_params import Constraint, ParamError, SamplingParams
 from specserve.spec_phases.tokenizer import load_tokenizer
 
@@ -190,20 +191,27 @@ def test_boolean_schemas():
         check(Constraint("json_schema", "false"))
 
 
+def hold_compiles(core, gate):
+    """The engine's grammar compiles wait for `gate`; returns the list each held compile appends
+    whether the gate opened in time."""
+    manager, released = core.grammars, []
+    compile_now = manager._compile
+
+    def held(constraint):
+        released.append(gate.wait(10))
+        return compile_now(constraint)
+
+    manager._compile = held
+    return released
+
+
 def test_a_slow_compile_does_not_stall_other_requests(make_engine):
     """The engine admits a constrained request only once its grammar is compiled: a compile held
     until another request has finished must not hold that request's steps."""
     import threading
 
-    core = make_engine()
-    book = core.worker.grammars
-    load, gate, released = book._load_tokenizer, threading.Event(), []
-
-    def slow_load():                       # the first compile loads the tokenizer: hold it
-        released.append(gate.wait(10))
-        return load()
-
-    book._load_tokenizer = slow_load
+    core, gate = make_engine(), threading.Event()
+    released = hold_compiles(core, gate)
     regex = Constraint("regex", "[0-9]+")
     core.add_request(EngineRequest("slow", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0,
                                                                      constraint=regex)))
@@ -223,10 +231,8 @@ def test_a_slow_compile_does_not_stall_other_requests(make_engine):
 def test_aborting_a_request_whose_grammar_is_compiling(make_engine):
     import threading
 
-    core = make_engine()
-    book = core.worker.grammars
-    load, gate = book._load_tokenizer, threading.Event()
-    book._load_tokenizer = lambda: (gate.wait(10), load())[1]
+    core, gate = make_engine(), threading.Event()
+    hold_compiles(core, gate)
     core.add_request(EngineRequest("a", [5, 6], SamplingParams(
         max_tokens=4, constraint=Constraint("regex", "x"))))
     assert core.has_unfinished()
@@ -236,14 +242,20 @@ def test_aborting_a_request_whose_grammar_is_compiling(make_engine):
     core.check_integrity()
 
 
-def test_an_uncompilable_constraint_reaching_the_engine_stops_the_request(make_engine):
-    """The server refuses these with a 400; an engine-only caller gets EOS at once, not a hang."""
+def test_an_uncompilable_constraint_reaching_the_engine_fails_the_request(make_engine):
+    """The server refuses these with a 400; an engine-only caller gets the request finished with
+    the compile's error at once, not a hang, and the other requests run."""
     core = make_engine()
     bad = SamplingParams(max_tokens=8, temperature=0, constraint=Constraint("regex", "(unclosed"))
     ok = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    out, reasons, _ = run(core, [("bad", [5, 6, 7], bad), ("ok", [5, 6, 7], ok)])
-    assert out["bad"] == [core.model_info.eos_token_ids[0]] and reasons["bad"] == "stop"
-    assert len(out["ok"]) == 3
+    core.add_request(EngineRequest("bad", [5, 6, 7], bad))
+    core.add_request(EngineRequest("ok", [5, 6, 7], ok))
+    outputs = core.run_until_idle()
+    failed = [o for o in outputs if o.request_id == "bad"]
+    assert len(failed) == 1 and failed[0].finished and failed[0].finish_reason == "error"
+    assert failed[0].new_token_ids == [] and "cannot be compiled" in failed[0].error
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "ok") == 3
+    core.check_integrity()
 
 
 def test_tool_calls_constraint_makes_one_valid_call(make_engine, tok):

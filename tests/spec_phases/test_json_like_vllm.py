@@ -1,4 +1,4 @@
-"""JSON schemas read as vLLM's default grammar reads them (spec_phases/grammar.py:
+"""JSON schemas read as vLLM's default grammar reads them (scheduler/structured_output.py:
 vllm_json_schema): objects naming `properties` without `additionalProperties` admit no other
 property, and numbers are bounded, so a small model cannot write keys or digits until max_tokens.
 Checked with llguidance on the embedded model's tokenizer: which texts the grammar admits."""
@@ -10,7 +10,7 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from specserve.spec_phases.grammar import grammar_text, vllm_json_schema
+from specserve.scheduler.structured_output import grammar_text, vllm_json_schema
 from specserve.spec_phases.sampling_params import Constraint
 from specserve.spec_phases.tokenizer import load_tokenizer
 
