@@ -52,6 +52,29 @@ def supported(model: LlamaModel) -> bool:
     return True
 
 
+def batch_dependence(model: LlamaModel) -> str | None:
+    """Why a row's result could depend on which rows share its step on this CPU (None: it cannot,
+    by construction). Speculative decoding is lossless only where it cannot: a verify row must
+    compute what the decode it replaces computes. Every linear layer and the LM head on the C
+    kernel (one kernel serves 1 row and many), the C attention and the elementwise C kernels
+    give that; PyTorch's and oneDNN's GEMMs and SDPA pick their blocking by shape."""
+    mode = os.environ.get("SPECSERVE_KERNELS", "auto")
+    if mode != "auto":
+        return f"SPECSERVE_KERNELS={mode} runs other kernels than the C ones"
+    layouts = model.packed_layouts()
+    if None in layouts:
+        return ("the linear layers run PyTorch's GEMM (--no-cpu-weight-packing, a model dtype "
+                "the C kernel does not take, or no C compiler)")
+    if "onednn" in layouts:
+        return f"the linear layers run oneDNN's {model.embed_tokens.weight.dtype} GEMM"
+    try:
+        for kernel in ("rms_norm", "rope", "paged_attention", "activation"):
+            library(kernel)
+    except BuildError as exc:
+        return f"the C kernels do not build here ({exc})"
+    return None
+
+
 class CpuDecoder:
     """`LlamaModel.forward` for a model `supported` says it serves, over a `KVStorage`."""
 

@@ -375,6 +375,11 @@ class LlamaModel(nn.Module):
             self.embed_tokens.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
         return True
 
+    def packed_layouts(self) -> list[str | None]:
+        """Every linear layer's and the LM head's packed layout (None: not packed)."""
+        linears = [m.packed for m in self.modules() if isinstance(m, Linear)]
+        return [None if p is None else p.layout for p in [*linears, self._lm_head_packed]]
+
     def drop_gguf_blocks(self) -> None:
         """Forget the GGUF blocks the loader kept (the weights are not packed: nothing reads
         them)."""
