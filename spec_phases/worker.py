@@ -12,6 +12,7 @@ import torch
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.kv_cache.host_pool import HostKVPool
 from specserve.kv_cache.storage import KVStorage, num_blocks_for_budget
+from specserve.spec_phases import cpu_decoder
 from specserve.spec_phases.calibration import build_compressor
 from specserve.spec_phases.config import KV_CACHE_DTYPES, SpeculativeConfig, WorkerConfig
 from specserve.spec_phases.frontiers import FrontierVerifier
@@ -147,6 +148,12 @@ class Worker:
                                   self._step_graphs() if graphs else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, self.device, config.seed)
         self.draft_pool: DraftPool | None = None
+        if spec is not None and self.device == "cpu":
+            why = cpu_decoder.batch_dependence(self.model)
+            if why is not None:
+                raise ValueError(f"speculative decoding needs every row computed independently "
+                                 f"of its step's other rows to stay lossless, and here {why}: "
+                                 f"serve without --speculative-config")
         self.proposer = self._proposer(spec, in_host)
         self.verifier = Verifier(self.runner, self.sampler, self.proposer)
         self.grammars = GrammarMatchers(lambda: load_tokenizer(config.model), cfg.vocab_size,
