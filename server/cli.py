@@ -377,11 +377,12 @@ def check_load_format(args: argparse.Namespace, path: Path) -> None:
 
 def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
     """EngineConfig from the flags; `model` (the resolved local path) replaces MODEL when given."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if f.name not in ENGINE_FLAG_SKIP and getattr(args, f.name, None) is not None}
+    flags = vars(args)                   # add_engine_flags made a flag of every other field
+    values = {f.name: flags[f.name] for f in dataclasses.fields(EngineConfig)
+              if f.name not in ENGINE_FLAG_SKIP and flags[f.name] is not None}
     if "dtype" in values:
         values["dtype"] = DTYPE_ALIASES.get(values["dtype"], values["dtype"])
-    values["kv_cache_dtype"] = getattr(args, "kv_cache_dtype", None) or "auto"
+    values["kv_cache_dtype"] = args.kv_cache_dtype
     kvcache_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if kvcache_space and "kv_cache_memory_gb" not in values:
         try:
@@ -395,8 +396,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
         raise SystemExit(f"specserve: bad --speculative-config: {exc}") from None
     try:
         speculative = apply_kv_draft_flags(speculative, args.speculative_config,
-                                           getattr(args, "kv_draft_compressor", None),
-                                           getattr(args, "kv_draft_compressor_config", None))
+                                           args.kv_draft_compressor,
+                                           args.kv_draft_compressor_config)
     except ValueError as exc:
         raise SystemExit(f"specserve: {exc}") from None
     try:
@@ -420,9 +421,10 @@ def read_chat_template(value: str | None) -> str | None:
         return path.read_text()
     except (OSError, ValueError) as exc:
         if not any(c in value for c in "{}\n"):
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise ChatTemplateError(
                 f"--chat-template {value}: looks like a file path, but it failed to be opened "
-                f"({getattr(exc, 'strerror', None) or exc})") from None
+                f"({reason})") from None
     return codecs.decode(value, "unicode_escape")
 
 
@@ -554,7 +556,7 @@ def serve(args: argparse.Namespace) -> None:
             engine.shutdown()
             refuse(f"cannot load the tokenizer of {str(tokenizer_path or path)!r}: {exc}")
         if args.tool_call_parser == "transformers" and \
-                getattr(tokenizer, "response_template", None) is None:
+                tokenizer.response_template is None:
             engine.shutdown()
             refuse("--tool-call-parser transformers: this checkpoint's tokenizer has no "
                    "response_template; name the model's call format instead")

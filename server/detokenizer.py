@@ -15,9 +15,10 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 def backend_tokenizer(tokenizer):
-    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer, or None."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend if backend is not None else getattr(tokenizer, "_tokenizer", None)
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer, or None (a slow one)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return tokenizer.backend_tokenizer if isinstance(tokenizer, PreTrainedTokenizerFast) else None
 
 
 class IncrementalDetokenizer:

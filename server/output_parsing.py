@@ -91,8 +91,8 @@ def tool_parser_for(name: str | None, req: ToolRequest | None, tokenizer, prompt
     if req.choice != "auto":
         return HermesParser(req)
     if name is None:
-        name = "transformers" if getattr(tokenizer, "response_template", None) \
-            else DEFAULT_TOOL_PARSER
+        name = ("transformers" if tokenizer is not None and tokenizer.response_template
+                else DEFAULT_TOOL_PARSER)
     return TOOL_PARSERS[name](req, tokenizer, prompt)
 
 
@@ -138,7 +138,8 @@ class StreamDiffer:
 
     def __init__(self, parser: OutputParser):
         self.parser = parser.fresh()
-        self.text = self.reasoning = self.content = ""
+        self.text = ""
+        self.sent = {"reasoning": "", "content": ""}     # what each field has streamed so far
         self.sent_args: list[str] = []
 
     @property
@@ -181,9 +182,9 @@ class StreamDiffer:
         return delta
 
     def _extend(self, field: str, value: str) -> str:
-        sent = getattr(self, field)
+        sent = self.sent[field]
         if value.startswith(sent):
-            setattr(self, field, value)
+            self.sent[field] = value
             return value[len(sent):]
         logger.warning("streamed %s %r does not extend what was sent (%r)", field, value, sent)
         return ""

@@ -89,8 +89,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, chat_templa
         raise bad_request("Chat template is passed with request, but "
                           "--trust-request-chat-template is not set. Refused request with "
                           "untrusted chat template.", "chat_template")
-    template = chat_template or ctx.settings.chat_template or getattr(ctx.tokenizer,
-                                                                      "chat_template", None)
+    template = chat_template or ctx.settings.chat_template or ctx.tokenizer.chat_template
     if not template:
         raise bad_request(NO_TEMPLATE, "messages")
     if add_generation_prompt and continue_final_message:

@@ -456,7 +456,7 @@ class TransformersParser(ToolParser):
 
     def __init__(self, req: ToolRequest | None, tokenizer=None, prompt: str = ""):
         self.req, self.tokenizer, self.prompt = req, tokenizer, prompt
-        self.template = getattr(tokenizer, "response_template", None)
+        self.template = tokenizer.response_template if tokenizer is not None else None
         # a stream's parser, fed only the new text, and what its events said so far (re-reading
         # the whole text at every delta would cost time quadratic in the answer's length)
         self._stream, self._fed = None, ""
