@@ -111,3 +111,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     adaptive: bool = False              # FASER's controller picks each request's draft length
     frontier_size: int = 0              # FASER early pruning: verify drafts f positions at a time
+    # chunked prefill beside decodes: prompt chunks take at most (s - 1) times what the decoding
+    # rows cost alone (measured; Scheduler.prefill_allowance), so a decoding request's token
+    # takes about s times its time alone at most. None: the token budget alone (vLLM's policy)
+    max_decode_slowdown: float | None = 1.5

@@ -7,7 +7,9 @@
                 explores).
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
     cost        T(step) = sum over the terms of `Prices` of price x the step's count of the term
-                (`CostModel`), the prices fitted online on measured steps.
+                (`CostModel`), the prices fitted online on measured steps. Attention is priced per
+                context key (a decode row's, a prompt chunk's, a draft pass's): a draft over a
+                long context costs what the drafter's measured passes say it costs there.
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
                 marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the
                 best depth (the once-per-step prices, `drafting_step` and `draft_pass` x d, are
@@ -25,10 +27,12 @@ no batch-size threshold, so no cliff.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, fields
 from operator import attrgetter, mul
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,6 +61,14 @@ class Prices:
                    None: priced as `row` until steps with drafts are seen
     drafting_step  1 for a step that verifies any draft: what such a step pays once (multi-row
                    attention, acceptance, on a GPU a larger captured graph)
+    row_key        the context keys the decoding or verifying requests attend: each request's
+                   computed tokens, once per request (its draft rows ride on `draft_row`)
+    prefill_key    the (row, key) pairs of the prompt chunks' causal attention: a chunk of n rows
+                   from position s counts n * s + n * (n + 1) / 2
+    pass_key       the context keys of the draft passes' rows, each row's request's computed
+                   tokens (a drafter over a compressed cache reads fewer: the fit says how many)
+    prefill_chunk  the prompt chunks: what each pays once whatever its rows (on this CPU a 1-row
+                   chunk beside a decode costs most of a decode step)
     """
     step: float = 0.02
     row: float = 0.002
@@ -66,6 +78,10 @@ class Prices:
     prefill_row: float = 0.0
     draft_row: float | None = None
     drafting_step: float = 0.0
+    row_key: float = 0.0
+    prefill_key: float = 0.0
+    pass_key: float = 0.0
+    prefill_chunk: float = 0.0
 
     def __post_init__(self) -> None:
         if self.draft_row is None:
@@ -81,13 +97,28 @@ _prices_in_order = attrgetter(*TERMS)
 
 
 def step_counts(rows: int, depth: int, swap_bytes: int = 0, draft_tokens: int = 0,
-                prefill_tokens: int = 0, pass_rows: int | None = None) -> tuple[float, ...]:
+                prefill_tokens: int = 0, pass_rows: int | None = None, row_keys: int = 0,
+                prefill_keys: int = 0, pass_keys: int = 0,
+                prefill_chunks: int = 0) -> tuple[float, ...]:
     """A step's count of each term, in `TERMS` order. rows: decode and verify rows besides the
     drafts'; depth: the longest draft (one draft pass per position); pass_rows: rows in the draft
-    passes (default: one per draft)."""
+    passes (default: one per draft); the keys: `Prices`' *_key terms."""
     return (1.0, float(rows), float(depth), float(swap_bytes),
             float(draft_tokens if pass_rows is None else pass_rows), float(prefill_tokens),
-            float(draft_tokens), float(draft_tokens > 0))
+            float(draft_tokens), float(draft_tokens > 0), float(row_keys), float(prefill_keys),
+            float(pass_keys), float(prefill_chunks))
+
+
+def prefill_keys(start: int, rows: int) -> int:
+    """The (row, key) pairs of a prompt chunk of `rows` rows from position `start` (causal)."""
+    return rows * start + rows * (rows + 1) // 2
+
+
+class DraftPass(NamedTuple):
+    """One draft forward as the worker timed it; keys: its rows' context keys (`pass_key`)."""
+    rows: int
+    seconds: float
+    keys: int = 0
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -121,17 +152,22 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def nonneg_least_squares(x: np.ndarray, y: np.ndarray, free_intercept: bool) -> np.ndarray:
-    """argmin ||x c - y|| over c >= 0 (`nnls`), columns scaled to 1 first (swap bytes run to 1e8
-    beside 0/1 indicators). With free_intercept the first column must be ones and its coefficient
-    may go negative: the other columns are centred (which takes the intercept out of the problem),
-    fitted, and the intercept is what their means leave."""
+def nonneg_least_squares(x: np.ndarray, y: np.ndarray, free_intercept: bool,
+                         weight: np.ndarray | None = None) -> np.ndarray:
+    """argmin ||w (x c - y)|| over c >= 0 (`nnls`), w the rows' weights (default 1), columns scaled
+    to 1 first (swap bytes run to 1e8 beside 0/1 indicators). With free_intercept the first column
+    must be ones and its coefficient may go negative: the other columns are centred on their
+    w^2-weighted means (which takes the intercept out of the problem), fitted, and the intercept is
+    what their means leave."""
     if free_intercept:
-        mean_x, mean_y = x[:, 1:].mean(axis=0), y.mean()
-        rest = nonneg_least_squares(x[:, 1:] - mean_x, y - mean_y, False)
+        w2 = np.ones_like(y) if weight is None else weight ** 2
+        mean_x, mean_y = w2 @ x[:, 1:] / w2.sum(), w2 @ y / w2.sum()
+        rest = nonneg_least_squares(x[:, 1:] - mean_x, y - mean_y, False, weight)
         return np.concatenate([[mean_y - mean_x @ rest], rest])
     if x.shape[1] == 0:
         return np.zeros(0)
+    if weight is not None:
+        x, y = x * weight[:, None], y * weight
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     return nnls(x / scale, y) / scale
@@ -146,16 +182,18 @@ class CostModel:
     drafts worth more: the controller sees it through the goodput ratio.
 
     The fit: non-negative least squares over the recent steps, on the terms whose counts varied
-    (the others keep their price); the per-step price is the intercept, left free and floored at
-    1e-6 s. A drafter that runs the model reports each draft pass (rows, seconds): the passes
-    alone then fit draft_pass + pass_row x rows (the step-level fit cannot tell them apart when
-    every request drafts the same k, and confuses their scale with prefill steps and long
-    contexts), and the rest of the step fits the other prices."""
+    (the others keep their price), in relative error (each step's residual over its seconds: a
+    3 s prompt step must not buy its fit with every 7 ms decode step's); the per-step price is the
+    intercept, left free and floored at 1e-6 s. A drafter that runs the model reports each draft
+    pass (`DraftPass`): the passes alone then fit draft_pass + pass_row x rows + pass_key x keys
+    (the step-level fit cannot tell them apart when every request drafts the same k, and confuses
+    their scale with prefill steps and long contexts), and the rest of the step fits the other
+    prices."""
 
     def __init__(self, *prices: float, window: int = 256, **named: float):
         self.prices = Prices(*prices, **named)
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)   # TERMS' counts, seconds
-        self.passes: deque[tuple[float, float]] = deque(maxlen=window)  # (rows, seconds)
+        self.passes: deque[DraftPass] = deque(maxlen=window)
         self.unfitted = 0                           # samples observed since the last fit
         self.unfitted_s = 0.0                       # their steps' seconds
         self.fit_s = 0.0                            # what the last fit took
@@ -169,33 +207,57 @@ class CostModel:
         return out
 
     def predict(self, num_tokens: int, max_draft_len: int, swap_bytes: int = 0,
-                draft_tokens: int = 0, prefill_tokens: int = 0) -> float:
+                draft_tokens: int = 0, prefill_tokens: int = 0, row_keys: int = 0,
+                prefill_keys: int = 0, pass_keys: int = 0, prefill_chunks: int = 0) -> float:
         counts = step_counts(num_tokens - draft_tokens, max_draft_len, swap_bytes, draft_tokens,
-                             prefill_tokens)
+                             prefill_tokens, row_keys=row_keys, prefill_keys=prefill_keys,
+                             pass_keys=pass_keys, prefill_chunks=prefill_chunks)
         return sum(map(mul, self.prices.values(), counts))
 
-    def draft_price(self) -> float:
-        """What one more draft adds at a fixed depth: its draft row and its verify row."""
-        return self.prices.pass_row + self.prices.draft_row
+    def draft_price(self, context: int = 0) -> float:
+        """What one more draft adds at a fixed depth: its draft row (read over `context` keys)
+        and its verify row."""
+        return self.prices.pass_row + self.prices.pass_key * context + self.prices.draft_row
+
+    def prefill_price(self, start: int, rows: int) -> float:
+        """What a prompt chunk of `rows` rows from position `start` adds to a step."""
+        return (self.prices.prefill_chunk * (rows > 0) + self.prices.prefill_row * rows
+                + self.prices.prefill_key * prefill_keys(start, rows))
+
+    def prefill_rows_within(self, start: int, seconds: float) -> int:
+        """The most rows of a prompt chunk from position `start` priced at most `seconds`
+        (unbounded where neither rows nor keys are priced)."""
+        a = self.prices.prefill_key / 2                         # price of n: a n^2 + b n + c
+        b = self.prices.prefill_row + self.prices.prefill_key * (start + 0.5)
+        seconds -= self.prices.prefill_chunk
+        if seconds <= 0:
+            return 0
+        if a <= 0:
+            return int(seconds / b) if b > 0 else 2**62
+        return int((math.sqrt(b * b + 4 * a * seconds) - b) / (2 * a))
 
     def step_price(self) -> float:
         """What a step verifying any draft pays once, besides its drafts and passes."""
         return self.prices.drafting_step
 
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
-                draft_tokens: int = 0, draft_passes: list[tuple[int, float]] | None = None,
-                prefill_tokens: int = 0) -> None:
-        """draft_passes: (rows, seconds) of each draft forward the step ran, where the drafter
-        reports them: they fit the pass prices, and leave the step with depth and pass rows 0."""
+                draft_tokens: int = 0, draft_passes: list[DraftPass] | None = None,
+                prefill_tokens: int = 0, row_keys: int = 0, prefill_keys: int = 0,
+                prefill_chunks: int = 0) -> None:
+        """draft_passes: each draft forward the step ran (`DraftPass`: (rows, seconds[, keys])),
+        where the drafter reports them: they fit the pass prices, and leave the step with depth,
+        pass rows and pass keys 0."""
         self.unfitted += 1
         self.unfitted_s += seconds
         if draft_passes:
-            self.passes.extend((float(r), float(s)) for r, s in draft_passes)
+            passes = [DraftPass(*p) for p in draft_passes]
+            self.passes.extend(passes)
             self._fit_passes()
-            seconds = max(seconds - sum(s for _, s in draft_passes), 0.0)
+            seconds = max(seconds - sum(p.seconds for p in passes), 0.0)
             max_draft_len = 0
         counts = step_counts(num_tokens - draft_tokens, max_draft_len, swap_bytes, draft_tokens,
-                             prefill_tokens, pass_rows=0)
+                             prefill_tokens, pass_rows=0, row_keys=row_keys,
+                             prefill_keys=prefill_keys, prefill_chunks=prefill_chunks)
         self.samples.append((*counts, seconds))
         # refit every 4 steps or more, once the fits have taken at most FIT_SHARE of the steps'
         # time since the last one
@@ -207,17 +269,18 @@ class CostModel:
             self.unfitted, self.unfitted_s = 0, 0.0
 
     def _fit_passes(self) -> None:
-        """draft_pass + pass_row x rows over the recent draft passes, both >= 0. Passes that all had
-        the same rows price the pass alone."""
+        """draft_pass + pass_row x rows + pass_key x keys over the recent draft passes, all >= 0.
+        A count that did not vary across the passes is not priced apart (passes that all had the
+        same rows and keys price the pass alone)."""
         if len(self.passes) < 4:
             return
-        rows, secs = np.array(self.passes).T
-        if np.ptp(rows) > 0:
-            per_pass, per_row = nonneg_least_squares(np.stack([np.ones_like(rows), rows], 1),
-                                                     secs, free_intercept=False)
-        else:
-            per_pass, per_row = secs.mean(), 0.0
-        self.prices.draft_pass, self.prices.pass_row = float(per_pass), float(per_row)
+        rows, secs, keys = np.array(self.passes, dtype=float).T
+        x = np.stack([np.ones_like(rows), rows, keys], 1)
+        varied = np.ptp(x, axis=0) > 0
+        varied[0] = True
+        prices = np.zeros(3)
+        prices[varied] = nonneg_least_squares(x[:, varied], secs, free_intercept=False)
+        self.prices.draft_pass, self.prices.pass_row, self.prices.pass_key = prices.tolist()
 
     def fit(self) -> None:
         """The step prices from the samples (the class docstring)."""
@@ -227,7 +290,11 @@ class CostModel:
         varied = np.ptp(counts, axis=0) > 0
         varied[0] = True                                  # the per-step price: the intercept
         rest = seconds - counts[:, ~varied] @ prices[~varied]
-        prices[varied] = nonneg_least_squares(counts[:, varied], rest, free_intercept=True)
+        # relative error; a step whose passes took nearly all of it (its rest ~ 0) weighs as a
+        # tenth of the median step
+        weight = 1.0 / np.maximum(seconds, 0.1 * np.median(seconds) + 1e-9)
+        prices[varied] = nonneg_least_squares(counts[:, varied], rest, free_intercept=True,
+                                              weight=weight)
         prices[0] = max(prices[0], 1e-6)
         self.prices = Prices(*prices.tolist())
         if not varied[TERMS.index("draft_row")]:           # no drafts seen: priced as a row
@@ -299,17 +366,21 @@ class DraftLengthController:
         return self.interval.get(request_id, self.probe_every)
 
     def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
-               swap_bytes: int = 0, prefill_tokens: int = 0) -> list[int]:
+               swap_bytes: int = 0, prefill_tokens: int = 0, row_keys: int = 0,
+               contexts: list[int] | None = None) -> list[int]:
         """Draft length per request (see the module docstring). caps[i] bounds request i;
         num_other_tokens: the one token every decoding request computes anyway; prefill_tokens:
-        the rows of the step's prompt chunks.
+        the rows of the step's prompt chunks; row_keys: the context keys of those decoding rows;
+        contexts[i]: request i's computed tokens, the keys its draft rows read (`pass_key`).
         A request held at k = 0 for its probe interval (`probe_interval`) drafts one token: without
         it an estimate that fell low would never be observed again, and a request whose text
         turned repetitive would never be drafted for. Probes are grouped into as few draft passes
         as possible: a step that drafts anyway probes every due request; otherwise the first due
         request brings along every request idle for at least half its interval, so the batch's
         probes fall into step."""
-        ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, prefill_tokens)
+        prices = [self.cost.draft_price(c) for c in contexts] if contexts else None
+        ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, prefill_tokens,
+                            row_keys=row_keys, prices=prices)
         idle = []
         for i, r in enumerate(request_ids):
             if ks[i] or min(caps[i], self.k_max) < 1:
@@ -326,7 +397,7 @@ class DraftLengthController:
             certain = np.stack([self.probs(r) for r in request_ids])
             certain[due] = 1.0
             hopeful = self._allocate(request_ids, caps, num_other_tokens, swap_bytes,
-                                     prefill_tokens, certain)
+                                     prefill_tokens, certain, row_keys, prices)
             due = [i for i in due if hopeful[i] > 0]
         for i in due:
             ks[i], self.idle[request_ids[i]] = 1, 0
@@ -335,17 +406,19 @@ class DraftLengthController:
 
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
                   swap_bytes: int = 0, prefill_tokens: int = 0,
-                  probs: np.ndarray | None = None) -> list[int]:
+                  probs: np.ndarray | None = None, row_keys: int = 0,
+                  prices: list[float] | None = None) -> list[int]:
         """The drafts of the best goodput (`_search`), against a bar of no draft raised by the
-        margin. It runs on every step's critical path: what decides that nothing pays comes
-        first, from one number per request.
+        margin. prices[i]: what each draft of request i adds (default: `draft_price()` for all).
+        It runs on every step's critical path: what decides that nothing pays comes first, from
+        one number per request.
 
-        Every set of m drafts at depth d has goodput (n + S) / (base_d + price * m), S the sum of
-        their values and base_d = base_0 + drafting_step + draft_pass * d the step before its
-        drafts. Nothing pays when
-        - the most valuable draft g (some request's first: a chain's value only falls) has
-          g / price below the bar: the goodput is a mediant of n / base_d (below n / base_0) and
-          S / (price * m) (at most g / price); or
+        Every set of m drafts at depth d has goodput (n + S) / (base_d + P), S the sum of their
+        values, P the sum of their prices and base_d = base_0 + drafting_step + draft_pass * d the
+        step before its drafts. Nothing pays when
+        - every request's first draft g_i (a chain's value only falls) has g_i / price_i below
+          the bar: the goodput is a mediant of n / base_d (below n / base_0) and of the drafts'
+          value over price (at most the best g_i / price_i); or
         - at d = 1 and at the deepest d, (n + d * F) / base_d is below the bar, F the sum of first
           probabilities (no value in a chain exceeds its first; the bound is monotone in d): the
           once-per-step prices are more than every draft together could win."""
@@ -354,32 +427,39 @@ class DraftLengthController:
         most = max(limits, default=0)
         if most <= 0:
             return [0] * n
-        base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens)
-        firsts = [self.first_prob(r) if probs is None else float(probs[i, 0])
+        base0 = self.cost.predict(num_other_tokens, 0, swap_bytes, 0, prefill_tokens,
+                                  row_keys=row_keys)
+        if prices is None:
+            prices = [self.cost.draft_price()] * n
+        firsts = [(self.first_prob(r) if probs is None else float(probs[i, 0]), prices[i])
                   for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0]
-        price, step = self.cost.draft_price(), self.cost.step_price()
-        per_pass = self.cost.prices.draft_pass
+        step, per_pass = self.cost.step_price(), self.cost.prices.draft_pass
         bar = (1.0 + self.margin) * n
-        if max(firsts) * base0 <= bar * price:
+        if all(f * base0 <= bar * price for f, price in firsts):
             return [0] * n
-        total = sum(firsts)
+        total = sum(f for f, _ in firsts)
         if all((n + d * total) * base0 <= bar * (base0 + step + per_pass * d) for d in (1, most)):
             return [0] * n
-        return self._search(request_ids, limits, probs, base0 + step, per_pass, price,
+        return self._search(request_ids, limits, probs, base0 + step, per_pass, prices,
                             bar / base0)
 
     def _search(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
-                base: float, per_pass: float, price: float, best: float) -> list[int]:
-        """The candidate drafts in order of value (then position, then request), and for each
-        depth d a greedy over those at positions < d on a step of base + per_pass * d: take the
-        next while goodput rises (with the depth fixed, values only fall and the bar only rises,
-        so stopping at the first loss is exact for that depth). A depth counts where one of its
+                base: float, per_pass: float, prices: list[float], best: float) -> list[int]:
+        """The candidate drafts in order of value over price (then position, then request; with
+        one price for all, of value), and for each depth d a greedy over those at positions < d
+        on a step of base + per_pass * d: take the next while goodput rises (a draft raises it
+        exactly when its value over price beats it; with the depth fixed those ratios only fall
+        and the goodput only rises, so stopping at the first loss is exact for that depth). A
+        depth counts where one of its
         drafts at position d - 1 is taken; the depth of the highest goodput wins (the first on a
         tie) where it beats `best` (else no draft). Searching depth by depth matters where a step
         pays for drafting once: the batch's first draft alone looks like a loss, while k = 1 for
         every request shares the pass. Where no price grows with depth (draft_pass = 0) the
         deepest depth's candidates hold every other's, and its greedy alone decides."""
         n = len(request_ids)
+        # one price for all: order by value alone (no division, the ties as before)
+        per_price = [1.0] * n if min(prices) == max(prices) else [1.0 / max(p, 1e-30)
+                                                                  for p in prices]
         candidates = []
         for i, (r, k) in enumerate(zip(request_ids, limits)):
             chain = 1.0
@@ -387,20 +467,20 @@ class DraftLengthController:
                 chain *= p
                 if not chain > 0:
                     break
-                candidates.append((-chain, j, i))
+                candidates.append((-chain * per_price[i], j, i, chain))
         candidates.sort()
         most = max(limits)
         chosen = [0] * n
         for d in (range(1, most + 1) if per_pass else (most,)):
             step = base + per_pass * d
             ks, value, goodput, taken, reached = [0] * n, float(n), n / step, 0, not per_pass
-            for neg, j, i in candidates:
+            for _, j, i, gain in candidates:
                 if j >= d:
                     continue
-                better = (value - neg) / (step + price * (taken + 1))
+                better = (value + gain) / (step + prices[i])
                 if not better > goodput:
                     break
-                value, goodput, taken = value - neg, better, taken + 1
+                value, goodput, step, taken = value + gain, better, step + prices[i], taken + 1
                 ks[i] += 1
                 reached = reached or j == d - 1
             if taken and reached and goodput > best:

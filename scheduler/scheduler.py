@@ -5,14 +5,22 @@ It covers prefill chunks, prefix hits, resuming after preemption and verify rows
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from specserve.kv_cache.manager import KVCacheManager
-from specserve.scheduler.faser import DraftLengthController
+from specserve.scheduler.faser import (CostModel, DraftLengthController, DraftPass, Prices,
+                                       prefill_keys)
 from specserve.scheduler.messages import RequestOutput, SpecStats, StepStats
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.scheduler.config import SchedulerConfig
 from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult, needs_history
+
+
+# the prompt chunks' time credit is spent once it holds this many decode steps' earnings
+PREFILL_CREDIT_STEPS = 16
+DECODE_STEP_EMA = 0.2               # weight of the newest decode step in `decode_step_s`
+FIRST_CHUNK_ROWS = 16               # the first prompt chunk beside decodes, before one is measured
 
 
 class Scheduler:
@@ -22,8 +30,15 @@ class Scheduler:
         self.kv = kv
         self.config = config
         k = config.num_speculative_tokens
-        self.controller = DraftLengthController(k) if config.adaptive and k else None
+        # step prices fitted on every committed step: FASER's and the prompt chunks' allowance;
+        # until prompt rows are measured, one is priced as a decode row
+        self.cost = CostModel(prefill_row=Prices().row)
+        self.controller = (DraftLengthController(k, cost=self.cost) if config.adaptive and k
+                           else None)
         self.last_swap_h2d = 0                       # full-KV bytes the last step staged (FASER)
+        self.prefill_credit = 0.0                    # seconds (`prefill_allowance`)
+        self.decode_step_s = 0.0                     # measured, of steps that only decoded
+        self.prompt_row_s = 0.0                      # measured, the last chunks beside decodes
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -71,33 +86,121 @@ class Scheduler:
 
     # -- schedule ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """vLLM's chunked prefill: decoding requests first (their drafts out of the same token
+        budget), then prompt chunks, of running requests and then of admitted ones, fill what is
+        left. A step that decodes also caps its prompt chunks by time (`prefill_allowance`)."""
         self._stats = StepStats()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []          # (request, tokens, draft slots)
-        preempted = False
-        draft_lens = self._choose_draft_lens()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # drafts, not rows
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget - num_drafts)
-            num_new += num_drafts
-            total = req.num_computed_tokens + num_new
-            while self.kv.allocate(req.request_id, total, req.num_computed_tokens) is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                scheduled.append((req, num_new - num_drafts, num_drafts))
-                budget -= num_new
-                i += 1
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        allowance = self.prefill_allowance(decoding)
+        estimate = self._chunks(prompts, budget - len(decoding), allowance)
+        draft_lens = self._choose_draft_lens(decoding, sum(estimate))
+        first_chunk = True
+        for req in decoding + prompts:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:             # preempted for an earlier one
                 continue
-            break                                               # req itself was preempted
-        if not preempted:
-            budget = self._admit(scheduled, budget)
+            num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # drafts, not rows
+            num_new, seconds = 1, 0.0
+            if req.num_tokens - req.num_computed_tokens > 1:
+                num_new, seconds = self._chunk(req, budget, allowance, first_chunk)
+                if num_new == 0:
+                    break
+                first_chunk = False
+            if not self._reserve(req, num_new + num_drafts, scheduled):
+                break                                           # req itself was preempted
+            scheduled.append((req, num_new, num_drafts))
+            budget -= num_new + num_drafts
+            allowance -= seconds
+        if not self._stats.num_preemptions:
+            self._admit(scheduled, budget, allowance, first_chunk)
         return self._plan(scheduled)
+
+    def prefill_allowance(self, decoding: list[Request]) -> float:
+        """Seconds of prompt chunks this step may run beside its decoding requests. Each step
+        earns (s - 1) times a step of decoding alone, s = `max_decode_slowdown`, as measured
+        (`decode_step_s`), and pays what its prompt chunks measurably added
+        (`_settle_prefill_credit`), so a decoding request's token takes about s times its time
+        alone at most. The credit is saved up to PREFILL_CREDIT_STEPS steps' earnings and spent
+        when full: fewer, longer chunks (on this CPU a chunk's fixed cost is most of a decode
+        step's), no step longer than ~1 + PREFILL_CREDIT_STEPS * (s - 1) decode steps, and decode
+        steps between them to measure. 0 while the credit fills; unbounded in a step with nothing
+        to decode, or with no slowdown bound."""
+        slowdown = self.config.max_decode_slowdown
+        if slowdown is None or not decoding:
+            return math.inf
+        earn = (slowdown - 1) * self.decode_step_s
+        credit = self.prefill_credit + earn
+        return credit if earn > 0 and credit >= PREFILL_CREDIT_STEPS * earn else 0.0
+
+    def _settle_prefill_credit(self, plan: StepPlan, seconds: float) -> None:
+        """The step's earnings less what its prompt chunks took beyond a decode step
+        (`prefill_allowance`); a step that decoded and ran no prompt chunk updates
+        `decode_step_s` (an exponential average), one that ran chunks `prompt_row_s`."""
+        slowdown = self.config.max_decode_slowdown
+        if slowdown is None or all(r.num_new_tokens > 1 for r in plan.requests):
+            self.prefill_credit = 0.0
+            return
+        chunked = any(r.num_new_tokens > 1 for r in plan.requests)
+        if not chunked:
+            self.decode_step_s += (seconds - self.decode_step_s) * (
+                DECODE_STEP_EMA if self.decode_step_s else 1.0)
+        earn = (slowdown - 1) * self.decode_step_s
+        spent = max(seconds - self.decode_step_s, 0.0) if chunked else 0.0
+        if chunked:
+            self.prompt_row_s = spent / sum(r.num_new_tokens for r in plan.requests
+                                            if r.num_new_tokens > 1)
+        # the debt of a chunk that overran is paid in full: the bound holds over time
+        self.prefill_credit = min(self.prefill_credit + earn - spent, PREFILL_CREDIT_STEPS * earn)
+
+    def _chunk(self, req: Request, budget: int, allowance: float,
+               first: bool) -> tuple[int, float]:
+        """The rows of req's next prompt chunk and their price: at most `budget`, priced within
+        `allowance` by the cost model and by the last chunk beside decodes (`prompt_row_s`; the
+        first such chunk FIRST_CHUNK_ROWS rows, for a model that has seen no prompt at this
+        length). The first chunk of a step that allows any takes at least one row, so prompts
+        always advance."""
+        start = req.num_computed_tokens
+        rows = min(req.num_tokens - start, budget)
+        if allowance == math.inf:
+            return rows, 0.0
+        if allowance <= 0:
+            return 0, 0.0
+        rows = min(rows, self.cost.prefill_rows_within(start, allowance),
+                   int(allowance / self.prompt_row_s) if self.prompt_row_s else FIRST_CHUNK_ROWS)
+        if first:
+            rows = max(rows, min(req.num_tokens - start, budget, 1))
+        return rows, self.cost.prefill_price(start, rows)
+
+    def _chunks(self, prompts: list[Request], budget: int, allowance: float) -> list[int]:
+        """The chunks `schedule` would give these running prompts (for the controller's view)."""
+        out = []
+        for req in prompts:
+            if budget <= 0:
+                break
+            rows, seconds = self._chunk(req, budget, allowance, not out)
+            if rows == 0:
+                break
+            out.append(rows)
+            budget, allowance = budget - rows, allowance - seconds
+        return out
+
+    def _reserve(self, req: Request, num_new: int,
+                 scheduled: list[tuple[Request, int, int]]) -> bool:
+        """KV slots for req's num_new more tokens, preempting the latest admitted running request
+        not yet scheduled this step while they do not fit. False when req itself was preempted."""
+        total = req.num_computed_tokens + num_new
+        while self.kv.allocate(req.request_id, total, req.num_computed_tokens) is None:
+            planned = {r.request_id for r, _, _ in scheduled}
+            victim = next(r for r in reversed(self.running)
+                          if r is req or r.request_id not in planned)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
 
     def draft_len(self, req: Request) -> int:
         """Draft slots for a decoding request this step: the configured k, capped per request and by
@@ -111,27 +214,25 @@ class Scheduler:
                 self.config.max_model_len - req.num_tokens - 1)
         return max(k, 0)
 
-    def _choose_draft_lens(self) -> dict[str, int]:
-        caps = {r.request_id: k for r in self.running if (k := self.draft_len(r)) > 0}
+    def _choose_draft_lens(self, decoding: list[Request], prefill: int) -> dict[str, int]:
+        """Draft slots per decoding request; FASER's controller prices them against the step's
+        decode rows, their context keys and `prefill` rows of prompt chunks."""
+        caps = {r.request_id: k for r in decoding if (k := self.draft_len(r)) > 0}
         if self.controller is None or not caps:
             return caps
         ids = list(caps)
-        # rows besides the drafts: a decode row per decoding request, prompt chunks apart
-        rows, prefill = len(ids), 0
-        for r in self.running:
-            if r.request_id not in caps:
-                left = min(r.num_tokens - r.num_computed_tokens,
-                           self.config.max_num_batched_tokens)
-                if left > 1:                        # a prompt chunk (as `commit` counts them)
-                    prefill += left
-                else:
-                    rows += left
+        context = {r.request_id: r.num_computed_tokens for r in decoding}
         # the last step's swap bytes: contexts move slowly
-        ks = self.controller.choose(ids, [caps[i] for i in ids], rows,
-                                    swap_bytes=self.last_swap_h2d, prefill_tokens=prefill)
+        ks = self.controller.choose(ids, [caps[i] for i in ids], len(decoding),
+                                    swap_bytes=self.last_swap_h2d, prefill_tokens=prefill,
+                                    row_keys=sum(context.values()),
+                                    contexts=[context[i] for i in ids])
         return dict(zip(ids, ks))
 
-    def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> int:
+    def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, allowance: float,
+               first_chunk: bool) -> None:
+        if allowance <= 0:                              # the prompt chunks' credit is filling
+            return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
@@ -141,9 +242,12 @@ class Scheduler:
                 self._stats.prefix_cache_hits += hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            total = req.num_computed_tokens + num_new
-            if self.kv.allocate(req.request_id, total, req.num_computed_tokens) is None:
+            num_new, seconds = self._chunk(req, budget, allowance, first_chunk)
+            # KV for the prompt as far as the token budget reaches, however short this chunk: an
+            # admitted prompt holds its blocks (no prompt trickles in where it could not fit)
+            total = req.num_computed_tokens + min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0 or self.kv.allocate(req.request_id, total,
+                                                req.num_computed_tokens) is None:
                 self.kv.free(req.request_id)           # release prefix hits; retry next step
                 req.num_computed_tokens = 0
                 break
@@ -154,7 +258,8 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new, 0))
             budget -= num_new
-        return budget
+            allowance -= seconds
+            first_chunk = False
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the KV, keep the tokens, go back to the head of the queue."""
@@ -238,17 +343,32 @@ class Scheduler:
         stats.step_time_s = result.step_time_s
         stats.num_frontiers = result.num_frontiers
         stats.num_drafted_ahead = result.num_drafted_ahead
-        if self.controller is not None:
-            # drafts the grammar cut were never computed: priced as no rows
-            drafted = [s.num_drafted - s.num_masked for s in result.sampled.values()]
-            prefill = sum(r.num_new_tokens for r in plan.requests if r.num_new_tokens > 1)
-            self.controller.cost.observe(plan.num_tokens - prefill + sum(drafted),
-                                         max(drafted, default=0), result.step_time_s,
-                                         swap_bytes=result.swap_bytes[0],
-                                         draft_tokens=sum(drafted),
-                                         draft_passes=result.draft_passes, prefill_tokens=prefill)
+        self._observe_cost(plan, result)
         self._stats = StepStats()
         return outputs, stats
+
+    def _observe_cost(self, plan: StepPlan, result: StepResult) -> None:
+        """The step's counts of `Prices`' terms and its measured seconds, to the cost model."""
+        # drafts the grammar cut were never computed: priced as no rows
+        drafted = [s.num_drafted - s.num_masked for s in result.sampled.values()]
+        prompt_rows = [r for r in plan.requests if r.num_new_tokens > 1]
+        prefill = sum(r.num_new_tokens for r in prompt_rows)
+        context = {r.request_id: r.num_computed_tokens for r in plan.requests}
+        # a draft pass's rows: the requests that drafted more than the passes before it (the
+        # longest drafts first), each reading its context and the drafts before
+        longest = sorted(((s.num_drafted, context[rid]) for rid, s in result.sampled.items()
+                          if s.num_drafted), reverse=True)
+        passes = [DraftPass(rows, seconds, sum(c + j for _, c in longest[:rows]))
+                  for j, (rows, seconds) in enumerate(result.draft_passes)]
+        self._settle_prefill_credit(plan, result.step_time_s)
+        self.cost.observe(plan.num_tokens - prefill + sum(drafted), max(drafted, default=0),
+                          result.step_time_s, swap_bytes=result.swap_bytes[0],
+                          draft_tokens=sum(drafted), draft_passes=passes, prefill_tokens=prefill,
+                          row_keys=sum(r.num_computed_tokens for r in plan.requests
+                                       if r.num_new_tokens == 1),
+                          prefill_keys=sum(prefill_keys(r.num_computed_tokens, r.num_new_tokens)
+                                           for r in prompt_rows),
+                          prefill_chunks=len(prompt_rows))
 
     def _count_spec(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         req.num_drafts += 1

@@ -2,7 +2,14 @@
 import numpy as np
 import pytest
 
-from specserve.scheduler.faser import FIT_SHARE, MARGIN, CostModel, DraftLengthController
+from specserve.scheduler.faser import (FIT_SHARE, MARGIN, TERMS, CostModel, DraftLengthController,
+                                       DraftPass)
+
+
+def terms(*first):
+    """Prices or counts in `TERMS` order: the first ones given, the context-key and chunk terms
+    after them 0."""
+    return [float(v) for v in first] + [0.0] * (len(TERMS) - len(first))
 
 
 def controller(c0=0.02, c1=0.002, c2=0.0, prior=0.6, k_max=8):
@@ -66,7 +73,7 @@ def test_cost_model_recovers_a_linear_step_time():
     for _ in range(64):
         tokens, k = int(rng.integers(1, 200)), int(rng.integers(0, 8))
         model.observe(tokens, k, 0.01 + 0.0005 * tokens + 0.003 * k)
-    assert np.allclose(model.coef, [0.01, 0.0005, 0.003, 0.0, 0.0, 0.0, 0.0005, 0.0],
+    assert np.allclose(model.coef, terms(0.01, 0.0005, 0.003, 0.0, 0.0, 0.0, 0.0005, 0.0),
                        rtol=1e-3)
 
 
@@ -141,7 +148,7 @@ def test_swap_bytes_are_priced_and_make_drafts_worth_more():
         tokens, k, swap = (int(rng.integers(1, 64)), int(rng.integers(0, 8)),
                            int(rng.integers(0, 50_000_000)))
         model.observe(tokens, k, 0.004 + 0.002 * tokens + 1e-9 * swap, swap_bytes=swap)
-    assert np.allclose(model.coef, [0.004, 0.002, 0.0, 1e-9, 0.0, 0.0, 0.002, 0.0], rtol=1e-3,
+    assert np.allclose(model.coef, terms(0.004, 0.002, 0.0, 1e-9, 0.0, 0.0, 0.002, 0.0), rtol=1e-3,
                        atol=1e-9)
     ctl = DraftLengthController(8, cost=model)
     teach(ctl, "r", 0.6)
@@ -161,7 +168,7 @@ def test_prompt_rows_are_priced_apart_from_decode_and_verify_rows():
         rows = int(rng.integers(4, 20))
         prefill = int(rng.integers(20, 200)) * int(rng.random() < 0.3)
         model.observe(rows, 0, 0.02 + 0.003 * rows + 0.0005 * prefill, prefill_tokens=prefill)
-    assert np.allclose(model.coef, [0.02, 0.003, 0.0, 0.0, 0.0, 0.0005, 0.003, 0.0],
+    assert np.allclose(model.coef, terms(0.02, 0.003, 0.0, 0.0, 0.0, 0.0005, 0.003, 0.0),
                        rtol=1e-3, atol=1e-9)
     assert model.predict(8, 0, prefill_tokens=100) == pytest.approx(0.02 + 0.024 + 0.05)
     ids = [f"r{i}" for i in range(8)]
@@ -216,7 +223,7 @@ def test_a_draft_row_is_priced_apart_from_a_request_row():
         drafts = int(ks.sum())
         model.observe(batch + drafts, int(ks.max()), 0.02 + 0.001 * batch + 0.005 * drafts,
                       draft_tokens=drafts)
-    assert np.allclose(model.coef, [0.02, 0.001, 0.0, 0.0, 0.0, 0.0, 0.005, 0.0], rtol=1e-3,
+    assert np.allclose(model.coef, terms(0.02, 0.001, 0.0, 0.0, 0.0, 0.0, 0.005, 0.0), rtol=1e-3,
                        atol=1e-9)
     ids = [f"r{i}" for i in range(24)]
     ctl = DraftLengthController(8, cost=model)
@@ -459,22 +466,88 @@ def test_refits_once_the_fits_have_taken_their_share_of_the_steps_time(monkeypat
 def test_the_fit_equals_scipy_nnls_over_every_column():
     """The fit leaves the per-step price free (centred columns): on noisy steps whose true prices
     include zeros (the unconstrained fit would go negative there) it must land where a textbook
-    NNLS over every column, the intercept's included, does."""
+    NNLS over every column, the intercept's included, does, in relative error (each step's row
+    divided by its seconds)."""
     from scipy.optimize import nnls
     rng = np.random.default_rng(7)
     for trial in range(20):
         model = CostModel()
-        truth = np.array([0.02, 0.003, 0.0, 1e-10, 0.0, 0.0004, 0.001, 0.0])
+        truth = np.array(terms(0.02, 0.003, 0.0, 1e-10, 0.0, 0.0004, 0.001, 0.0))
         truth[rng.choice([1, 5, 6, 7], 2, replace=False)] = 0.0
         for _ in range(96):
             rows, drafts = int(rng.integers(1, 16)), int(rng.integers(0, 9))
             depth, swap = min(drafts, int(rng.integers(1, 5))), int(rng.integers(0, 10**8))
             prefill = int(rng.integers(0, 200)) * int(rng.random() < 0.3)
-            x = np.array([1, rows, depth, swap, 0, prefill, drafts, drafts > 0], dtype=float)
+            x = np.array(terms(1, rows, depth, swap, 0, prefill, drafts, drafts > 0))
             model.samples.append((*x, float(x @ truth + rng.normal(0, 2e-4))))
         model.fit()
         data = np.array(model.samples)
         cols = [0, 1, 2, 3, 5, 6, 7]
-        scale = np.abs(data[:, cols]).max(axis=0)
-        ref, _ = nnls(data[:, cols] / scale, data[:, -1])
+        weighted = data[:, cols] / data[:, -1:]
+        scale = np.abs(weighted).max(axis=0)
+        ref, _ = nnls(weighted / scale, np.ones(len(data)))
         assert np.allclose(model.coef[cols], ref / scale, rtol=1e-6, atol=1e-12), trial
+
+
+def test_the_draft_pass_fit_prices_the_context_a_drafter_reads():
+    """Passes reported with their rows' context keys: a drafter over a cache that grows with the
+    context (quantized pages) fits a price per key; one over a fixed window (its pass costs the
+    same at any context) fits none."""
+    rng = np.random.default_rng(9)
+    for per_key in (4e-6, 0.0):
+        model = CostModel()
+        for _ in range(64):
+            rows, context = int(rng.integers(1, 5)), int(rng.integers(100, 4000))
+            passes = [DraftPass(rows, 0.002 + 0.0005 * rows + per_key * rows * (context + j)
+                                + rng.normal(0, 1e-5), rows * (context + j)) for j in range(4)]
+            model.observe(rows * 5, 4, 0.02 + sum(p.seconds for p in passes),
+                          draft_tokens=rows * 4, draft_passes=passes)
+        assert abs(model.prices.pass_key - per_key) < 2e-7
+        assert abs(model.prices.draft_pass - 0.002) < 3e-4
+        assert abs(model.prices.pass_row - 0.0005) < 2e-4
+
+
+def _goodput(ctl, probs, k, base, context):
+    """The step's tokens over its time at draft length k, written out: one request whose draft
+    pass reads `context` keys."""
+    p = ctl.cost.prices
+    value = 1 + np.cumprod(probs[:k]).sum()
+    seconds = (base + k * (p.draft_pass + ctl.cost.draft_price(context))
+               + (k > 0) * p.drafting_step)
+    return value / seconds
+
+
+def test_adaptive_drafts_where_drafting_wins_and_not_where_it_costs_more_than_it_saves():
+    """Prices shaped like lossy_kv on this CPU: a decode step grows with its context (row_key), and
+    a draft pass over quantized pages grows with it too (pass_key), over a window it does not.
+    Short contexts: drafting wins and k is the goodput-best one. At 2.8K a quantized pass costs
+    more than the 90% chance of a token saves: k = 0 (priced as at short context, without its
+    context, the controller drafted). A window drafter at 2.8K still drafts."""
+    quant = CostModel(0.004, 0.001, 0.001, draft_row=0.0005, row_key=4e-6, pass_key=6e-6)
+    window = CostModel(0.004, 0.001, 0.003, draft_row=0.0005, row_key=4e-6)
+    for cost, context, drafts in ((quant, 100, True), (quant, 2800, False), (window, 2800, True)):
+        ctl = DraftLengthController(8, cost=cost)
+        ctl.accept["r"] = np.full(8, 0.9)
+        k = ctl.choose(["r"], [8], 1, row_keys=context, contexts=[context])[0]
+        base = cost.predict(1, 0, row_keys=context)
+        rates = [_goodput(ctl, ctl.probs("r"), j, base, context) for j in range(9)]
+        assert (k > 0) == drafts, (context, k, rates)
+        if drafts:
+            assert rates[k] == max(rates) and rates[k] > (1 + MARGIN) * rates[0]
+        else:
+            assert max(rates[1:]) < rates[0]
+    blind = DraftLengthController(8, cost=quant)
+    blind.accept["r"] = np.full(8, 0.9)
+    assert blind.choose(["r"], [8], 1, row_keys=2800)[0] > 0      # the context unseen
+
+
+def test_a_long_context_request_drafts_less_than_a_short_one_in_the_same_batch():
+    """Per-request draft prices: beside a short-context request the long one's drafts over a
+    context-priced drafter are the dearer, and the allocation gives them fewer."""
+    cost = CostModel(0.004, 0.001, 0.0005, draft_row=0.0005, row_key=4e-6, pass_key=3e-6)
+    ctl = DraftLengthController(8, cost=cost)
+    for r in ("short", "long"):
+        ctl.accept[r] = np.full(8, 0.8)
+    k_short, k_long = ctl.choose(["short", "long"], [8, 8], 2, row_keys=3100,
+                                 contexts=[100, 3000])
+    assert k_short > k_long

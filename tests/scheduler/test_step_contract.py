@@ -171,7 +171,8 @@ def test_the_cost_model_sees_prompt_rows_apart_and_each_decode_row_once(monkeypa
     kv = KVCacheManager([BlockPool(64, BS, False, name="full")])
     sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
                                           max_model_len=256, eos_token_ids=(2,),
-                                          num_speculative_tokens=2, adaptive=True))
+                                          num_speculative_tokens=2, adaptive=True,
+                                          max_decode_slowdown=None))
     add(sched, "a", 6)
     add(sched, "c", 6, num_speculative_tokens=0)                   # decodes, never drafts
     prefill(sched, {"a": 40, "c": 50})
@@ -193,5 +194,6 @@ def test_the_cost_model_sees_prompt_rows_apart_and_each_decode_row_once(monkeypa
         assert sample[6] == drafts                                             # draft rows
         assert sample[5] == chunk["b"] > 1                                     # prompt rows
         chunks.append(chunk["b"])
-    # step 1 chose before b was admitted; step 2 while b's prompt had 30 - chunks[0] rows left
-    assert seen == [(["a"], 2, 0), (["a"], 2, min(30 - chunks[0], 16))]
+    # step 1 chose before b was admitted; step 2 while b's prompt had 30 - chunks[0] rows left,
+    # of which the token budget less the two decode rows
+    assert seen == [(["a"], 2, 0), (["a"], 2, min(30 - chunks[0], 16 - 2))]
