@@ -11,7 +11,8 @@
                 context key (a decode row's, a prompt chunk's, a draft pass's): a draft over a
                 long context costs what the drafter's measured passes say it costs there.
     allocation  for each depth d = max_r k_r: hand out drafts (each request at most d) in order of
-                marginal value P(all drafts so far accepted) while sum_r E_r / T rises; keep the
+                marginal value P(all drafts so far accepted) over the draft's price (the
+                request's context priced by `pass_key`) while sum_r E_r / T rises; keep the
                 best depth (the once-per-step prices, `drafting_step` and `draft_pass` x d, are
                 shared across the batch's drafts), and draft only where it promises MARGIN more
                 goodput than no draft.
