@@ -241,7 +241,7 @@ class Worker:
             # with the full cache in the host pool the device budget holds only compressed caches
             capacity = int(self.device_kv_gb * 2**30) if in_host else None
             self.draft_pool = DraftPool(comp, self.storage, self.device, capacity)
-            return LossyKVProposer(self.model, self.draft_pool)
+            return LossyKVProposer(self.model, self.draft_pool, self.runner)
         raise ValueError(f"speculative method {spec.method!r} is not available")
 
     # -- the step ----------------------------------------------------------------------------

@@ -8,9 +8,13 @@ undo (the scratch is dropped), no page is ever compressed from unverified K/V, a
 preemption the pool rebuilds the state from the recomputed cache.
 
 Drafting is batched across requests: one model forward per draft position for every request still
-drafting, and per layer two attention calls for all of them: the compressor's `PagesBatch` over the
-compressed pages, and one padded dense attention over each request's sinks + dense tail + scratch,
-merged exactly by log-sum-exp (the same math as `compressor.attend(state)` merged with the scratch).
+drafting. Where no state holds compressed pages (the `window` compressor keeps none; every
+compressor's state is dense until the context outgrows its window), each draft step is one call of
+the C decoder over a small paged cache of the states' dense tokens (`DenseDraftCache`), as a plain
+decode step is. Otherwise the modules run it, with per layer two attention calls for all requests:
+the compressor's `PagesBatch` over the compressed pages, and one padded dense attention over each
+request's sinks + dense tail + scratch, merged exactly by log-sum-exp (the same math as
+`compressor.attend(state)` merged with the scratch).
 
 The verify pass reads and writes only the full cache, so output is identical to plain decoding.
 """
@@ -21,9 +25,13 @@ from dataclasses import asdict
 
 import torch
 from specserve.kernels.dispatch import get_op
+from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kv_cache.compress.base import Compressor, SequenceState
 from specserve.kv_cache.draft_pool import DraftPool
+from specserve.kv_cache.storage import KVStorage
+from specserve.spec_phases.cpu_decoder import CpuDecoder
 from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
+from specserve.spec_phases.runner import ModelRunner
 
 
 # ---- the drafter --------------------------------------------------------------------------------
@@ -88,13 +96,61 @@ class DraftAttention:
         return merge([pages.attend(q, rows), dense])[0].to(q.dtype)
 
 
+class DenseDraftCache:
+    """A round's drafting cache where no state holds compressed pages (the `window` compressor,
+    or contexts still inside every compressor's dense regions): each request's sinks and dense
+    tail copied, in this order, into its own run of blocks of a small paged cache, the round's
+    drafts' K/V written after them. The one-call C decoder (`CpuDecoder.forward`) then runs each
+    draft step over it as it runs a decode over the full cache: no Python per layer. Positions
+    (RoPE) are the tokens' own; slots and context lengths are the buffer's."""
+    BLOCK = 16
+
+    def __init__(self):
+        self.storage: KVStorage | None = None
+
+    def fill(self, states: list[SequenceState], max_len: int) -> None:
+        first = states[0].layers[0]
+        dtype = torch.bfloat16 if first.tail_k.dtype == torch.bfloat16 else torch.float32
+        self.lens = [s.layers[0].sink_k.shape[0] + s.layers[0].tail_k.shape[0] for s in states]
+        per = -(-(max(self.lens) + max_len) // self.BLOCK)         # blocks of each request
+        need = len(states) * per
+        num_layers, (num_kv_heads, head_dim) = len(states[0].layers), first.tail_k.shape[1:]
+        st = self.storage
+        if (st is None or st.num_blocks < need or st.k.dtype != dtype
+                or st.k.shape[0] != num_layers):
+            self.storage = st = KVStorage(num_layers, max(need, 2 * (st.num_blocks if st else 0)),
+                                          self.BLOCK, num_kv_heads, head_dim, dtype, "cpu")
+        self.bases = [b * per * self.BLOCK for b in range(len(states))]
+        self.tables = [tuple(range(b * per, (b + 1) * per)) for b in range(len(states))]
+        for layer in range(num_layers):
+            k, v = st.k[layer], st.v[layer]
+            for base, state, n in zip(self.bases, states, self.lens):
+                ls = state.layers[layer]
+                sinks = ls.sink_k.shape[0]
+                k[base:base + sinks], v[base:base + sinks] = ls.sink_k, ls.sink_v
+                k[base + sinks:base + n], v[base + sinks:base + n] = ls.tail_k, ls.tail_v
+
+    def step(self, rows: int, step: int) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+        """The metadata and slots of draft step `step` for the first `rows` requests."""
+        meta = PagedAttentionMetadata(list(range(rows + 1)),
+                                      [n + step + 1 for n in self.lens[:rows]],
+                                      list(self.tables[:rows]), self.BLOCK)
+        slots = torch.tensor([b + n + step for b, n in zip(self.bases[:rows], self.lens[:rows])])
+        return meta, slots
+
+
 class LossyKVProposer(Proposer):
-    """Drafts greedily with the target model over the drafting pool's compressed states."""
+    """Drafts greedily with the target model over the drafting pool's compressed states: on the
+    one-call C decoder where every state is dense (`DenseDraftCache`), through the modules with
+    the compressors' attention otherwise."""
     name = "lossy_kv"
 
-    def __init__(self, model, pool: DraftPool):
+    def __init__(self, model, pool: DraftPool, runner: ModelRunner | None = None):
         self.model, self.pool = model, pool
+        self.runner = runner
+        self.dense = DenseDraftCache()
         self.num_rounds = self.num_draft_steps = 0         # counters (monotonic)
+        self.num_c_rounds = 0
         self.draft_s = 0.0
 
     @property
@@ -111,15 +167,26 @@ class LossyKVProposer(Proposer):
         order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
         if order:
             num_steps = max_lens[order[0]]
-            attn = self._attention([states[i] for i in order], num_steps)
+            drafting = [states[i] for i in order]
+            fast = self._c_decoder(drafting)
+            if fast is not None:
+                self.dense.fill(drafting, num_steps)
+                self.num_c_rounds += 1
+            else:
+                attn = self._attention(drafting, num_steps)
             dev = self.device
             current = torch.tensor([requests[i].token_ids[-1] for i in order], device=dev)
             start = torch.tensor([requests[i].num_computed_tokens for i in order], device=dev)
             for step in range(num_steps):
                 t = time.perf_counter()
                 rows = sum(1 for i in order if max_lens[i] > step)    # a prefix: sorted by length
-                attn.step = step
-                hidden = self.model(current[:rows], start[:rows] + step, attn)
+                if fast is not None:
+                    meta, slots = self.dense.step(rows, step)
+                    hidden = fast.forward(current[:rows], start[:rows] + step,
+                                          self.dense.storage, meta, slots, self.runner.layers)
+                else:
+                    attn.step = step
+                    hidden = self.model(current[:rows], start[:rows] + step, attn)
                 current = self.model.compute_logits(hidden).argmax(-1)
                 for i, tok in zip(order, current.tolist()):         # .tolist() syncs: t is honest
                     drafts[i].append(tok)
@@ -128,6 +195,16 @@ class LossyKVProposer(Proposer):
         self.num_rounds += 1
         self.draft_s += time.perf_counter() - t1
         return Drafts(drafts, passes)
+
+    def _c_decoder(self, states: list[SequenceState]) -> CpuDecoder | None:
+        """The runner's one-call C decoder where it serves and no state holds pages (a dropped
+        page, the window compressor's, holds nothing)."""
+        fast = self.runner.cpu_decoder if self.runner is not None else None
+        if fast is None or not fast.enabled():
+            return None
+        if any(p is not None for state in states for ls in state.layers for p in ls.pages):
+            return None
+        return fast
 
     def _attention(self, states: list[SequenceState], max_len: int) -> DraftAttention:
         comp = self.pool.comp
@@ -138,6 +215,7 @@ class LossyKVProposer(Proposer):
         pool = self.pool
         return {"compressor": pool.comp.name, "num_rounds": self.num_rounds,
                 "num_draft_steps": self.num_draft_steps,
+                "num_c_rounds": self.num_c_rounds,
                 "num_encoded_tokens": pool.num_encoded_tokens, "num_rebuilds": pool.num_rebuilds,
                 "encode_s": pool.encode_s, "draft_s": self.draft_s,
                 **asdict(pool.usage())}

@@ -179,3 +179,39 @@ def test_draft_rounds_feed_attention_mass_that_changes_spherical_tier_choices():
     unweighted = [p.tier for p in plain.layers[0].pages]
     assert kept[hot] != DROP and unweighted[hot] == DROP
     assert sum(t != DROP for t in kept) == sum(t != DROP for t in unweighted)   # same budget
+
+
+@pytest.mark.parametrize("name,dense", [("window", True), ("quant", False)])
+def test_dense_states_draft_on_the_one_call_c_decoder(name, dense):
+    """Where no state holds pages (the window compressor) each draft step is one call of the C
+    decoder over the states' dense tokens: the same drafts as the modules' batched path (within
+    float rounding of the attention, which the tiny model's margins absorb); states with pages
+    keep the modules' path."""
+    from specserve.spec_phases.runner import ModelRunner
+    torch.manual_seed(0)
+    model = model_for(name)
+    assert model.pack_for_cpu()
+    cfg = model.config
+    bs = 16
+    storage = KVStorage(cfg.num_layers, 64, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    storage.k.normal_()
+    storage.v.normal_()
+    runner = ModelRunner(model, storage)
+    assert runner.cpu_decoder is not None
+    sizes, reqs, first = [150, 97, 131], [], 0
+    for i, n in enumerate(sizes):
+        blocks = list(range(first, first + -(-(n + 8) // bs)))
+        first += len(blocks)
+        tokens = [(11 * j + 7 * i) % 500 + 3 for j in range(n + 1)]
+        reqs.append(DraftRequest(f"r{i}", tuple(tokens), n, tuple(blocks)))
+    max_lens = [5, 2, 5]
+    settings = COMPRESSORS[name][1]
+
+    def pool():
+        return DraftPool(build_compressor(name, model, dict(settings)), storage, "cpu")
+    fast, modules = LossyKVProposer(model, pool(), runner), LossyKVProposer(model, pool())
+    got, want = fast.propose(reqs, max_lens).token_ids, modules.propose(reqs, max_lens).token_ids
+    assert [len(d) for d in got] == max_lens
+    assert got == want
+    assert fast.stats()["num_c_rounds"] == int(dense)
+    assert modules.stats()["num_c_rounds"] == 0
