@@ -284,7 +284,9 @@ def llama_server_peer(port: int, num_slots: int = 16, ctx_per_slot: int = 8192,
                       num_threads: int = 2) -> Peer:
     """llama.cpp's `llama-server` on the embedded GGUF: continuous batching over `num_slots` slots
     (one per concurrent request), `ctx_per_slot` tokens each (`--ctx-size` is the slots' total).
-    `--no-repack`: its repacked AVX-512/AMX weights die with an illegal instruction in this VM."""
+    `--no-repack` as in issue 34's measurement, where its repacked AVX-512/AMX paths died with an
+    illegal instruction on a VM whose lscpu lists AMX (ggml has no repacked layout for Q4_1; on an
+    AVX512-VNNI Xeon without AMX it serves without the flag too)."""
     cmd = [str(llama_cpp_dir() / "llama-server"), "--model", str(embedded_gguf()),
            "--alias", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--parallel", str(num_slots), "--ctx-size", str(num_slots * ctx_per_slot),
