@@ -87,8 +87,7 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
         drafted, accepted = drafted + st.num_draft_tokens, accepted + st.num_accepted_tokens
         rounds += len(st.draft_lens)
     core.check_integrity()
-    prop = core.worker.runner.proposer
-    ctl = core.scheduler.controller
+    prop = core.worker.proposer
     return {"outputs": [outs[f"b{i}"] for i in range(len(prompts))], "decode_s": decode_s,
             "decode_tokens": decode_tokens,
             "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
@@ -97,8 +96,7 @@ def run(prompts, new_tokens: int, spec, threads: int, device: str = "auto", dtyp
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else 0.0,
             "mean_accepted_per_round": accepted / rounds if rounds else 0.0,
-            "proposer": prop.stats() if prop is not None else None, "core": core,
-            "step_cost_coef": ctl.cost.coef.tolist() if ctl is not None else None}
+            "proposer": prop.stats() if prop is not None else None, "core": core}
 
 
 def repeated_ngram_share(outputs: list[list[int]], n: int = 4) -> float:
