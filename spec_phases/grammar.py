@@ -1,13 +1,15 @@
 """Structured output, the worker's side: one grammar matcher per constrained request, masks for
 every row it samples.
 
-    compiled grammar (text, in the plan once: scheduler/structured_output.py) --> LLMatcher per
-    request, advanced over the request's accepted tokens only
+    compiled grammar (text, in the plan once: scheduler/structured_output.py) --> pristine
+    LLMatcher, kept per grammar text --> per request: a deep copy of it, advanced over the
+    request's accepted tokens only
 
-The engine compiles and validates each constraint; the worker builds the request's matcher from
-that text (milliseconds: llguidance computes masks lazily, per step) with the model's tokenizer,
-loaded on the first grammar. Drafts are made inside the worker's step, so the masks of their rows
-are made here too.
+The engine compiles and validates each constraint; the worker builds a matcher from that text (a
+millisecond) with the model's tokenizer, loaded on the first grammar. Requests of one grammar copy
+one pristine matcher: the copies share the automaton llguidance grows lazily as masks are computed,
+so later requests mask faster than from a matcher of their own. Drafts are made inside the
+worker's step, so the masks of their rows are made here too.
 
 A speculative step over a constrained request, given its drafts d:
 1. **truncate**: d is cut before the first token the grammar forbids after d[:i] (that draft could
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+MAX_PRISTINE = 256                      # pristine matchers kept (least recently used dropped)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -66,6 +70,7 @@ class GrammarMatchers:
         self._load_tokenizer = tokenizer_loader
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self._tokenizer = None                      # llguidance's, built on the first grammar
+        self._pristine: OrderedDict[str, object] = OrderedDict()   # grammar text -> matcher
         self.matchers: dict[str, object] = {}       # None: its grammar failed (EOS only)
         self.mask_seconds = 0.0                     # total time spent cutting drafts and masking
 
@@ -82,11 +87,18 @@ class GrammarMatchers:
         """A constrained request's first plan: its matcher, from the compiled grammar."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-        if matcher.is_error():       # the engine validated it: a limit only the tokens reach
-            logger.error("request %s: grammar error: %s", request_id, matcher.get_error())
-            matcher = None
-        self.matchers[request_id] = matcher
+        pristine = self._pristine.get(grammar)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+            self._pristine[grammar] = pristine
+            while len(self._pristine) > MAX_PRISTINE:
+                self._pristine.popitem(last=False)
+        self._pristine.move_to_end(grammar)
+        if pristine.is_error():      # the engine validated it: a limit only the tokens reach
+            logger.error("request %s: grammar error: %s", request_id, pristine.get_error())
+            self.matchers[request_id] = None
+        else:
+            self.matchers[request_id] = pristine.deep_copy()
 
     def release(self, request_ids) -> None:
         for request_id in request_ids:
