@@ -292,6 +292,8 @@ static void stage_bf16(const uint16_t *cache, const int64_t *off, int64_t from, 
     }
 }
 
+#define TILE_MIN_ROWS 4          /* a request of this many query rows or more: rows in lanes */
+
 /* Rows in lanes: TILE query rows of one head (consecutive positions) held across a vector's
  * lanes, for prompt chunks (`attend_tiles`). Each lane computes what its row computes in
  * `attend_request`, operation for operation: a score's eight partial sums over the dimensions
@@ -414,12 +416,17 @@ static void weigh_column(const float *p, int64_t base, const float *v, const int
             acc[d] += p[(j - base) * TILE] * v[off[j] + d];
 }
 
-/* weigh for rows 4 at a time: the keys all four see together (32 dimensions at a time), the rest
- * row by row; each row takes its keys in order, dimension by dimension as weigh does */
+/* weigh for the first `rows` rows of a tile, 4 at a time: the keys all four see together
+ * (dimensions in vectors), the rest row by row; each row takes its keys in order, dimension by
+ * dimension as weigh does */
 static void weigh_tile(const float *p, int64_t base, const float *v, const int64_t *off,
-                       const int64_t *lo, const int64_t *hi, int64_t head_dim, float *acc) {
+                       const int64_t *lo, const int64_t *hi, int rows, int64_t head_dim,
+                       float *acc) {
     const int64_t lanes = head_dim & ~(int64_t)7;
-    for (int i0 = 0; i0 < TILE; i0 += 4) {
+    for (int i = rows & ~3; i < rows; i++)                     /* past the fours: one by one */
+        if (lo[i] <= hi[i])
+            weigh_column(p + i, base, v, off, lo[i], hi[i], head_dim, acc + i * head_dim);
+    for (int i0 = 0; i0 + 4 <= rows; i0 += 4) {
         int64_t clo = lo[i0], chi = hi[i0];
         for (int i = i0 + 1; i < i0 + 4; i++) {
             clo = lo[i] > clo ? lo[i] : clo;

@@ -186,10 +186,12 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
 #endif
     const int64_t first_pos = seq_len - q_len;
     for (int64_t t0 = 0; t0 < q_len; t0 += TILE) {
+        /* the tile's rows: nv of them; lanes past them repeat the last (computed, not written) */
+        const int nv = q_len - t0 < TILE ? (int)(q_len - t0) : TILE;
         int64_t lo[TILE], hi[TILE];
         vrowi lo_v, hi_v;
         for (int i = 0; i < TILE; i++) {
-            hi[i] = first_pos + t0 + i;
+            hi[i] = first_pos + t0 + (i < nv ? i : nv - 1);
             lo[i] = first_key(hi[i], window);
             lo_v[i] = (int32_t)lo[i];
             hi_v[i] = (int32_t)hi[i];
@@ -203,7 +205,7 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
             const int64_t n = h_end - hg;
             for (int64_t g = 0; g < n; g++)
                 for (int i = 0; i < TILE; i++) {
-                    const float *qr = q + (q_start + t0 + i) * q_token_stride
+                    const float *qr = q + (q_start + t0 + (i < nv ? i : nv - 1)) * q_token_stride
                                       + (hg + g) * head_dim;
                     for (int64_t d = 0; d < head_dim; d++)
                         qt[(g * head_dim + d) * TILE + i] = qr[d];
@@ -271,15 +273,15 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
                     clo[i] -= c0, chi[i] -= c0;
                 for (int64_t g = 0; g < n; g++)
                     weigh_tile(scores + g * keys * TILE, first - c0, stage, staged, clo, chi,
-                               head_dim, acc + g * TILE * head_dim);
+                               nv, head_dim, acc + g * TILE * head_dim);
 #else
                 for (int64_t g = 0; g < n; g++)
                     weigh_tile(scores + g * keys * TILE, first, v_cache + kv_at, off, clo, chi,
-                               head_dim, acc + g * TILE * head_dim);
+                               nv, head_dim, acc + g * TILE * head_dim);
 #endif
             }
             for (int64_t g = 0; g < n; g++)
-                for (int i = 0; i < TILE; i++) {
+                for (int i = 0; i < nv; i++) {
                     float *o = out + (q_start + t0 + i) * out_token_stride
                                + (hg + g) * head_dim;
                     const float *a = acc + (g * TILE + i) * head_dim;
@@ -307,7 +309,8 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
     int64_t max_keys = KEYS, max_rows = 1, max_scores = KEYS;
     for (int64_t b = 0; b < num_reqs; b++) {
         const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
-        const int64_t rows = num_heads * requests[b * 3 + 1];
+        const int64_t q_len = requests[b * 3 + 1];
+        const int64_t rows = num_heads * (q_len >= TILE_MIN_ROWS && q_len < TILE ? TILE : q_len);
         max_keys = padded > max_keys ? padded : max_keys;
         max_rows = rows > max_rows ? rows : max_rows;
         max_scores = rows * padded > max_scores ? rows * padded : max_scores;
@@ -347,9 +350,11 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
             const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
             if (!ok || nh <= 0)
                 continue;
-            /* a chunk's tiles rows in lanes, the rest (decodes, verify rows) row by row */
+            /* a request of TILE_MIN_ROWS rows or more (prompt chunks, verify rows) rows in lanes,
+             * a shorter one (decodes) row by row */
             const int64_t q0 = requests[b * 3], q_len = requests[b * 3 + 1];
-            const int64_t seq_len = requests[b * 3 + 2], tiled = q_len / TILE * TILE;
+            const int64_t seq_len = requests[b * 3 + 2];
+            const int64_t tiled = q_len >= TILE_MIN_ROWS ? q_len : 0;
             const int64_t *table = tables + b * table_width;
             if (tiled)
                 KV_(attend_tiles)(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
