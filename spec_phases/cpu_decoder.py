@@ -45,8 +45,9 @@ def supported(model: LlamaModel) -> bool:
             if linear.packed is None or linear.packed.onednn:
                 return False
     try:
-        for kernel in ("rms_norm", "rope", "paged_attention", "activation", "decoder"):
+        for kernel in ("rms_norm", "rope", "paged_attention", "activation"):
             library(kernel)
+        fused.available()                       # built, and its ABI the one mirrored in ctypes
     except BuildError:
         return False
     return True

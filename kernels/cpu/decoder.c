@@ -1,11 +1,13 @@
-/* The decoder stack in one call, for a step whose every query paged_attention_short serves
- * (decodes, verify rows, prompt chunks over short contexts cut into tiles of 16 rows):
- * for each layer, RMSNorm (with the residual add), the QKV projection, RoPE, the K/V write into
- * the paged cache (float32, or bfloat16 rounded as torch rounds), paged attention, the output projection, RMSNorm, the gate-up projection,
- * SwiGLU and the down projection, then the final norm. It runs the same kernels, on the same
- * inputs, in the same order as `spec_phases/cpu_decoder.py`'s loop over them (this file includes
- * their sources), so its hidden states are bitwise that loop's: only the Python between the
- * kernels is gone (a tenth of a one-decode step on a 2-core host, docs/BENCHMARKS.md §9.10).
+/* The decoder stack in one call, for every step (decodes, verify rows, prompt chunks): for each
+ * layer, RMSNorm (with the residual add), the QKV projection, RoPE, the K/V write into the paged
+ * cache (float32, or bfloat16 rounded as torch rounds), paged attention, the output projection,
+ * RMSNorm, the gate-up projection, SwiGLU and the down projection, then the final norm. It runs
+ * the same kernels, on the same inputs, in the same order as the model's modules call them one by
+ * one (this file includes their sources), so its hidden states are bitwise theirs: only the Python
+ * between the kernels is gone.
+ *
+ * `kernels/cpu/decoder.py` mirrors the structures below in ctypes; `decoder_abi` reports this
+ * file's version and the structures' sizes, which it checks when it loads the library.
  */
 #include "activation.c"
 #include "linear.c"
@@ -56,6 +58,18 @@ struct decoder_model {
 struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
+
+#define DECODER_ABI_VERSION 2          /* bumped whenever an exported signature or struct changes */
+
+/* out[0]: DECODER_ABI_VERSION; out[1..4]: the sizes of struct decoder_linear, decoder_layer,
+ * decoder_model and decoder_buffers */
+void decoder_abi(int64_t *out) {
+    out[0] = DECODER_ABI_VERSION;
+    out[1] = (int64_t)sizeof(struct decoder_linear);
+    out[2] = (int64_t)sizeof(struct decoder_layer);
+    out[3] = (int64_t)sizeof(struct decoder_model);
+    out[4] = (int64_t)sizeof(struct decoder_buffers);
+}
 
 /* float32 -> bfloat16 as torch rounds (to nearest, ties to even; a NaN stays a NaN) */
 static inline uint16_t bf16_round(float f) {

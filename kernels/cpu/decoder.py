@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from specserve.kernels.cpu.native import library
+from specserve.kernels.cpu.native import BuildError, library
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 CACHE_DTYPES = (torch.float32, torch.bfloat16)     # what the K/V cache may hold
@@ -36,9 +36,25 @@ class Buffers(ctypes.Structure):
                                           "act")]
 
 
+ABI_VERSION = 2                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+
+
+def check_abi(lib: ctypes.CDLL) -> None:
+    """decoder.c's version and structure sizes against the mirrors above (BuildError if not)."""
+    got = (ctypes.c_int64 * 5)()
+    lib.decoder_abi.restype, lib.decoder_abi.argtypes = None, [_ptr]
+    lib.decoder_abi(got)
+    want = [ABI_VERSION, *(ctypes.sizeof(t) for t in (Linear, Layer, Model, Buffers))]
+    if list(got) != want:
+        raise BuildError(f"decoder.c's ABI (version, struct sizes) {list(got)} is not the "
+                         f"one kernels/cpu/decoder.py mirrors, {want}")
+
+
 @functools.cache
 def _kernel():
-    fn = library("decoder").decoder_forward
+    lib = library("decoder")
+    check_abi(lib)
+    fn = lib.decoder_forward
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), _ptr, _i64,
                    ctypes.POINTER(Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,

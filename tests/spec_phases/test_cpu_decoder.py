@@ -116,3 +116,23 @@ def test_the_one_call_rounds_to_bf16_as_torch_does():
     x = torch.cat([torch.from_numpy(edges.view(np.float32)), torch.randn(4096, generator=g) * 3,
                    torch.randn(256, generator=g) * 1e-39, torch.randn(256, generator=g) * 1e38])
     assert torch.equal(fused.round_bf16(x).view(torch.int16), x.bfloat16().view(torch.int16))
+
+
+def test_the_library_reports_the_abi_its_ctypes_mirrors_match():
+    """decoder.c exports its version and structure sizes; a mirror that drifted from the C
+    structures is a BuildError at load, not memory read at the wrong offsets."""
+    import ctypes
+
+    from specserve.kernels.cpu.native import BuildError, library
+    lib = library("decoder")
+    fused.check_abi(lib)                                            # the mirrors match
+
+    class Drifted(ctypes.Structure):                                 # a field gone
+        _fields_ = [("data", ctypes.c_void_p), ("layout", ctypes.c_int64)]
+    real = fused.Linear
+    try:
+        fused.Linear = Drifted
+        with pytest.raises(BuildError, match="ABI"):
+            fused.check_abi(lib)
+    finally:
+        fused.Linear = real
