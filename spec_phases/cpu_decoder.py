@@ -32,25 +32,37 @@ CACHE_DTYPES = fused.CACHE_DTYPES           # the K/V cache's element types it r
 
 
 def supported(model: LlamaModel) -> bool:
-    """Every layer has the plain shape, every linear runs the C kernel, the kernels build."""
+    return unsupported(model) is None
+
+
+def unsupported(model: LlamaModel) -> str | None:
+    """Why the one-call decoder cannot serve `model` (None: it can). It accepts the layer shape
+    most checkpoints have: one RoPE, float32 embeddings, no q/k norms, no sandwich norms, no query
+    scale, SwiGLU, every linear on the C kernel, and the kernels built with the ABI they mirror."""
     cfg = model.config
-    if cfg.local_rope is not None or model.embed_tokens.weight.dtype != torch.float32:
-        return False
+    if cfg.local_rope is not None:
+        return "a second (local) RoPE"
+    if model.embed_tokens.weight.dtype != torch.float32:
+        return f"{model.embed_tokens.weight.dtype} embeddings"
     for layer in model.layers:
-        if (layer.q_norm is not None or layer.attn_out_norm is not None
-                or layer.mlp_out_norm is not None or layer.query_scale != 1.0
-                or layer.activation != "silu"):
-            return False
+        if layer.q_norm is not None:
+            return "q/k norms"
+        if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
+            return "sandwich norms"
+        if layer.query_scale != 1.0:
+            return "a query scale"
+        if layer.activation != "silu":
+            return f"the {layer.activation} activation"
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             if linear.packed is None or linear.packed.onednn:
-                return False
+                return "linear layers not on the C kernel"
     try:
         for kernel in ("rms_norm", "rope", "paged_attention", "activation"):
             library(kernel)
         fused.available()                       # built, and its ABI the one mirrored in ctypes
-    except BuildError:
-        return False
-    return True
+    except BuildError as exc:
+        return f"the C kernels: {exc}"
+    return None
 
 
 def batch_dependence(model: LlamaModel) -> str | None:

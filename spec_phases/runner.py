@@ -11,6 +11,7 @@ Verification (`spec_phases/verify.py`) turns them into tokens.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,8 @@ from specserve.spec_phases.sampler import Sampler
 
 if TYPE_CHECKING:     # (cuda_graphs imports triton: the worker imports it on CUDA only)
     from specserve.spec_phases.cuda_graphs import StepGraphs
+
+logger = logging.getLogger(__name__)
 
 
 class PagedAttention:
@@ -57,9 +60,12 @@ class ModelRunner:
         self.layers = model.config.attention()
         # the C-kernel decoder, where it serves this model and cache (checked once: after
         # packing; the cache float32 or bfloat16)
-        self.cpu_decoder = (cpu_decoder.CpuDecoder(model) if isinstance(storage, KVStorage)
-                            and storage.k.dtype in cpu_decoder.CACHE_DTYPES
-                            and cpu_decoder.supported(model) else None)
+        why = (cpu_decoder.unsupported(model) if isinstance(storage, KVStorage)
+               and storage.k.device.type == "cpu" and storage.k.dtype in cpu_decoder.CACHE_DTYPES
+               else "not a float32 or bfloat16 paged cache in host memory")
+        self.cpu_decoder = cpu_decoder.CpuDecoder(model) if why is None else None
+        logger.info("decoder stack: %s", "one call of the C decoder a step (kernels/cpu/decoder.c)"
+                    if why is None else f"the modules ({why})")
 
     @torch.inference_mode()
     def forward(self, token_lists: list[tuple[int, ...]], starts: list[int],

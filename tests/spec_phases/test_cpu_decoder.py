@@ -136,3 +136,21 @@ def test_the_library_reports_the_abi_its_ctypes_mirrors_match():
             fused.check_abi(lib)
     finally:
         fused.Linear = real
+
+
+def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog):
+    """One accept-list picks the stack (`cpu_decoder.unsupported`) and the runner logs the
+    choice: the C decoder for the common shape, the modules with the reason otherwise."""
+    import logging
+    model = packed_model()
+    qk = packed_model(family=replace(tiny_config().family, qk_norm=True))
+    assert cpu_decoder.unsupported(model) is None
+    assert cpu_decoder.unsupported(qk) == "q/k norms"
+    with caplog.at_level(logging.INFO, logger="specserve.spec_phases.runner"):
+        runners(model)
+        cfg = qk.config
+        ModelRunner(qk, KVStorage(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim,
+                                  torch.float32, "cpu"))
+    lines = [r.message for r in caplog.records if "decoder stack" in r.message]
+    assert any("one call of the C decoder" in m for m in lines)
+    assert any("the modules (q/k norms)" in m for m in lines)
