@@ -5,8 +5,8 @@ modules do (each module's CPU op is one of these kernels), so the hidden states 
 theirs (tests/spec_phases/test_cpu_decoder.py). Every query of a step goes through the C paged
 attention (decodes and verify rows as they are, prompt chunks in tiles: `paged_attention.c`).
 
-It serves the layer shape most checkpoints have (Llama, Mistral, Qwen2: no q/k norms, no sandwich
-norms, SwiGLU, one RoPE) once every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`)
+It serves the layer shape most checkpoints have (Llama, Mistral, Qwen2, Qwen3's per-head q/k
+norms: no sandwich norms, SwiGLU, one RoPE) once every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`)
 and the kernels built; the runner takes it for steps over the paged cache in device memory
 (`spec_phases/runner.py`), the modules serve everything else. The cache holds float32 or, with
 `--kv-cache-dtype bfloat16`, bfloat16 (CACHE_DTYPES): the one call rounds K/V to bf16 as
@@ -37,16 +37,15 @@ def supported(model: LlamaModel) -> bool:
 
 def unsupported(model: LlamaModel) -> str | None:
     """Why the one-call decoder cannot serve `model` (None: it can). It accepts the layer shape
-    most checkpoints have: one RoPE, float32 embeddings, no q/k norms, no sandwich norms, no query
-    scale, SwiGLU, every linear on the C kernel, and the kernels built with the ABI they mirror."""
+    most checkpoints have: one RoPE, float32 embeddings, no sandwich norms, no query
+    scale, SwiGLU (per-head q/k norms too: Qwen3), every linear on the C kernel, and the kernels
+    built with the ABI they mirror."""
     cfg = model.config
     if cfg.local_rope is not None:
         return "a second (local) RoPE"
     if model.embed_tokens.weight.dtype != torch.float32:
         return f"{model.embed_tokens.weight.dtype} embeddings"
     for layer in model.layers:
-        if layer.q_norm is not None:
-            return "q/k norms"
         if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
             return "sandwich norms"
         if layer.query_scale != 1.0:
@@ -143,8 +142,11 @@ class CpuDecoder:
             model = self.model
             layers = (fused.Layer * len(model.layers))()
             for i, layer in enumerate(model.layers):            # biases as the loop passes them
+                qk = [None if n is None else n._float_weight().data_ptr()
+                      for n in (layer.q_norm, layer.k_norm)]
                 layers[i] = fused.Layer(layer.input_layernorm._float_weight().data_ptr(),
                                         layer.post_attention_layernorm._float_weight().data_ptr(),
+                                        *qk,
                                         linear(layer.qkv_proj, layer.qkv_proj.bias),
                                         linear(layer.o_proj), linear(layer.gate_up_proj),
                                         linear(layer.down_proj), attention.options(i)["window"])

@@ -42,6 +42,7 @@ struct decoder_linear {
 
 struct decoder_layer {
     const float *input_norm, *post_attention_norm;     /* float32 [hidden] */
+    const float *q_norm, *k_norm;       /* float32 [head_dim] per-head norms (Qwen3) or NULL */
     struct decoder_linear qkv, o, gate_up, down;
     int64_t window;                                     /* sliding window; 0: full attention */
 };
@@ -59,7 +60,7 @@ struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
 
-#define DECODER_ABI_VERSION 2          /* bumped whenever an exported signature or struct changes */
+#define DECODER_ABI_VERSION 3          /* bumped whenever an exported signature or struct changes */
 
 /* out[0]: DECODER_ABI_VERSION; out[1..4]: the sizes of struct decoder_linear, decoder_layer,
  * decoder_model and decoder_buffers */
@@ -126,6 +127,13 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
                            l->qkv.bias, b->qkv, num_threads))
             return -1;
         lap(seconds, LINEAR_S, &mark);
+        if (l->q_norm)                      /* each head's q and k normed in place, then roped */
+            for (int64_t t = 0; t < rows; t++) {
+                float *qt = b->qkv + t * qkv_size;
+                rms_norm_rows(qt, NULL, l->q_norm, NULL, qt, m->num_heads, D, m->eps, 1);
+                rms_norm_rows(qt + q_size, NULL, l->k_norm, NULL, qt + q_size, m->num_kv_heads, D,
+                              m->eps, 1);
+            }
         rope_rows(b->qkv, qkv_size, cos, sin, b->qk, rows, heads, D);
         lap(seconds, ELEMENTWISE_S, &mark);
         for (int64_t t = 0; t < rows; t++) {

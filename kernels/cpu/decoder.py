@@ -20,7 +20,8 @@ class Linear(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("qkv", Linear),
+    _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("q_norm", _ptr),
+                ("k_norm", _ptr), ("qkv", Linear),
                 ("o", Linear), ("gate_up", Linear), ("down", Linear), ("window", _i64)]
 
 
@@ -36,7 +37,7 @@ class Buffers(ctypes.Structure):
                                           "act")]
 
 
-ABI_VERSION = 2                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+ABI_VERSION = 3                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:

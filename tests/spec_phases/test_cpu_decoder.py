@@ -34,13 +34,16 @@ def runners(model, cache_dtype=torch.float32):
     return fast, modules
 
 
-@pytest.mark.parametrize("bias,windows", [(False, ()), (True, ()), (False, (0, 8))])
+@pytest.mark.parametrize("bias,windows,qk_norm", [(False, (), False), (True, (), False),
+                                                  (False, (0, 8), False), (False, (), True)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_bitwise_the_modules_over_mixed_steps(bias, windows, cache_dtype, monkeypatch):
+def test_bitwise_the_modules_over_mixed_steps(bias, windows, qk_norm, cache_dtype, monkeypatch):
     """Every step (prompt chunks in tiles, decodes, verify rows) runs the whole stack in one
     call (`kernels/cpu/decoder.c`), bitwise the modules, with attention bias and with a sliding
-    window on one layer; over a bf16 cache too (the one call rounds K/V as torch does)."""
-    model = packed_model(attention_bias=bias, windows=windows)
+    window on one layer, with Qwen3's per-head q/k norms; over a bf16 cache too (the one call
+    rounds K/V as torch does)."""
+    model = packed_model(attention_bias=bias, windows=windows,
+                         family=replace(tiny_config().family, qk_norm=qk_norm))
     fast, modules = runners(model, cache_dtype)
     whole = []
     one_call = cpu_decoder.fused.forward
@@ -69,8 +72,10 @@ def test_bitwise_the_modules_over_mixed_steps(bias, windows, cache_dtype, monkey
 def test_taken_only_where_it_serves(monkeypatch):
     unpacked = build_random_model(tiny_config(vocab_size=300))
     assert not cpu_decoder.supported(unpacked)                        # nothing packed
-    assert not cpu_decoder.supported(packed_model(family=replace(
+    assert cpu_decoder.supported(packed_model(family=replace(         # Qwen3's q/k norms
         tiny_config().family, qk_norm=True)))
+    assert not cpu_decoder.supported(packed_model(family=replace(
+        tiny_config().family, sandwich_norms=True)))
     model = packed_model()
     assert cpu_decoder.supported(model)
     fast, _ = runners(model)
@@ -143,9 +148,9 @@ def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog):
     choice: the C decoder for the common shape, the modules with the reason otherwise."""
     import logging
     model = packed_model()
-    qk = packed_model(family=replace(tiny_config().family, qk_norm=True))
+    qk = packed_model(family=replace(tiny_config().family, sandwich_norms=True))
     assert cpu_decoder.unsupported(model) is None
-    assert cpu_decoder.unsupported(qk) == "q/k norms"
+    assert cpu_decoder.unsupported(qk) == "sandwich norms"
     with caplog.at_level(logging.INFO, logger="specserve.spec_phases.runner"):
         runners(model)
         cfg = qk.config
@@ -153,4 +158,4 @@ def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog):
                                   torch.float32, "cpu"))
     lines = [r.message for r in caplog.records if "decoder stack" in r.message]
     assert any("one call of the C decoder" in m for m in lines)
-    assert any("the modules (q/k norms)" in m for m in lines)
+    assert any("the modules (sandwich norms)" in m for m in lines)
