@@ -333,13 +333,26 @@ static inline vrowi splat_rowi(int32_t x) {
 #endif
 }
 
-static inline vrow exp_row(vrow x) {                          /* exp8 on each 8 lanes */
+/* exp8's operations on TILE lanes (each lane the same operations on its own input) */
+static inline vrow exp_row(vrow x) {
 #if TILE == 16
-    const __m512 w = (__m512)x;
-    const v8f a = exp8((v8f)_mm512_castps512_ps256(w));
-    const v8f b = exp8((v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
-    return (vrow)_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(
-        (__m256)a)), _mm256_castps_pd((__m256)b), 1));
+    const vrow hi = splat_row(88.3f), lo = splat_row(-87.3f);
+    vrowi less = x < hi;
+    x = (vrow)(((vrowi)x & less) | ((vrowi)hi & ~less));                 /* min(x, hi) */
+    const vrow neg = -x, neg_lo = -lo;
+    less = neg < neg_lo;
+    x = -(vrow)(((vrowi)neg & less) | ((vrowi)neg_lo & ~less));          /* -min(-x, -lo) */
+    const float round_magic = 12582912.0f;
+    const vrow n = (x * 1.44269504088896341f + round_magic) - round_magic;
+    const vrow r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vrow p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vrow y = (p * (r * r) + r) + 1.0f;
+    const vrowi bits = (__builtin_convertvector(n, vrowi) + 127) << 23;
+    return y * (vrow)bits;
 #else
     return exp8(x);
 #endif
