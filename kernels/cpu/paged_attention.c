@@ -253,6 +253,16 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
     return 1.0f / tree8(sum);
 }
 
+/* off[j]: the element offset of key j's slot for j < padded, keys past seq_len repeating the
+ * last key's */
+static void key_offsets(int64_t *off, const int64_t *table, int64_t seq_len, int64_t padded,
+                        int64_t block_size, int64_t slot_elems) {
+    for (int64_t j = 0; j < padded; j++) {
+        const int64_t key = j < seq_len ? j : seq_len - 1;
+        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_elems;
+    }
+}
+
 /* the first key the query at `pos` sees: within the sliding window (0: none) */
 static inline int64_t first_key(int64_t pos, int64_t window) {
     return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
@@ -333,30 +343,13 @@ static inline vrowi splat_rowi(int32_t x) {
 #endif
 }
 
-/* exp8's operations on TILE lanes (each lane the same operations on its own input) */
-static inline vrow exp_row(vrow x) {
 #if TILE == 16
-    const vrow hi = splat_row(88.3f), lo = splat_row(-87.3f);
-    vrowi less = x < hi;
-    x = (vrow)(((vrowi)x & less) | ((vrowi)hi & ~less));                 /* min(x, hi) */
-    const vrow neg = -x, neg_lo = -lo;
-    less = neg < neg_lo;
-    x = -(vrow)(((vrowi)neg & less) | ((vrowi)neg_lo & ~less));          /* -min(-x, -lo) */
-    const float round_magic = 12582912.0f;
-    const vrow n = (x * 1.44269504088896341f + round_magic) - round_magic;
-    const vrow r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    vrow p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vrow y = (p * (r * r) + r) + 1.0f;
-    const vrowi bits = (__builtin_convertvector(n, vrowi) + 127) << 23;
-    return y * (vrow)bits;
+DEFINE_EXP(exp_row, vrow, vrowi)                  /* exp8's operations, lane for lane */
 #else
+static inline vrow exp_row(vrow x) {
     return exp8(x);
-#endif
 }
+#endif
 
 /* the scores of TILE rows (qt: their queries, dimension-major, qt[d * TILE + row]) against two
  * keys ka, kb, times scale, into sa, sb (TILE floats each) */

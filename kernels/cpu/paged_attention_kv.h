@@ -46,10 +46,7 @@ static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV
                                 float *scores, float *acc, float *inv, float *stage) {
     const int64_t group = num_heads / num_kv_heads, slot_elems = num_kv_heads * head_dim;
     const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1), rows = nh * q_len;
-    for (int64_t j = 0; j < padded; j++) {
-        const int64_t key = j < seq_len ? j : seq_len - 1;
-        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_elems;
-    }
+    key_offsets(off, table, seq_len, padded, block_size, slot_elems);
     const int64_t first_pos = seq_len - q_len;           /* query qi sits at first_pos + qi */
     const int64_t lo_any = first_key(first_pos, window);
     const int64_t slot_lines = (slot_elems * (int64_t)sizeof(KV_T) + 63) / 64;   /* 64-byte */
@@ -175,10 +172,7 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
                               float *scores, float *acc, float *qt, float *inv, float *stage) {
     const int64_t group = num_heads / num_kv_heads, slot_elems = num_kv_heads * head_dim;
     const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1);
-    for (int64_t j = 0; j < padded; j++) {
-        const int64_t key = j < seq_len ? j : seq_len - 1;
-        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_elems;
-    }
+    key_offsets(off, table, seq_len, padded, block_size, slot_elems);
 #if KV_STAGED
     int64_t staged[CHUNK];                      /* key i of a staged block at stage + i * D */
     for (int64_t i = 0; i < CHUNK; i++)
