@@ -225,18 +225,6 @@ class CostModel:
         return (self.prices.prefill_chunk * (rows > 0) + self.prices.prefill_row * rows
                 + self.prices.prefill_key * prefill_keys(start, rows))
 
-    def prefill_rows_within(self, start: int, seconds: float) -> int:
-        """The most rows of a prompt chunk from position `start` priced at most `seconds`
-        (unbounded where neither rows nor keys are priced)."""
-        a = self.prices.prefill_key / 2                         # price of n: a n^2 + b n + c
-        b = self.prices.prefill_row + self.prices.prefill_key * (start + 0.5)
-        seconds -= self.prices.prefill_chunk
-        if seconds <= 0:
-            return 0
-        if a <= 0:
-            return int(seconds / b) if b > 0 else 2**62
-        return int((math.sqrt(b * b + 4 * a * seconds) - b) / (2 * a))
-
     def step_price(self) -> float:
         """What a step verifying any draft pays once, besides its drafts and passes."""
         return self.prices.drafting_step

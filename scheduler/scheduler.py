@@ -104,17 +104,16 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:             # preempted for an earlier one
                 continue
             num_drafts = min(draft_lens.get(req.request_id, 0), budget - 1)  # drafts, not rows
-            num_new, seconds = 1, 0.0
+            num_new = 1
             if req.num_tokens - req.num_computed_tokens > 1:
                 num_new, seconds = self._chunk(req, budget, allowance, first_chunk)
                 if num_new == 0:
                     break
-                first_chunk = False
+                first_chunk, allowance = False, self._after_chunk(allowance, seconds)
             if not self._reserve(req, num_new + num_drafts, scheduled):
                 break                                           # req itself was preempted
             scheduled.append((req, num_new, num_drafts))
             budget -= num_new + num_drafts
-            allowance -= seconds
         if not self._stats.num_preemptions:
             self._admit(scheduled, budget, allowance, first_chunk)
         return self._plan(scheduled)
@@ -158,22 +157,32 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int, allowance: float,
                first: bool) -> tuple[int, float]:
-        """The rows of req's next prompt chunk and their price: at most `budget`, priced within
-        `allowance` by the cost model and by the last chunk beside decodes (`prompt_row_s`; the
-        first such chunk FIRST_CHUNK_ROWS rows, for a model that has seen no prompt at this
-        length). The first chunk of a step that allows any takes at least one row, so prompts
-        always advance."""
+        """The rows of req's next prompt chunk and their price: at most `budget`, and within
+        `allowance` at the measured seconds a row of the last chunks beside decodes took
+        (`prompt_row_s`, their fixed costs included: chunks that took less than their allowance
+        grow by allowance / seconds, towards the size that takes it all; the first chunk beside
+        decodes FIRST_CHUNK_ROWS rows, priced by the cost model). The first chunk of a step that
+        allows any takes at least one row, so prompts always advance."""
         start = req.num_computed_tokens
         rows = min(req.num_tokens - start, budget)
         if allowance == math.inf:
             return rows, 0.0
         if allowance <= 0:
             return 0, 0.0
-        rows = min(rows, self.cost.prefill_rows_within(start, allowance),
-                   int(allowance / self.prompt_row_s) if self.prompt_row_s else FIRST_CHUNK_ROWS)
+        if not self.prompt_row_s:
+            rows = min(rows, FIRST_CHUNK_ROWS)
+            return rows, self.cost.prefill_price(start, rows)
+        rows = min(rows, int(allowance / self.prompt_row_s))
         if first:
             rows = max(rows, min(req.num_tokens - start, budget, 1))
-        return rows, self.cost.prefill_price(start, rows)
+        return rows, rows * self.prompt_row_s
+
+    @staticmethod
+    def _after_chunk(allowance: float, seconds: float) -> float:
+        """What a chunk of `seconds` leaves of a step's allowance: beside decodes nothing (one
+        prompt chunk a step, as vLLM's max_num_partial_prefills = 1: each chunk pays a fixed cost,
+        and the oldest prompt's first token comes first)."""
+        return allowance - seconds if allowance == math.inf else 0.0
 
     def _chunks(self, prompts: list[Request], budget: int, allowance: float) -> list[int]:
         """The chunks `schedule` would give these running prompts (for the controller's view)."""
@@ -185,7 +194,7 @@ class Scheduler:
             if rows == 0:
                 break
             out.append(rows)
-            budget, allowance = budget - rows, allowance - seconds
+            budget, allowance = budget - rows, self._after_chunk(allowance, seconds)
         return out
 
     def _reserve(self, req: Request, num_new: int,
@@ -258,7 +267,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new, 0))
             budget -= num_new
-            allowance -= seconds
+            allowance = self._after_chunk(allowance, seconds)
             first_chunk = False
 
     def _preempt(self, req: Request) -> None:
