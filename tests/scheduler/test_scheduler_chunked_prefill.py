@@ -140,9 +140,9 @@ def test_a_chunk_that_overruns_its_credit_delays_the_next_and_the_chunks_shrink(
 
 @pytest.mark.parametrize("per_chunk", [0.004, 0.1])
 def test_prompts_side_by_side_share_the_credit_and_each_finishes(per_chunk):
-    """Several prompts beside a decode: a step's chunks share its allowance (the first may use
-    it up, or overrun it where one chunk costs more than the whole credit: no chunk of zero or
-    fewer rows follows), and every prompt's chunks add up to it."""
+    """Several prompts beside a decode: one prompt chunk a step (vLLM's
+    max_num_partial_prefills = 1), of at least one row even where a chunk costs more than the
+    whole credit, and every prompt's chunks add up to it."""
     sched = scheduler(slowdown=1.5)
     add(sched, "d", 50)
     for _ in range(40):
@@ -152,6 +152,7 @@ def test_prompts_side_by_side_share_the_credit_and_each_finishes(per_chunk):
     rows = {f"p{i}": 0 for i in range(3)}
     for _ in range(20000):
         plan, _ = run_step(sched, per_chunk=per_chunk)
+        assert sum(r.num_new_tokens > 1 for r in plan.requests) <= 1
         for r in plan.requests:
             assert r.num_new_tokens >= 1
             if r.request_id in rows and r.num_computed_tokens < r.num_prompt_tokens:
