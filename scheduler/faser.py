@@ -23,6 +23,9 @@
                 probe takes every request idle for half its interval along (for a drafter whose
                 pass costs a forward, staggered probes would add a pass to nearly every step). No
                 probe where drafting could not pay even if every draft were accepted.
+    exploring   while the cost model's draft prices are still priors (`unpriced_drafting_steps`,
+                the scheduler's first 4 drafting steps), a request drafts at most one: a drafter
+                whose pass costs a forward over a long context is priced before it drafts k_max.
 Under load the rows' price dominates, every extra draft lowers goodput and k falls to 0 by itself:
 no batch-size threshold, so no cliff.
 """
@@ -191,8 +194,12 @@ class CostModel:
     their scale with prefill steps and long contexts), and the rest of the step fits the other
     prices."""
 
-    def __init__(self, *prices: float, window: int = 256, **named: float):
+    def __init__(self, *prices: float, window: int = 256, unpriced_drafting_steps: int = 0,
+                 **named: float):
+        """unpriced_drafting_steps: the draft prices are priors until this many steps that
+        drafted have been observed (`DraftLengthController` drafts one a request till then)."""
         self.prices = Prices(*prices, **named)
+        self.unpriced_drafting_steps = unpriced_drafting_steps
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)   # TERMS' counts, seconds
         self.passes: deque[DraftPass] = deque(maxlen=window)
         self.unfitted = 0                           # samples observed since the last fit
@@ -238,6 +245,8 @@ class CostModel:
         pass rows and pass keys 0."""
         self.unfitted += 1
         self.unfitted_s += seconds
+        if draft_tokens and self.unpriced_drafting_steps:
+            self.unpriced_drafting_steps -= 1
         if draft_passes:
             passes = [DraftPass(*p) for p in draft_passes]
             self.passes.extend(passes)
@@ -368,6 +377,8 @@ class DraftLengthController:
         request brings along every request idle for at least half its interval, so the batch's
         probes fall into step."""
         prices = [self.cost.draft_price(c) for c in contexts] if contexts else None
+        if self.cost.unpriced_drafting_steps:          # one draft a request until priced
+            caps = [min(c, 1) for c in caps]
         ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, prefill_tokens,
                             row_keys=row_keys, prices=prices)
         idle = []

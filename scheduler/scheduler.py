@@ -30,9 +30,10 @@ class Scheduler:
         self.kv = kv
         self.config = config
         k = config.num_speculative_tokens
-        # step prices fitted on every committed step: FASER's and the prompt chunks' allowance;
-        # until prompt rows are measured, one is priced as a decode row
-        self.cost = CostModel(prefill_row=Prices().row)
+        # step prices fitted on every committed step (FASER's; the first prompt chunk beside
+        # decodes): until prompt rows are measured one is priced as a decode row, and drafts are
+        # one a request until 4 drafting steps are measured
+        self.cost = CostModel(prefill_row=Prices().row, unpriced_drafting_steps=4)
         self.controller = (DraftLengthController(k, cost=self.cost) if config.adaptive and k
                            else None)
         self.last_swap_h2d = 0                       # full-KV bytes the last step staged (FASER)

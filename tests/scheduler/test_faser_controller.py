@@ -551,3 +551,15 @@ def test_a_long_context_request_drafts_less_than_a_short_one_in_the_same_batch()
     k_short, k_long = ctl.choose(["short", "long"], [8, 8], 2, row_keys=3100,
                                  contexts=[100, 3000])
     assert k_short > k_long
+
+
+def test_drafts_are_one_a_request_until_the_draft_prices_are_measured():
+    """A cost model whose draft prices are priors (the scheduler's, for its first drafting
+    steps) lets a request draft one token: a drafter whose passes cost seconds at a long context
+    pays a few single passes, not k_max of them, before its price is known."""
+    ctl = DraftLengthController(8, cost=CostModel(unpriced_drafting_steps=2))
+    ctl.accept["r"] = np.full(8, 0.95)
+    for _ in range(2):
+        assert ctl.choose(["r"], [8], 1) == [1]
+        ctl.cost.observe(2, 1, 0.02, draft_tokens=1)
+    assert ctl.choose(["r"], [8], 1)[0] >= 4

@@ -148,6 +148,7 @@ def test_drafts_the_grammar_cut_count_as_drafted_and_rejected_but_not_as_compute
     sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096,
                                           max_model_len=256, eos_token_ids=(2,),
                                           num_speculative_tokens=4, adaptive=True))
+    sched.cost.unpriced_drafting_steps = 0                         # the priors as prices
     add(sched, "a", 6)
     prefill(sched, {"a": 40})
     before = sched.controller.probs("a")[0]
