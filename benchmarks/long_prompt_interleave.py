@@ -11,8 +11,8 @@ again and after its 4th token the `--long` prompts (the first `--long-len` token
 source files of this repository, `--long-tokens` tokens each) are submitted together. TPOT: the
 short request's (last token - first token) / (tokens - 1); TTFT: from submission to a long prompt's
 first token. `slowdown=none` is vLLM's chunked prefill (decodes first, prompt chunks fill the token
-budget of 2048); a number is SchedulerConfig.max_decode_slowdown (prompt chunks priced by the
-measured cost model). Cells alternate between settings, `--rounds` times.
+budget of 2048); a number is EngineConfig.max_decode_slowdown (prompt chunks from a time credit,
+measured). Cells alternate between settings, `--rounds` times.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -106,8 +105,8 @@ def main() -> None:
     tok = None
     for rnd in range(args.rounds):
         for slowdown in settings:
-            core = EngineCore(EngineConfig(enable_prefix_caching=False))
-            core.scheduler.config = replace(core.scheduler.config, max_decode_slowdown=slowdown)
+            core = EngineCore(EngineConfig(enable_prefix_caching=False,
+                                           max_decode_slowdown=slowdown))
             if tok is None:
                 tok = load_tokenizer(core.model_info.path)
                 longs = long_prompts(tok, args.long, args.long_len)

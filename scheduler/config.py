@@ -37,6 +37,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # chunked prefill beside decodes: prompt chunks take at most (s - 1) times what the decoding
+    # rows cost alone (measured; Scheduler.prefill_allowance), so a decoding request's token
+    # takes about s times its time alone at most. None: the token budget alone (vLLM's policy)
+    max_decode_slowdown: float | None = 1.5
     # bounded queue: submit() beyond it raises EngineOverloadedError (503). None: 2 x max_num_seqs,
     # two batches' worth waiting beside the running one
     max_waiting_requests: int | None = None
@@ -67,6 +71,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: one of "
                              f"{list(KV_CACHE_DTYPES)} (fp8 KV caches are not implemented)")
+        if self.max_decode_slowdown is not None and not self.max_decode_slowdown > 1:
+            raise ValueError(f"max_decode_slowdown must be above 1, got {self.max_decode_slowdown}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
         if self.host_kv_cache_memory_gb is not None:
@@ -111,7 +117,5 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     adaptive: bool = False              # FASER's controller picks each request's draft length
     frontier_size: int = 0              # FASER early pruning: verify drafts f positions at a time
-    # chunked prefill beside decodes: prompt chunks take at most (s - 1) times what the decoding
-    # rows cost alone (measured; Scheduler.prefill_allowance), so a decoding request's token
-    # takes about s times its time alone at most. None: the token budget alone (vLLM's policy)
-    max_decode_slowdown: float | None = 1.5
+    # EngineConfig.max_decode_slowdown (None here: the token budget alone)
+    max_decode_slowdown: float | None = None

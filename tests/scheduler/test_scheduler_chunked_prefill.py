@@ -1,8 +1,6 @@
 """Chunked prefill beside decodes: decodes first, prompt chunks within a measured time credit
 (Scheduler.prefill_allowance), driven with fabricated step times; and on the tiny model, chunking
 by time never changes greedy output."""
-from dataclasses import replace
-
 import pytest
 
 from specserve.kv_cache.blocks import BlockPool
@@ -212,8 +210,7 @@ def test_chunking_by_time_does_not_change_greedy_output(make_engine):
     """Prompts chunked by the time credit (many sizes, bursts beside decodes) and by the token
     budget alone give the same greedy tokens: a row's result never depends on its chunking."""
     prompts = [[(7 * i + 3 * j) % 30000 + 3 for j in range(9 + 120 * i)] for i in range(4)]
-    by_budget = make_engine()
-    by_budget.scheduler.config = replace(by_budget.scheduler.config, max_decode_slowdown=None)
+    by_budget = make_engine(max_decode_slowdown=None)
     expected, budget_chunks = run(by_budget, prompts, 40)
     by_time = make_engine()
     got, time_chunks = run(by_time, prompts, 40)
