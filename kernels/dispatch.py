@@ -110,7 +110,7 @@ def _kernel(kind: str, name: str) -> Kernel | None:
     return Kernel(name, module, {"triton": "Triton", "cpu": "C"}[kind])
 
 
-def get_op(name: str, device: str = "cpu") -> Callable:
+def get_op(name: str, device: str) -> Callable:
     mode = os.environ.get("SPECSERVE_KERNELS", "auto")
     if mode == "reference":
         return reference(name)

@@ -118,7 +118,7 @@ class DecodedPagesBatch(PagesBatch):
         self.comp, self.k, self.v, self.valid = comp, k, v, valid
 
     def attend(self, q: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return get_op("batched_attention")(q, self.k[:num_rows], self.v[:num_rows],
+        return get_op("batched_attention", q.device.type)(q, self.k[:num_rows], self.v[:num_rows],
                                            self.comp.sm_scale,
                                  self.valid[:num_rows])
 
@@ -210,16 +210,16 @@ class Compressor(ABC):
         """q [num_q, num_heads, D] over everything encoded -> (out fp32, lse fp32 [num_q,
         num_heads])."""
         ls = state.layers[layer]
-        parts = [get_op("dense_attention")(q, ls.sink_k, ls.sink_v, self.sm_scale)]
+        dense = get_op("dense_attention", q.device.type)
+        parts = [dense(q, ls.sink_k, ls.sink_v, self.sm_scale)]
         paged = self._attend_pages(layer, q, ls) if ls.pages else None
         if paged is not None:
             parts.append(paged)
         k_pos = None
         if q_positions is not None:
             k_pos = torch.arange(ls.tail_start, ls.num_tokens, device=q_positions.device)
-        parts.append(get_op("dense_attention")(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions,
-                                               k_pos))
-        return get_op("merge_attention")(parts)
+        parts.append(dense(q, ls.tail_k, ls.tail_v, self.sm_scale, q_positions, k_pos))
+        return get_op("merge_attention", q.device.type)(parts)
 
     # CPU drafting decodes the round's pages once (see draft_pages) while all layers' decoded pages
     # of
@@ -321,6 +321,7 @@ class Compressor(ABC):
         for i, page in enumerate(ls.pages):
             dense = self._decode_page(page)
             if dense is not None:
-                _, lse = get_op("dense_attention")(q, dense[0], dense[1], self.sm_scale)
+                attend = get_op("dense_attention", q.device.type)
+                _, lse = attend(q, dense[0], dense[1], self.sm_scale)
                 mass[i] = torch.exp(lse - total).mean()
         return mass

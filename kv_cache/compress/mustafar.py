@@ -71,8 +71,9 @@ class MustafarCompressor(Compressor):
 
     def _decode_page(self, page: MustafarPage) -> tuple[torch.Tensor, torch.Tensor]:
         # [H, P, D]
-        k = get_op("mustafar_keys")(page.k_bitmaps, page.k_offsets, page.k_values)
-        v = get_op("mustafar_values")(page.v_bitmaps, page.v_offsets, page.v_values)
+        device = page.k_bitmaps.device.type
+        k = get_op("mustafar_keys", device)(page.k_bitmaps, page.k_offsets, page.k_values)
+        v = get_op("mustafar_values", device)(page.v_bitmaps, page.v_offsets, page.v_values)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):

@@ -103,7 +103,7 @@ class QuantCompressor(Compressor):
         decoded = [self._decode_page(p) for p in state.pages]
         k = torch.cat([d[0] for d in decoded])
         v = torch.cat([d[1] for d in decoded])
-        return get_op("dense_attention")(q, k, v, self.sm_scale)
+        return get_op("dense_attention", q.device.type)(q, k, v, self.sm_scale)
 
     def draft_pages(self, layer: int, states: list[LayerState]) -> QuantPagesBatch | None:
         if not any(ls.pages for ls in states):

@@ -116,7 +116,7 @@ class SphericalCompressor(Compressor):
     def _decode_page(self, page: SphericalPage):
         if page.tier == DROP:
             return None
-        k = get_op("spherical_decode")(page.theta, page.radius, page.scale,
+        k = get_op("spherical_decode", page.theta.device.type)(page.theta, page.radius, page.scale,
                                        self.codebooks[page.tier][page.layer],
                              page.theta.shape[1])
         return k.transpose(0, 1), self._values(page).transpose(0, 1)
@@ -147,7 +147,7 @@ class SphericalCompressor(Compressor):
         parts = [attend(q, theta, radius, scale, self.codebooks[tier][layer], self._dense_values(v),
                         self.sm_scale, self.config.page_size)
                  for tier, theta, radius, scale, v in prepared]
-        return get_op("merge_attention")(parts) if parts else None
+        return get_op("merge_attention", q.device.type)(parts) if parts else None
 
     def _dense_values(self, v) -> torch.Tensor:
         """Values as stored (fp16, or packed codes + per-token scale/zero) -> [H, T, D] float32."""
