@@ -103,7 +103,7 @@ def test_preemption_when_compressed_bytes_run_out_is_lossless(make_engine, probe
     assert 3 * w.draft_pool.bytes_at(PROMPT_LEN + 1 + SPEC.num_speculative_tokens) > capacity
     plain, _, _ = run(make_engine(num_threads=1), 5)
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=capacity / GB,
-                       host_kv_cache_memory_gb=HOST_GB)
+                       host_kv_cache_memory_gb=HOST_GB, max_decode_slowdown=None)
     reserved = []
     out, running, preemptions = run(core, 5, on_step=lambda c,
                                     s: reserved.append(c.kv.draft_budget.reserved_total))
@@ -141,7 +141,7 @@ def test_preempted_requests_drop_their_drafting_caches(make_engine, probe):
     assert 2 * peak(probe, PROMPT_LEN + long) > capacity
     plain, _, _ = run(make_engine(num_threads=1), 2, max_tokens=long)
     core = make_engine(speculative=SPEC, num_threads=1, kv_cache_memory_gb=capacity / GB,
-                       host_kv_cache_memory_gb=HOST_GB)
+                       host_kv_cache_memory_gb=HOST_GB, max_decode_slowdown=None)
     worker, dropped, held_while_waiting = core.worker, [], []
     execute = worker.execute
 

@@ -45,7 +45,7 @@ def test_preemptions_and_computed_prompt_tokens_per_finished_request(engines):
     """A real engine with too few KV blocks for its requests preempts them; each request's output
     carries its preemption count, and the tracker observes it and the KV it computed."""
     core = engines.core(model="tiny-random", max_model_len=256, num_kv_blocks=10, block_size=16,
-                        num_threads=1, max_num_seqs=4)
+                        num_threads=1, max_num_seqs=4, max_decode_slowdown=None)
     metrics = ServerMetrics(stand_in(core), ServerSettings(served_model_names=("tiny",)))
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompt = list(range(100, 140))
