@@ -4,6 +4,8 @@
 - code-edit: a generated Python function plus "rename this variable and print the whole function";
              the prompt holds most of the answer, which is what n-gram drafting feeds on.
 - long:      4-8K-token documents with a question at the end, many requests at once (KV dominates).
+- source:    the first N tokens of different source files of this repository, as text
+             (compare.py's long-context workloads C and C8K).
 - bursty:    chat prompts with open-loop gamma arrivals (shape < 1 is burstier than Poisson).
 
 A cell is one workload at one load level; `cells(size)` lists them in run order.
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 from loadtests.client import RequestSpec
 from loadtests.stats import SLO
@@ -116,6 +119,30 @@ def long_prompts(num: int, seed: int, num_tokens: int,
             words = words[:lo]
         prompts.append(" ".join(words) + question)
     return prompts
+
+
+def source_files(root: Path) -> list[Path]:
+    """The repository's Python files (tests included) outside virtualenvs and build folders,
+    largest first (ties by path), as benchmarks/long_prompt_interleave.py picks them."""
+    skip = {".venv", "build", "node_modules", ".git"}
+    files = [p for p in root.glob("*/**/*.py") if not skip & set(p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: (-p.stat().st_size, str(p)))
+
+
+def source_file_prompts(files: Sequence[Path], num: int, num_tokens: int,
+                        encode: Callable[[str], list[int]],
+                        decode: Callable[[list[int]], str]) -> list[tuple[Path, str]]:
+    """The first `num_tokens` tokens of each of the first `num` files holding that many, decoded
+    back to text: [(file, prompt)]. Raises when fewer than `num` files are long enough."""
+    out = []
+    for path in files:
+        ids = encode(path.read_text(errors="replace"))
+        if len(ids) >= num_tokens:
+            out.append((path, decode(ids[:num_tokens])))
+        if len(out) == num:
+            return out
+    raise ValueError(f"only {len(out)} of {len(files)} files hold {num_tokens} tokens; "
+                     f"{num} wanted")
 
 
 def gamma_arrivals(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
