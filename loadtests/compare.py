@@ -119,7 +119,7 @@ DEFAULT_WEIGHTS = {"specserve": "GGUF Q4_1/Q8_0 blocks, int8 activations (--dtyp
 UNBOUNDED_S = 3600.0                 # a cell "to completion": every request finishes long before
 MAX_MODEL_LEN = 2048                 # --max-model-len sets it (C8K needs 8192)
 # the CPU features the servers' kernels choose by (the table names those the host has)
-LSCPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi", "avx512_bf16",
+LSCPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16",
                "avx512_vnni", "amx_bf16", "amx_int8")
 
 
@@ -164,6 +164,16 @@ def workloads(seed: int, num_requests: int, names=("A", "B"), tokenizer=None, fi
                 sources[wl] = [str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f)
                                for f, _ in prompts]
     return out
+
+
+def cell_requests(requests: list[RequestSpec], wl: str, c: int) -> list[RequestSpec]:
+    """A long workload's requests for one cell, each prompt behind a first line naming the cell
+    and the request: no two cells (nor two requests) share a prefix-cache block, so every cell
+    prefills its prompts in full (C and C8K read the same files). A and B are sent as they are."""
+    if wl not in LONG_WORKLOADS:
+        return requests
+    return [RequestSpec(f"# {wl} c={c} request {i}\n{r.prompt}", r.max_tokens, r.arrival_s)
+            for i, r in enumerate(requests)]
 
 
 def parse_skips(entries: list[str]) -> set[tuple[str, str, int | None]]:
@@ -308,7 +318,7 @@ def run_server(name: str, loads: dict, levels, cell_s: float | None, log_dir: Pa
                     continue
                 before = spec_counters(peer.base_url)
                 load = asyncio.run(run_closed_loop(
-                    peer.base_url, model, requests, c, cell_s or UNBOUNDED_S,
+                    peer.base_url, model, cell_requests(requests, wl, c), c, cell_s or UNBOUNDED_S,
                     grace_s=0.0 if cell_s else UNBOUNDED_S, extra_body=body))
                 after = spec_counters(peer.base_url)
                 s = summarize(load.results, load.duration_s)

@@ -167,3 +167,15 @@ def test_long_table_ratios_skips_and_errors():
     assert rows["vllm-cpu-fp32"][4] == "30.0 (7/8 done)"            # no TPOT ratio for vLLM
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|") == rows["specserve-plain"].__len__() + 1
+
+
+def test_long_cells_share_no_prompt_prefix():
+    """C and C8K read the same files, and c = 1 and c = 4 the same prompts: each cell's prompts
+    start with their own line, so a prefix cache cannot serve one cell from another."""
+    reqs = [compare.RequestSpec("def f():\n    return 1\n", 128)] * 2
+    c1, c4 = compare.cell_requests(reqs, "C", 1), compare.cell_requests(reqs, "C", 4)
+    c8k = compare.cell_requests(reqs, "C8K", 1)
+    firsts = [r.prompt.split("\n", 1)[0] for r in c1 + c4 + c8k]
+    assert len(set(firsts)) == 6
+    assert all(r.prompt.endswith(reqs[0].prompt) and r.max_tokens == 128 for r in c1 + c4 + c8k)
+    assert compare.cell_requests(reqs, "A", 4) == reqs                   # A and B unchanged
