@@ -31,6 +31,7 @@ OPS = {
     "add_rms_norm": "rms_norm",
     "rope": "rope",
     "silu_mul": "activation",
+    "gelu_tanh_mul": "activation",
     "dense_attention": "attention",
     "batched_attention": "attention",
     "merge_attention": "attention",

@@ -5,9 +5,12 @@ modules do (each module's CPU op is one of these kernels), so the hidden states 
 theirs (tests/spec_phases/test_cpu_decoder.py). Every query of a step goes through the C paged
 attention (decodes and verify rows as they are, prompt chunks in tiles: `paged_attention.c`).
 
-It serves the layer shape most checkpoints have (Llama, Mistral, Qwen2, Qwen3's per-head q/k
-norms: no sandwich norms, SwiGLU, one RoPE) once every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`)
-and the kernels built; the runner takes it for steps over the paged cache in device memory
+`decoder.c` runs `DecoderLayer.forward` op for op, each layer's ops read from a struct built once
+from the model (`_structs`): every family's layer (Llama, Mistral, Qwen2, Phi-3; Qwen3's and
+Gemma 3's per-head q/k norms; Gemma's (1 + w) norms, sandwich norms, query scale, GeGLU, score
+soft-cap and Gemma 3's second RoPE). `unsupported` is the one accept-list: a float32 model whose
+every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`), the kernels built; the runner
+takes it for steps over the paged cache in device memory
 (`spec_phases/runner.py`), the modules serve everything else. The cache holds float32 or, with
 `--kv-cache-dtype bfloat16`, bfloat16 (CACHE_DTYPES): the one call rounds K/V to bf16 as
 `KVStorage.write` (torch) does and the attention widens them back exactly, so both paths still
@@ -20,6 +23,7 @@ import os
 
 import torch
 
+from specserve.kernels.cpu import activation as cpu_activation
 from specserve.kernels.cpu import decoder as fused
 from specserve.kernels.cpu import linear as cpu_linear
 from specserve.kernels.cpu import paged_attention as cpu_attention
@@ -36,21 +40,16 @@ def supported(model: LlamaModel) -> bool:
 
 
 def unsupported(model: LlamaModel) -> str | None:
-    """Why the one-call decoder cannot serve `model` (None: it can). It accepts the layer shape
-    most checkpoints have: one RoPE, float32 embeddings, no sandwich norms, no query
-    scale, SwiGLU (per-head q/k norms too: Qwen3), every linear on the C kernel, and the kernels
-    built with the ABI they mirror."""
-    cfg = model.config
-    if cfg.local_rope is not None:
-        return "a second (local) RoPE"
+    """Why the one-call decoder cannot serve `model` (None: it can). It accepts every family's
+    layer (`DecoderLayer`: per-head q/k norms, sandwich norms, a query scale, a second RoPE for
+    the sliding layers, score soft-caps) in float32 (the modules' residual stream in the model's
+    dtype: a bf16 model's is bf16, not the C decoder's float32), with an activation the C
+    activation kernel has (SwiGLU, GeGLU's tanh form: not exact GeLU), every linear on the C
+    kernel, and the kernels built with the ABI they mirror."""
     if model.embed_tokens.weight.dtype != torch.float32:
         return f"{model.embed_tokens.weight.dtype} embeddings"
     for layer in model.layers:
-        if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
-            return "sandwich norms"
-        if layer.query_scale != 1.0:
-            return "a query scale"
-        if layer.activation != "silu":
+        if layer.activation not in cpu_activation.ACTIVATIONS:
             return f"the {layer.activation} activation"
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             if linear.packed is None or linear.packed.onednn:
@@ -116,8 +115,9 @@ class CpuDecoder:
         run = range(len(model.layers)) if layers is None else layers
         if not len(run):
             return model.norm(x)
-        cos, sin = model.ropes[0].table(positions)
-        cos, sin = cos.reshape(n, self.head_dim), sin.reshape(n, self.head_dim)
+        tables = model.rope_tables(positions)     # a layer reads its `DecoderLayer.rope_index`'s
+        cos = torch.stack([c.reshape(n, self.head_dim) for c, _ in tables])
+        sin = torch.stack([s.reshape(n, self.head_dim) for _, s in tables])
         b = {"x": x, "h": torch.empty(n, self.hidden), "qkv": torch.empty(n, self.qkv_size),
              "qk": torch.empty(n, self.num_heads + self.num_kv_heads, self.head_dim),
              "attn": torch.empty(n, self.q_size), "out": torch.empty(n, self.hidden),
@@ -141,15 +141,18 @@ class CpuDecoder:
 
             model = self.model
             layers = (fused.Layer * len(model.layers))()
+
+            def norm(module) -> int | None:          # (1 + w) norms: the float32 weight + 1
+                return None if module is None else module._float_weight().data_ptr()
+
             for i, layer in enumerate(model.layers):            # biases as the loop passes them
-                qk = [None if n is None else n._float_weight().data_ptr()
-                      for n in (layer.q_norm, layer.k_norm)]
-                layers[i] = fused.Layer(layer.input_layernorm._float_weight().data_ptr(),
-                                        layer.post_attention_layernorm._float_weight().data_ptr(),
-                                        *qk,
-                                        linear(layer.qkv_proj, layer.qkv_proj.bias),
-                                        linear(layer.o_proj), linear(layer.gate_up_proj),
-                                        linear(layer.down_proj), attention.options(i)["window"])
+                layers[i] = fused.Layer(
+                    norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
+                    norm(layer.q_norm), norm(layer.k_norm), norm(layer.attn_out_norm),
+                    norm(layer.mlp_out_norm), linear(layer.qkv_proj, layer.qkv_proj.bias),
+                    linear(layer.o_proj), linear(layer.gate_up_proj), linear(layer.down_proj),
+                    attention.options(i)["window"], layer.rope_index,
+                    cpu_activation.ACTIVATIONS[layer.activation], layer.query_scale)
             structs = fused.Model(self.hidden, self.num_heads, self.num_kv_heads, self.head_dim,
                                   self.intermediate, block_size, self.eps, attention.scale,
                                   attention.softcap, model.norm._float_weight().data_ptr())

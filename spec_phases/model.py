@@ -123,11 +123,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def gated_mlp_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up: SwiGLU (silu) or GeGLU (gelu, exact or its tanh approximation)."""
-    if activation == "silu":
-        return get_op("silu_mul", gate_up.device.type)(gate_up)
+    """act(gate) * up: SwiGLU (silu) or GeGLU (gelu, exact or its tanh approximation). silu and
+    gelu_tanh are ops (one C call on CPU, `kernels/cpu/activation.c`, the one the C decoder runs);
+    exact gelu is torch's."""
+    if activation in ("silu", "gelu_tanh"):
+        return get_op(f"{activation}_mul", gate_up.device.type)(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+    return F.gelu(gate) * up
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

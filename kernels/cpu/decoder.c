@@ -1,10 +1,16 @@
-/* The decoder stack in one call, for every step (decodes, verify rows, prompt chunks): for each
- * layer, RMSNorm (with the residual add), the QKV projection, RoPE, the K/V write into the paged
- * cache (float32, or bfloat16 rounded as torch rounds), paged attention, the output projection,
- * RMSNorm, the gate-up projection, SwiGLU and the down projection, then the final norm. It runs
- * the same kernels, on the same inputs, in the same order as the model's modules call them one by
- * one (this file includes their sources), so its hidden states are bitwise theirs: only the Python
- * between the kernels is gone.
+/* The decoder stack in one call, for every step (decodes, verify rows, prompt chunks). Each layer
+ * is `DecoderLayer.forward` (`spec_phases/model.py`) op for op: RMSNorm (with the residual add),
+ * the QKV projection, the per-head q/k norms where the layer has them (Qwen3, Gemma 3), RoPE (the
+ * layer's table: Gemma 3's sliding layers have their own), the query scale where the family has
+ * one (Gemma's query_pre_attn_scalar), the K/V write into the paged cache
+ * (float32, or bfloat16 rounded as torch rounds), paged attention
+ * (its window and score soft-cap), the output projection, the attention output's norm (sandwich
+ * norms: Gemma 2/3), RMSNorm, the gate-up projection, the gated activation (SwiGLU or GeGLU), the
+ * down projection and the MLP output's norm (sandwich norms); then the final norm. What a layer
+ * has is read from its `struct decoder_layer` (a NULL norm: none), built once from the model
+ * (`spec_phases/cpu_decoder.py`). It runs the same kernels, on the same inputs, in the same order
+ * as the model's modules call them one by one (this file includes their sources), so its hidden
+ * states are bitwise theirs: only the Python between the kernels is gone.
  *
  * `kernels/cpu/decoder.py` mirrors the structures below in ctypes; `decoder_abi` reports this
  * file's version and the structures' sizes, which it checks when it loads the library.
@@ -43,8 +49,14 @@ struct decoder_linear {
 struct decoder_layer {
     const float *input_norm, *post_attention_norm;     /* float32 [hidden] */
     const float *q_norm, *k_norm;       /* float32 [head_dim] per-head norms (Qwen3) or NULL */
+    /* float32 [hidden]: the norms of the attention's and of the MLP's outputs (sandwich norms:
+     * Gemma 2/3), or NULL */
+    const float *attn_out_norm, *mlp_out_norm;
     struct decoder_linear qkv, o, gate_up, down;
     int64_t window;                                     /* sliding window; 0: full attention */
+    int64_t rope;                       /* which of the step's RoPE tables (cos, sin) it reads */
+    int64_t activation;                 /* activation.c's ACT_SILU or ACT_GELU_TANH */
+    float query_scale;                  /* queries times this after RoPE; 1: left as they are */
 };
 
 struct decoder_model {
@@ -60,7 +72,7 @@ struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
 
-#define DECODER_ABI_VERSION 3          /* bumped whenever an exported signature or struct changes */
+#define DECODER_ABI_VERSION 5          /* bumped whenever an exported signature or struct changes */
 
 /* out[0]: DECODER_ABI_VERSION; out[1..4]: the sizes of struct decoder_linear, decoder_layer,
  * decoder_model and decoder_buffers */
@@ -100,7 +112,8 @@ void decoder_round_bf16(const float *x, uint16_t *out, int64_t n) {
 /* layers: the model's; run: the indices of those to run, in order (num_run of them, >= 1);
  * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim], float32, or with kv_bf16
  * bfloat16 (uint16_t bits: K/V rounded to it on the write, widened exactly by the attention);
- * slots[rows] where each row's K/V go; cos, sin: [rows, head_dim]; requests, tables: as
+ * slots[rows] where each row's K/V go; cos, sin: [RoPE tables, rows, head_dim] (a layer reads
+ * table `rope`); requests, tables: as
  * paged_attention_short takes them (every query of the step among them); seconds: NULL, or [3]
  * to which the time in the linear layers, in attention (with the K/V write) and in the
  * elementwise kernels is added (profiling). Returns 0, or -1 where a kernel could not get
@@ -134,7 +147,14 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
                 rms_norm_rows(qt + q_size, NULL, l->k_norm, NULL, qt + q_size, m->num_kv_heads, D,
                               m->eps, 1);
             }
-        rope_rows(b->qkv, qkv_size, cos, sin, b->qk, rows, heads, D);
+        rope_rows(b->qkv, qkv_size, cos + l->rope * rows * D, sin + l->rope * rows * D, b->qk,
+                  rows, heads, D);
+        if (l->query_scale != 1.0f)         /* the queries only, each product rounded as torch's */
+            for (int64_t t = 0; t < rows; t++) {
+                float *qt = b->qk + t * heads * D;
+                for (int64_t j = 0; j < q_size; j++)
+                    qt[j] *= l->query_scale;
+            }
         lap(seconds, ELEMENTWISE_S, &mark);
         for (int64_t t = 0; t < rows; t++) {
             kv_store(k_layer, slots[t] * kv, b->qk + (t * heads + m->num_heads) * D, kv,
@@ -157,6 +177,9 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
                            l->o.bias, b->out, num_threads))
             return -1;
         lap(seconds, LINEAR_S, &mark);
+        if (l->attn_out_norm)
+            rms_norm_rows(b->out, NULL, l->attn_out_norm, NULL, b->out, rows, m->hidden, m->eps,
+                          num_threads);
         rms_norm_rows(b->x, b->out, l->post_attention_norm, b->x, b->h, rows, m->hidden, m->eps,
                       num_threads);
         lap(seconds, ELEMENTWISE_S, &mark);
@@ -164,13 +187,18 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
                            2 * m->intermediate, l->gate_up.bias, b->gate_up, num_threads))
             return -1;
         lap(seconds, LINEAR_S, &mark);
-        silu_mul_rows(b->gate_up, 2 * m->intermediate, b->act, rows, m->intermediate,
-                      num_threads);
+        glu_rows(b->gate_up, 2 * m->intermediate, b->act, rows, m->intermediate, l->activation,
+                 num_threads);
         lap(seconds, ELEMENTWISE_S, &mark);
         if (linear_forward(b->act, rows, m->intermediate, l->down.data, (int)l->down.layout,
                            m->hidden, l->down.bias, b->out, num_threads))
             return -1;
         lap(seconds, LINEAR_S, &mark);
+        if (l->mlp_out_norm) {
+            rms_norm_rows(b->out, NULL, l->mlp_out_norm, NULL, b->out, rows, m->hidden, m->eps,
+                          num_threads);
+            lap(seconds, ELEMENTWISE_S, &mark);
+        }
     }
     rms_norm_rows(b->x, b->out, m->final_norm, b->x, b->h, rows, m->hidden, m->eps, num_threads);
     lap(seconds, ELEMENTWISE_S, &mark);

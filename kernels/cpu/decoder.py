@@ -21,8 +21,10 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("q_norm", _ptr),
-                ("k_norm", _ptr), ("qkv", Linear),
-                ("o", Linear), ("gate_up", Linear), ("down", Linear), ("window", _i64)]
+                ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("window", _i64), ("rope", _i64), ("activation", _i64),
+                ("query_scale", ctypes.c_float)]
 
 
 class Model(ctypes.Structure):
@@ -37,7 +39,7 @@ class Buffers(ctypes.Structure):
                                           "act")]
 
 
-ABI_VERSION = 3                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+ABI_VERSION = 5                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
@@ -85,7 +87,8 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
             seconds: torch.Tensor | None = None) -> None:
     """Runs layers[run] (int64 indices) over buffers["x"] (the embedded rows, the residual stream
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
-    [rows, width] (`decoder.c`). k_cache, v_cache: float32 or bfloat16 [layers, slots, kv heads,
+    [rows, width] (`decoder.c`); cos, sin: float32 [RoPE tables, rows, head_dim] (a layer reads
+    its `rope`'s). k_cache, v_cache: float32 or bfloat16 [layers, slots, kv heads,
     head_dim] (CACHE_DTYPES), written at `slots` (int64 [rows]); requests, tables:
     `paged_attention.short_requests`'s (every query of the step). seconds:
     None, or float64 [3] to which the call adds its time in the linear layers, in attention (with

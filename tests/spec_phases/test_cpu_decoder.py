@@ -74,8 +74,10 @@ def test_taken_only_where_it_serves(monkeypatch):
     assert not cpu_decoder.supported(unpacked)                        # nothing packed
     assert cpu_decoder.supported(packed_model(family=replace(         # Qwen3's q/k norms
         tiny_config().family, qk_norm=True)))
-    assert not cpu_decoder.supported(packed_model(family=replace(
+    assert cpu_decoder.supported(packed_model(family=replace(         # Gemma 2/3's norms
         tiny_config().family, sandwich_norms=True)))
+    assert not cpu_decoder.supported(packed_model(family=replace(     # exact GeLU: no C kernel
+        tiny_config().family, activation="gelu")))
     model = packed_model()
     assert cpu_decoder.supported(model)
     fast, _ = runners(model)
@@ -148,9 +150,9 @@ def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog):
     choice: the C decoder for the common shape, the modules with the reason otherwise."""
     import logging
     model = packed_model()
-    qk = packed_model(family=replace(tiny_config().family, sandwich_norms=True))
+    qk = packed_model(family=replace(tiny_config().family, activation="gelu"))
     assert cpu_decoder.unsupported(model) is None
-    assert cpu_decoder.unsupported(qk) == "sandwich norms"
+    assert cpu_decoder.unsupported(qk) == "the gelu activation"
     with caplog.at_level(logging.INFO, logger="specserve.spec_phases.runner"):
         runners(model)
         cfg = qk.config
@@ -158,4 +160,4 @@ def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog):
                                   torch.float32, "cpu"))
     lines = [r.message for r in caplog.records if "decoder stack" in r.message]
     assert any("one call of the C decoder" in m for m in lines)
-    assert any("the modules (sandwich norms)" in m for m in lines)
+    assert any("the modules (the gelu activation)" in m for m in lines)

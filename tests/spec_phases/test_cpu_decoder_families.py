@@ -1,0 +1,119 @@
+"""Every family's layer on the one-call C decoder (`kernels/cpu/decoder.c`): Gemma's (1 + w) norms,
+scaled embeddings, sandwich norms, query scale, GeGLU and score soft-cap, Gemma 3's per-head q/k
+norms and second RoPE for its sliding layers, and Phi-3's layer shape give hidden states, K/V and
+logits bitwise the modules' over prompt chunks, decodes and verify rows, on random tiny models.
+(tests/models/test_families_cpu_decoder.py serves transformers' own checkpoints of each family.)"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specserve.kv_cache.storage import KVStorage
+from specserve.spec_phases import cpu_decoder
+from specserve.spec_phases.loader import build_random_model, tiny_config
+from specserve.spec_phases.model import FamilyOptions
+from specserve.spec_phases.rope import RopeConfig
+from specserve.spec_phases.runner import ModelRunner
+
+GEMMA2 = dict(family=FamilyOptions(norm_offset=1.0, scale_embeddings=True,
+                                   activation="gelu_tanh", sandwich_norms=True,
+                                   query_pre_attn_scalar=12.0, attn_softcap=2.0,
+                                   final_softcap=3.0),
+              windows=(8, 0))
+GEMMA3 = dict(family=replace(GEMMA2["family"], qk_norm=True, attn_softcap=0.0,
+                             final_softcap=0.0, query_pre_attn_scalar=40.0),
+              windows=(8, 0), rope=RopeConfig(100000.0, "linear", 2.0),
+              local_rope=RopeConfig(5000.0))
+GEMMA1 = dict(family=FamilyOptions(norm_offset=1.0, scale_embeddings=True,
+                                   activation="gelu_tanh"))
+PHI3 = dict(windows=(8, 8))                    # Llama's layer, one window everywhere
+FAMILIES = {"gemma": GEMMA1, "gemma2": GEMMA2, "gemma3": GEMMA3, "phi3": PHI3}
+
+
+def family_model(name: str):
+    model = build_random_model(replace(tiny_config(vocab_size=300), **FAMILIES[name]), seed=5)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():                       # norms away from their all-ones start
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    assert model.pack_for_cpu()
+    return model
+
+
+def runners(model, cache_dtype=torch.float32):
+    cfg = model.config
+    make = lambda: KVStorage(cfg.num_layers, 32, 4, cfg.num_kv_heads,  # noqa: E731
+                             cfg.head_dim, cache_dtype, "cpu")
+    fast, modules = ModelRunner(model, make()), ModelRunner(model, make())
+    assert fast.cpu_decoder is not None
+    modules.cpu_decoder = None
+    return fast, modules
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_bitwise_the_modules_for_every_family(name, cache_dtype, monkeypatch):
+    model = family_model(name)
+    assert cpu_decoder.unsupported(model) is None
+    fast, modules = runners(model, cache_dtype)
+    calls = []
+    one_call = cpu_decoder.fused.forward
+    monkeypatch.setattr(cpu_decoder.fused, "forward",
+                        lambda *a: calls.append(len(a[2])) or one_call(*a))
+    g = torch.Generator().manual_seed(2)
+    prompts = [tuple(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (23, 9, 40)]
+    tables = [tuple(range(0, 8)), tuple(range(8, 12)), tuple(range(12, 24))]
+    steps = [([prompts[0][:16], prompts[1]], [0, 0], tables[:2]),         # a chunk, a prompt
+             ([prompts[0][16:], (5,), prompts[2]], [16, 9, 0], tables),  # + a decode
+             ([(7,), (8, 9, 10, 11), (12,)], [23, 10, 40], tables)]      # decode, verify rows
+    for tokens, starts, step_tables in steps:
+        got = fast.forward(tokens, starts, step_tables)
+        want = modules.forward(tokens, starts, step_tables)
+        assert torch.equal(got, want)
+        assert torch.equal(fast.compute_logits(got), modules.compute_logits(want))
+        assert torch.equal(fast.storage.k, modules.storage.k)
+        assert torch.equal(fast.storage.v, modules.storage.v)
+    assert calls == [model.config.num_layers] * len(steps)
+    for run in ([1], [0]):                      # a layer subset (self-speculation's)
+        assert torch.equal(fast.forward([(3,)], [41], [tables[2]], run),
+                           modules.forward([(3,)], [41], [tables[2]], run))
+
+
+def test_every_option_is_applied():
+    """Each Gemma option changes the one call's hidden states (none is silently dropped)."""
+    base = family_model("gemma3")
+    ids, want = [tuple(range(3, 30))], None
+
+    def hidden(model):
+        fast, _ = runners(model)
+        return fast.forward(ids, [0], [tuple(range(8))])
+
+    want = hidden(base)
+    layer = base.layers[1]
+    for name, change in [("query_scale", 1.0), ("activation", "silu"),
+                         ("rope_index", 1 - layer.rope_index)]:
+        old = getattr(layer, name)
+        setattr(layer, name, change)
+        assert not torch.equal(hidden(base), want), name
+        setattr(layer, name, old)
+    for name in ("attn_out_norm", "mlp_out_norm", "q_norm"):
+        old = getattr(layer, name)
+        setattr(layer, name, None)
+        if name == "q_norm":
+            layer.k_norm, k_old = None, layer.k_norm
+        assert not torch.equal(hidden(base), want), name
+        setattr(layer, name, old)
+        if name == "q_norm":
+            layer.k_norm = k_old
+    assert torch.equal(hidden(base), want)
+
+
+def test_exact_gelu_stays_on_the_modules():
+    """GeLU without the tanh approximation has no C kernel: the accept-list names it."""
+    model = build_random_model(replace(tiny_config(vocab_size=300), family=replace(
+        GEMMA1["family"], activation="gelu")))
+    assert model.pack_for_cpu()
+    assert cpu_decoder.unsupported(model) == "the gelu activation"
