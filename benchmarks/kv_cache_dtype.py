@@ -1,5 +1,5 @@
-"""Plain decoding at long context with the full KV cache in float32 (`auto` on CPU) and in bf16
-(`--kv-cache-dtype bfloat16`): a benchmark, not a test.
+"""Plain decoding at long context with the full KV cache in float32 (`auto` on CPU), in bf16 and fp8
+(`--kv-cache-dtype bfloat16`, `fp8`): a benchmark, not a test.
 
 One engine per setting, built once in this process; runs alternate between them (auto, bfloat16,
 auto, bfloat16, ...) so drift on a shared host lands on both. Each run: `concurrency` requests of
@@ -94,7 +94,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "bfloat16", "fp8"])
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=2800)
     ap.add_argument("--output-len", type=int, default=64)

@@ -96,7 +96,9 @@ class DraftPool:
         (None: not budgeted, e.g. when the full cache is on the device too)."""
         self.comp, self.full, self.device = compressor, full, torch.device(device)
         self.capacity_bytes = capacity_bytes
-        self.state_dtype = torch.float16 if full.k.dtype == torch.float32 else full.k.dtype
+        # float16 states beside a float32 or fp8 full cache, its own dtype otherwise
+        self.state_dtype = (torch.float16 if full.k.dtype in (torch.float32, torch.float8_e4m3fn)
+                            else full.k.dtype)
         self.states: dict[str, SequenceState] = {}
         self.num_encoded_tokens = self.num_rebuilds = 0      # monotonic counters
         self.encode_s = 0.0
@@ -132,8 +134,10 @@ class DraftPool:
             blocks = torch.tensor(block_ids)[pos // bs]
             slots = (blocks * bs + pos % bs).to(self.full.k.device)
             for layer in range(len(state.layers)):
-                self.comp.encode(state, layer, self.full.k[layer][slots].to(self.device),
-                                 self.full.v[layer][slots].to(self.device))
+                k, v = self.full.k[layer][slots], self.full.v[layer][slots]
+                if k.dtype == torch.float8_e4m3fn:           # compressors read it widened
+                    k, v = k.float(), v.float()
+                self.comp.encode(state, layer, k.to(self.device), v.to(self.device))
             self.num_encoded_tokens += num_computed_tokens - start
         self.encode_s += time.perf_counter() - t0
         return state

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from specserve.kernels.dispatch import get_op
 from specserve.kernels.metadata import LayerAttention, PagedAttentionMetadata
+from specserve.kv_cache.storage import write_slots
 
 
 class HostKVPool:
@@ -45,8 +46,8 @@ class HostKVPool:
               v: torch.Tensor) -> None:
         """Write-back of new tokens' K/V (few per request per step: synchronous)."""
         slots = slot_mapping.cpu()
-        self.k[layer].index_copy_(0, slots, k.to("cpu", self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to("cpu", self.v.dtype))
+        write_slots(self.k[layer], slots, k)
+        write_slots(self.v[layer], slots, v)
         self.bytes_d2h += 2 * k.numel() * self.k.element_size()
 
 
@@ -131,7 +132,7 @@ class StagedPagedAttention:
                  v: torch.Tensor) -> torch.Tensor:
         sk, sv = self.staged.get(layer)
         self.staged.prefetch(layer + 1)                   # overlaps this layer's attention on GPU
-        sk.index_copy_(0, self.local_slots, k.to(sk.dtype))
-        sv.index_copy_(0, self.local_slots, v.to(sv.dtype))
+        write_slots(sk, self.local_slots, k)
+        write_slots(sv, self.local_slots, v)
         self.pool.write(layer, self.slot_mapping, k, v)
         return self.op(q, sk, sv, self.meta, **self.layers.options(layer))

@@ -27,6 +27,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[slots] = x rounded to the cache's dtype (torch's rounding; an fp8 e4m3 cache
+    saturates at +-448). torch has no index_copy_ for fp8: its bytes are copied instead."""
+    x = x.to(cache.device, cache.dtype)
+    if cache.dtype == torch.float8_e4m3fn:
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+    cache.index_copy_(0, slots, x)
+
+
 class KVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int,
@@ -49,5 +58,5 @@ class KVStorage:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """slot_mapping: [num_tokens] int64; k, v: [num_tokens, num_kv_heads, head_dim]."""
-        self.k[layer].index_copy_(0, slot_mapping, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slot_mapping, v.to(self.v.dtype))
+        write_slots(self.k[layer], slot_mapping, k)
+        write_slots(self.v[layer], slot_mapping, v)

@@ -27,8 +27,9 @@ class EngineConfig:
     host_kv_cache_memory_gb: float | None = None
                                         # pool (None: the device budget above, as before)
     num_kv_blocks: int | None = None    # overrides the budget (tests force preemption with it)
-    # vLLM's --kv-cache-dtype: the full cache's elements, "auto" (the model's dtype) or "bfloat16"
-    # (half the bytes a token on CPU: the budget holds twice the blocks); KV_CACHE_DTYPES
+    # vLLM's --kv-cache-dtype: the full cache's elements, "auto" (the model's dtype), "bfloat16"
+    # or "fp8" (a half / a quarter of the bytes a token on CPU: the budget holds 2x / 4x the
+    # blocks); KV_CACHE_DTYPES
     kv_cache_dtype: str = "auto"
     # CUDA: size the device KV budget as vLLM does, from this fraction of the device's memory less
     # what is in use after the weights (default 0.9 where no KV size is given); on a CPU it does
@@ -70,7 +71,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: one of "
-                             f"{list(KV_CACHE_DTYPES)} (fp8 KV caches are not implemented)")
+                             f"{list(KV_CACHE_DTYPES)}")
         if self.max_decode_slowdown is not None and not self.max_decode_slowdown > 1:
             raise ValueError(f"max_decode_slowdown must be above 1, got {self.max_decode_slowdown}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field, fields
 SPEC_METHODS = ("ngram", "layer_skip", "token_recycling", "lossy_kv")
 NGRAM_DEFAULT_LOOKUP = 5             # vLLM's prompt_lookup_min/max when neither is given
 # --kv-cache-dtype, as vLLM spells it: the full paged cache's element type. auto: the model's dtype
-# (float32 on CPU); bfloat16: half a float32 cache's bytes a token (the attention widens exactly)
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# (float32 on CPU); bfloat16: half a float32 cache's bytes a token; fp8 (= fp8_e4m3): a quarter,
+# e4m3 with a scale of 1 (vLLM's default), saturating at +-448 (the attention widens exactly)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)

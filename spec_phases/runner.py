@@ -59,10 +59,10 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.layers = model.config.attention()
         # the C-kernel decoder, where it serves this model and cache (checked once: after
-        # packing; the cache float32 or bfloat16)
+        # packing; the cache float32, bfloat16 or fp8)
         why = (cpu_decoder.unsupported(model) if isinstance(storage, KVStorage)
                and storage.k.device.type == "cpu" and storage.k.dtype in cpu_decoder.CACHE_DTYPES
-               else "not a float32 or bfloat16 paged cache in host memory")
+               else "not a float32, bfloat16 or fp8 paged cache in host memory")
         self.cpu_decoder = cpu_decoder.CpuDecoder(model) if why is None else None
         logger.info("decoder stack: %s", "one call of the C decoder a step (kernels/cpu/decoder.c)"
                     if why is None else f"the modules ({why})")

@@ -73,6 +73,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dty
         return dtype
     if kv_cache_dtype == "bfloat16":
         return torch.bfloat16
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
     raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: one of {list(KV_CACHE_DTYPES)}")
 
 

@@ -3,7 +3,7 @@
  * the QKV projection, the per-head q/k norms where the layer has them (Qwen3, Gemma 3), RoPE (the
  * layer's table: Gemma 3's sliding layers have their own), the query scale where the family has
  * one (Gemma's query_pre_attn_scalar), the K/V write into the paged cache
- * (float32, or bfloat16 rounded as torch rounds), paged attention
+ * (float32, or bfloat16 / fp8 e4m3 rounded as torch rounds), paged attention
  * (its window and score soft-cap), the output projection, the attention output's norm (sandwich
  * norms: Gemma 2/3), RMSNorm, the gate-up projection, the gated activation (SwiGLU or GeGLU), the
  * down projection and the MLP output's norm (sandwich norms); then the final norm. What a layer
@@ -72,7 +72,7 @@ struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
 
-#define DECODER_ABI_VERSION 5          /* bumped whenever an exported signature or struct changes */
+#define DECODER_ABI_VERSION 6          /* bumped whenever an exported signature or struct changes */
 
 /* out[0]: DECODER_ABI_VERSION; out[1..4]: the sizes of struct decoder_linear, decoder_layer,
  * decoder_model and decoder_buffers */
@@ -93,25 +93,59 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* n floats into a cache at element `at`: as they are, or rounded to bfloat16 */
-static inline void kv_store(void *cache, int64_t at, const float *x, int64_t n, int64_t bf16) {
-    if (!bf16) {
-        memcpy((float *)cache + at, x, sizeof(float) * n);
-        return;
+/* float32 -> fp8 e4m3 as torch rounds (to nearest, ties to even), saturating: magnitudes from
+ * 448 (the largest e4m3) on, infinities included, store 448; a NaN stores 0x7f with its sign */
+static inline uint8_t fp8_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return sign | 0x7f;
+    if (a >= 0x43e00000u)                                          /* 448.0f */
+        return sign | 0x7e;
+    if (a < 0x3c800000u) {                 /* below 2^-6: subnormal, a multiple of 2^-9 */
+        float x;
+        memcpy(&x, &a, sizeof x);
+        const float magic = 8388608.0f;    /* 2^23: adding it rounds to an integer, ties even */
+        return sign | (uint8_t)((x * 512.0f + magic) - magic);     /* 8: the least normal */
     }
-    uint16_t *to = (uint16_t *)cache + at;
-    for (int64_t i = 0; i < n; i++)
-        to[i] = bf16_round(x[i]);
+    const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);            /* 3 mantissa bits kept */
+    return sign | (uint8_t)((r >> 20) - (120u << 3));              /* exponent bias 127 -> 7 */
 }
 
-/* kv_store's rounding on its own, n floats -> bfloat16 bits (tests compare it with torch's) */
+enum kv_dtype { KV_FLOAT32, KV_BFLOAT16, KV_FP8 };          /* the K/V cache's element type */
+static const int64_t kv_elem_size[] = {4, 2, 1};
+
+/* n floats into a cache at element `at`: as they are, or rounded to bfloat16 / fp8 e4m3 */
+static inline void kv_store(void *cache, int64_t at, const float *x, int64_t n, int64_t dtype) {
+    if (dtype == KV_FLOAT32) {
+        memcpy((float *)cache + at, x, sizeof(float) * n);
+    } else if (dtype == KV_BFLOAT16) {
+        uint16_t *to = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++)
+            to[i] = bf16_round(x[i]);
+    } else {
+        uint8_t *to = (uint8_t *)cache + at;
+        for (int64_t i = 0; i < n; i++)
+            to[i] = fp8_round(x[i]);
+    }
+}
+
+/* kv_store's rounding on its own, n floats -> bfloat16 / fp8 bits (tests compare it with
+ * torch's) */
 void decoder_round_bf16(const float *x, uint16_t *out, int64_t n) {
-    kv_store(out, 0, x, n, 1);
+    kv_store(out, 0, x, n, KV_BFLOAT16);
+}
+
+void decoder_round_fp8(const float *x, uint8_t *out, int64_t n) {
+    kv_store(out, 0, x, n, KV_FP8);
 }
 
 /* layers: the model's; run: the indices of those to run, in order (num_run of them, >= 1);
- * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim], float32, or with kv_bf16
- * bfloat16 (uint16_t bits: K/V rounded to it on the write, widened exactly by the attention);
+ * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim] of kv_dtype (enum kv_dtype):
+ * float32, or bfloat16 / fp8 e4m3 bits (K/V rounded to it on the write, widened exactly by the
+ * attention);
  * slots[rows] where each row's K/V go; cos, sin: [RoPE tables, rows, head_dim] (a layer reads
  * table `rope`); requests, tables: as
  * paged_attention_short takes them (every query of the step among them); seconds: NULL, or [3]
@@ -121,12 +155,12 @@ void decoder_round_bf16(const float *x, uint16_t *out, int64_t n) {
 int decoder_forward(const struct decoder_model *m, const struct decoder_layer *layers,
                     const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
                     int64_t rows, const float *cos, const float *sin, void *k_cache,
-                    void *v_cache, int64_t kv_bf16, int64_t cache_slots, const int64_t *slots,
+                    void *v_cache, int64_t kv_dtype, int64_t cache_slots, const int64_t *slots,
                     const int64_t *requests, const int64_t *tables, int64_t table_width,
                     int64_t num_reqs, double *seconds, int num_threads) {
     const int64_t D = m->head_dim, kv = m->num_kv_heads * D, q_size = m->num_heads * D;
     const int64_t qkv_size = q_size + 2 * kv, heads = m->num_heads + m->num_kv_heads;
-    const int64_t layer_elems = cache_slots * kv, elem = kv_bf16 ? 2 : 4;
+    const int64_t layer_elems = cache_slots * kv, elem = kv_elem_size[kv_dtype];
     double mark = seconds ? now() : 0.0;
     for (int64_t i = 0; i < num_run; i++) {
         const struct decoder_layer *l = layers + run[i];
@@ -158,18 +192,17 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
         lap(seconds, ELEMENTWISE_S, &mark);
         for (int64_t t = 0; t < rows; t++) {
             kv_store(k_layer, slots[t] * kv, b->qk + (t * heads + m->num_heads) * D, kv,
-                     kv_bf16);
-            kv_store(v_layer, slots[t] * kv, b->qkv + t * qkv_size + q_size + kv, kv, kv_bf16);
+                     kv_dtype);
+            kv_store(v_layer, slots[t] * kv, b->qkv + t * qkv_size + q_size + kv, kv, kv_dtype);
         }
-        const int failed = kv_bf16
-            ? paged_attention_short_bf16(b->qk, heads * D, k_layer, v_layer, b->attn, q_size,
-                                         requests, tables, table_width, num_reqs, m->num_heads,
-                                         m->num_kv_heads, D, m->block_size, m->scale, l->window,
-                                         m->softcap, num_threads)
-            : paged_attention_short(b->qk, heads * D, k_layer, v_layer, b->attn, q_size,
-                                    requests, tables, table_width, num_reqs, m->num_heads,
-                                    m->num_kv_heads, D, m->block_size, m->scale, l->window,
-                                    m->softcap, num_threads);
+#define ATTEND(form)                                                                        \
+    form(b->qk, heads * D, k_layer, v_layer, b->attn, q_size, requests, tables, table_width,  \
+         num_reqs, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale, l->window,      \
+         m->softcap, num_threads)
+        const int failed = kv_dtype == KV_FP8        ? ATTEND(paged_attention_short_fp8)
+                           : kv_dtype == KV_BFLOAT16 ? ATTEND(paged_attention_short_bf16)
+                                                     : ATTEND(paged_attention_short);
+#undef ATTEND
         if (failed)
             return -1;
         lap(seconds, ATTENTION_S, &mark);

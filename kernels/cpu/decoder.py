@@ -1,6 +1,7 @@
 """A step's whole decoder stack in one call of the C kernel `decoder.c` (the kernels the model's
-modules call one by one, in the same order: bitwise the same hidden states). The structures below mirror the C ones field for field; the caller fills
-them once per model (`spec_phases/cpu_decoder.py`) and keeps the tensors they point into alive.
+modules call one by one, in the same order: bitwise the same hidden states). The structures
+below mirror the C ones field for field; the caller fills them once per model
+(`spec_phases/cpu_decoder.py`) and keeps the tensors they point into alive.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from specserve.kernels.cpu.native import BuildError, library
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-CACHE_DTYPES = (torch.float32, torch.bfloat16)     # what the K/V cache may hold
+# what the K/V cache may hold, in decoder.c's `enum kv_dtype` order
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
 class Linear(ctypes.Structure):
@@ -39,7 +41,7 @@ class Buffers(ctypes.Structure):
                                           "act")]
 
 
-ABI_VERSION = 5                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+ABI_VERSION = 6                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
@@ -65,11 +67,13 @@ def _kernel():
     return fn
 
 
-def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> bfloat16 as the one call rounds K/V into a bf16 cache (torch's rounding)."""
+def round_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> bfloat16 or fp8 e4m3 as the one call rounds K/V into such a cache (torch's
+    rounding; fp8 saturates at 448 as torch does)."""
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    fn = library("decoder").decoder_round_bf16
+    out = torch.empty(x.shape, dtype=dtype)
+    name = {torch.bfloat16: "decoder_round_bf16", torch.float8_e4m3fn: "decoder_round_fp8"}
+    fn = getattr(library("decoder"), name[dtype])
     fn.restype, fn.argtypes = None, [_ptr, _ptr, _i64]
     fn(x.data_ptr(), out.data_ptr(), x.numel())
     return out
@@ -88,8 +92,8 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
     """Runs layers[run] (int64 indices) over buffers["x"] (the embedded rows, the residual stream
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
     [rows, width] (`decoder.c`); cos, sin: float32 [RoPE tables, rows, head_dim] (a layer reads
-    its `rope`'s). k_cache, v_cache: float32 or bfloat16 [layers, slots, kv heads,
-    head_dim] (CACHE_DTYPES), written at `slots` (int64 [rows]); requests, tables:
+    its `rope`'s). k_cache, v_cache: float32, bfloat16 or fp8 e4m3 [layers, slots,
+    kv heads, head_dim] (CACHE_DTYPES), written at `slots` (int64 [rows]); requests, tables:
     `paged_attention.short_requests`'s (every query of the step). seconds:
     None, or float64 [3] to which the call adds its time in the linear layers, in attention (with
     the K/V write) and in the elementwise kernels (`benchmarks/profile_step.py`)."""
@@ -100,7 +104,7 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
     status = _kernel()(ctypes.byref(model), layers, run.data_ptr(), run.shape[0],
                        ctypes.byref(ptrs), rows, cos.data_ptr(), sin.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(),
-                       int(k_cache.dtype == torch.bfloat16), k_cache.shape[1],
+                       CACHE_DTYPES.index(k_cache.dtype), k_cache.shape[1],
                        slots.data_ptr(), requests.data_ptr(), tables.data_ptr(), tables.shape[1],
                        requests.shape[0], None if seconds is None else seconds.data_ptr(),
                        torch.get_num_threads())

@@ -302,6 +302,46 @@ static void stage_bf16(const uint16_t *cache, const int64_t *off, int64_t from, 
     }
 }
 
+/* fp8 (e4m3) K/V, `--kv-cache-dtype fp8`: sign, 4 exponent bits (bias 7), 3 mantissa bits, no
+ * infinities. Its bits below the sign, shifted left by 7, are a float16 worth exactly 2^-8 of it
+ * (subnormals included: both formats' subnormals sit at the bottom of the same exponent range,
+ * 8 binades apart), so a float16 conversion and a multiplication by 256 widen it exactly. */
+typedef uint8_t v8b __attribute__((vector_size(8), aligned(1)));
+
+static inline v8f widen8_fp8(const uint8_t *p) {
+#if defined(__F16C__) && defined(__AVX2__)
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    return (v8f)_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+#else
+    v8f f;
+    for (int i = 0; i < 8; i++) {
+        const int m = p[i] & 0x7f, e = m >> 3;
+        const float mag = e ? ldexpf(1.0f + (float)(m & 7) / 8.0f, e - 7)
+                            : ldexpf((float)(m & 7), -9);
+        f[i] = p[i] & 0x80 ? -mag : mag;   /* 0x7f / 0xff (NaN) widen to 480: never written */
+    }
+    return f;
+#endif
+}
+
+/* stage_bf16's fp8 form */
+static void stage_fp8(const uint8_t *cache, const int64_t *off, int64_t from, int64_t n,
+                      int64_t skip, int64_t used, float *to) {
+    const int64_t lanes = used & ~(int64_t)7;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *src = cache + off[from + i] + skip;
+        float *dst = to + i * used;
+        for (int64_t d = 0; d < lanes; d += 8)
+            *(v8f *)(dst + d) = widen8_fp8(src + d);
+        for (int64_t d = lanes; d < used; d++) {
+            uint8_t tail[8] = {src[d]};
+            dst[d] = widen8_fp8(tail)[0];
+        }
+    }
+}
+
 #define TILE_MIN_ROWS 4          /* a request of this many query rows or more: rows in lanes */
 
 /* Rows in lanes: TILE query rows of one head (consecutive positions) held across a vector's
@@ -486,6 +526,14 @@ static void weigh_tile(const float *p, int64_t base, const float *v, const int64
 
 #define KV_T uint16_t
 #define KV_(name) name##_bf16
+#define KV_STAGED 1
+#include "paged_attention_kv.h"
+#undef KV_T
+#undef KV_
+#undef KV_STAGED
+
+#define KV_T uint8_t
+#define KV_(name) name##_fp8
 #define KV_STAGED 1
 #include "paged_attention_kv.h"
 #undef KV_T

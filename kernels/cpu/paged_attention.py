@@ -1,14 +1,15 @@
-"""Paged attention on the CPU (float32 queries, a float32 or bfloat16 cache): every query of a
-step in one call of the C kernel `paged_attention.c`, which reads K/V from the paged cache in
-place. Decodes and verify rows (q_len <= SHORT_QUERY) go in as they are; a prompt chunk goes in
-as tiles of SHORT_QUERY rows, each tile a request of its own that ends at its last row. The
-kernel runs a request of 4 rows or more rows in lanes, a shorter one (decodes) row by row. A row's output depends only on its query and the keys it sees, by
-construction (see the C source): a prompt row computes bit for bit what a decode at its
-position computes, whatever the chunking, the context length or what shares the call.
+"""Paged attention on the CPU (float32 queries; a float32, bfloat16 or fp8 e4m3 cache): every
+query of a step in one call of the C kernel `paged_attention.c`, which reads K/V from the paged
+cache in place. Decodes and verify rows (q_len <= SHORT_QUERY) go in as they are; a prompt chunk
+goes in as tiles of SHORT_QUERY rows, each tile a request of its own that ends at its last row.
+The kernel runs a request of 4 rows or more rows in lanes, a shorter one (decodes) row by row. A
+row's output depends only on its query and the keys it sees, by construction (see the C source):
+a prompt row computes bit for bit what a decode at its position computes, whatever the chunking,
+the context length or what shares the call.
 
-A bfloat16 cache (`--kv-cache-dtype bfloat16`) is read by the kernel's bf16 form, which widens
-each value exactly to float32 and sums in the float32 form's order (bit for bit the float32
-kernel over the widened cache).
+A bfloat16 or fp8 e4m3 cache (`--kv-cache-dtype bfloat16` / `fp8`) is read by the kernel's bf16
+or fp8 form, which widens each value exactly to float32 and sums in the float32 form's order (bit
+for bit the float32 kernel over the widened cache).
 """
 from __future__ import annotations
 
@@ -23,16 +24,16 @@ from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kernels.reference.paged_attention import SHORT_QUERY
 
 FAILURES = (BuildError,)
-CACHE_DTYPES = (torch.float32, torch.bfloat16)     # caches the kernel reads (float32 queries)
+# caches the kernel reads (float32 queries), and the suffix of the form that reads each
+CACHE_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16", torch.float8_e4m3fn: "_fp8"}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
-def _kernel(bf16: bool = False):
-    """The C kernel's float32-cache form, or (bf16) its bfloat16-cache form."""
-    lib = library("paged_attention")
-    fn = lib.paged_attention_short_bf16 if bf16 else lib.paged_attention_short
+def _kernel(cache_dtype: torch.dtype = torch.float32):
+    """The C kernel's form that reads a cache of `cache_dtype` (CACHE_DTYPES)."""
+    fn = getattr(library("paged_attention"), "paged_attention_short" + CACHE_DTYPES[cache_dtype])
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                    _i64, ctypes.c_float, _i64, ctypes.c_float, ctypes.c_int]
@@ -80,7 +81,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: PagedAttentionMetadata, scale: float, window: int = 0,
                     softcap: float = 0.0) -> torch.Tensor:
     """The reference's signature and result: q [num_tokens, num_heads, D] float32; k_cache,
-    v_cache [num_slots, num_kv_heads, D] (one layer, float32 or bfloat16) -> [num_tokens,
+    v_cache [num_slots, num_kv_heads, D] (one layer, CACHE_DTYPES) -> [num_tokens,
     num_heads, D] float32."""
     num_heads, head_dim = q.shape[1:]
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -89,7 +90,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    kernel = _kernel(k_cache.dtype == torch.bfloat16)
+    kernel = _kernel(k_cache.dtype)
     status = kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                     out.data_ptr(), out.stride(0), short.requests.data_ptr(),
                     short.tables.data_ptr(), short.tables.shape[1], short.requests.shape[0],

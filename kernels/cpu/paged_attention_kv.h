@@ -65,7 +65,7 @@ static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV
         if (ka.key < j0 + AHEAD)
             ka.key = j0 + AHEAD, ka.line = 0;
 #if KV_STAGED
-        stage_bf16(k_cache, off, j0, KEYS, kv_lo * head_dim, used, stage);
+        KV_(stage)(k_cache, off, j0, KEYS, kv_lo * head_dim, used, stage);
 #endif
         for (int64_t r = 0; r < rows;) {
             KV_(prefetch_lines)(&ka, k_lines);
@@ -113,7 +113,7 @@ static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV
     const int64_t v_lines = (CHUNK * slot_lines + rows - 1) / rows;
     for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
 #if KV_STAGED
-        stage_bf16(v_cache, off, c0, seq_len - c0 < CHUNK ? seq_len - c0 : CHUNK,
+        KV_(stage)(v_cache, off, c0, seq_len - c0 < CHUNK ? seq_len - c0 : CHUNK,
                    kv_lo * head_dim, used, stage);
 #endif
         for (int64_t r = 0; r < rows;) {
@@ -206,7 +206,7 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
                 }
             for (int64_t j0 = first; j0 < end; j0 += KEYS) {
 #if KV_STAGED
-                stage_bf16(k_cache, off, j0, KEYS, kv_at, head_dim, stage);
+                KV_(stage)(k_cache, off, j0, KEYS, kv_at, head_dim, stage);
                 const float *kb = stage;
                 const int64_t *ko = staged, kj = 0;
 #else
@@ -262,7 +262,7 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
                     chi[i] = hi[i] < c1 ? hi[i] : c1;
                 }
 #if KV_STAGED                               /* keys c0 + i at stage + i * D: shifted by c0 */
-                stage_bf16(v_cache, off, c0, c1 - c0 + 1, kv_at, head_dim, stage);
+                KV_(stage)(v_cache, off, c0, c1 - c0 + 1, kv_at, head_dim, stage);
                 for (int i = 0; i < TILE; i++)
                     clo[i] -= c0, chi[i] -= c0;
                 for (int64_t g = 0; g < n; g++)

@@ -71,13 +71,15 @@ def test_takes_strided_queries():
 @pytest.mark.parametrize("num_heads,num_kv,dim,window,softcap,cache_dtype", [
     (9, 3, 64, 0, 0.0, torch.float32), (9, 3, 64, 0, 0.0, torch.bfloat16),
     (4, 2, 24, 50, 0.0, torch.float32), (6, 6, 12, 0, 4.0, torch.float32),
-    (2, 1, 88, 0, 0.0, torch.bfloat16)])
+    (2, 1, 88, 0, 0.0, torch.bfloat16), (9, 3, 64, 0, 0.0, torch.float8_e4m3fn),
+    (4, 2, 20, 50, 2.0, torch.float8_e4m3fn)])
 def test_rows_do_not_depend_on_what_shares_the_call(threads, num_heads, num_kv, dim, window,
                                                     softcap, cache_dtype):
     """A verify row, or a prompt chunk's row (the chunk cut into tiles, run rows in lanes),
     computes bit for bit what the decode at its position computes alone, over short and long
     contexts, and a request's rows are the same with or without neighbours (any thread count;
-    head sizes on and off the vector widths, sliding windows, soft-capping, bf16 caches)."""
+    head sizes on and off the vector widths, sliding windows, soft-capping, bf16 and fp8
+    caches)."""
     torch.set_num_threads(threads)
     block_size = 16
     shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40), (35, 35), (1100, 70),
@@ -124,24 +126,33 @@ def test_dispatch_picks_the_c_kernel_on_cpu_and_reference_when_forced(monkeypatc
     assert dispatch.get_op("paged_attention", "cpu") is reference
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("num_heads,num_kv,dim", [(9, 3, 64), (4, 4, 20), (8, 2, 16)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (6, 0.0), (11, 3.0)])
-def test_a_bf16_cache_is_the_float32_kernel_on_the_widened_cache(num_heads, num_kv, dim, window,
-                                                                 softcap, monkeypatch):
-    """--kv-cache-dtype bfloat16: the kernel's bf16 form widens each value exactly and sums in
-    the float32 form's order, so its rows are bit for bit the float32 kernel's over the widened
-    cache (decodes, verify rows, chunks in tiles)."""
+def test_a_narrow_cache_is_the_float32_kernel_on_the_widened_cache(num_heads, num_kv, dim, window,
+                                                                   softcap, cache_dtype):
+    """--kv-cache-dtype bfloat16 / fp8: the kernel's bf16 and fp8 forms widen each value exactly
+    and sum in the float32 form's order, so their rows are bit for bit the float32 kernel's over
+    the widened cache (decodes, verify rows, chunks in tiles). The fp8 cache holds every e4m3
+    value: subnormals, the largest (448), both zeros."""
     shapes = [(9, 1), (13, 5), (20, 20), (37, 17), (16, 1), (30, 16), (40, 30), (1, 1)]
     q, k32, v32, query_start, tables = make_batch(shapes, 4, num_heads, num_kv, dim)
-    k16, v16 = k32.bfloat16(), v32.bfloat16()
+    k16, v16 = k32.to(cache_dtype), v32.to(cache_dtype)
+    if cache_dtype == torch.float8_e4m3fn:
+        codes = torch.arange(256, dtype=torch.int32)
+        codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)            # every value but NaN
+        g = torch.Generator().manual_seed(1)
+        k16, v16 = (codes[torch.randint(len(codes), k32.shape, generator=g)].view(cache_dtype)
+                    for _ in range(2))
     assert cpu_paged.supports(q, k16, v16, None, 0.3)
     meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
     got = cpu_paged.paged_attention(q, k16, v16, meta(), dim ** -0.5, window, softcap)
     want = cpu_paged.paged_attention(q, k16.float(), v16.float(), meta(), dim ** -0.5, window,
                                      softcap)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+    atol = 1e-4 * float(v16.float().abs().max())     # fp8: values to 448, scores to thousands
     torch.testing.assert_close(got, reference(q, k16, v16, meta(), dim ** -0.5, window, softcap),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-4, atol=atol)
 
 
 def test_bf16_queries_go_to_the_reference():

@@ -1,8 +1,8 @@
-"""--kv-cache-dtype bfloat16 (vLLM's spelling): the full paged cache in bf16 on CPU. The budget
-holds twice the blocks, the C decoder still serves every step, greedy speculation stays lossless
-for n-gram and every lossy_kv compressor (drafts and verify read the same bf16 cache; prompt
-chunks over long contexts go to SDPA over the widened blocks), the drafting caches are counted
-against the bf16 full cache, and fp8 is refused in one line."""
+"""--kv-cache-dtype bfloat16 / fp8 (vLLM's spellings): the full paged cache in bf16 or fp8 e4m3 on
+CPU. The budget holds twice / four times the blocks, the C decoder still serves every step, K/V
+written by it are torch's rounding, greedy speculation stays lossless for n-gram and every lossy_kv
+compressor (drafts and verify read the same narrow cache), the drafting caches are counted against
+the narrow full cache, and other spellings are refused in one line."""
 from __future__ import annotations
 
 import pytest
@@ -65,57 +65,99 @@ def generate(core) -> tuple[list[list[int]], int]:
     return [outs[f"r{i}"] for i in range(len(PROMPTS))], drafted
 
 
-def test_the_budget_holds_twice_the_blocks(core):
-    f32, bf16 = core(), core(kv_cache_dtype="bfloat16")
+# --kv-cache-dtype -> (the cache's torch dtype, the bytes of a float32 cache's element it takes)
+NARROW = {"bfloat16": (torch.bfloat16, 2), "fp8": (torch.float8_e4m3fn, 4)}
+
+
+@pytest.mark.parametrize("kv", list(NARROW))
+def test_the_budget_holds_more_blocks(core, kv):
+    dtype, ratio = NARROW[kv]
+    f32, narrow = core(), core(kv_cache_dtype=kv)
     assert f32.worker.storage.k.dtype == torch.float32
-    assert bf16.worker.storage.k.dtype == bf16.worker.storage.v.dtype == torch.bfloat16
+    assert narrow.worker.storage.k.dtype == narrow.worker.storage.v.dtype == dtype
     n = f32.worker.num_blocks
-    assert bf16.worker.num_blocks in (2 * n, 2 * n + 1)
-    assert abs(bf16.worker.storage.nbytes - f32.worker.storage.nbytes) <= (
+    assert ratio * n <= narrow.worker.num_blocks <= ratio * n + ratio
+    assert abs(narrow.worker.storage.nbytes - f32.worker.storage.nbytes) <= (
         f32.worker.storage.nbytes / n)
-    assert bf16.engine_info.kv_bytes_per_token * 2 == f32.engine_info.kv_bytes_per_token
-    assert (bf16.engine_info.kv_cache_dtype, f32.engine_info.kv_cache_dtype) == (
-        "bfloat16", "float32")
-    assert bf16.engine_info.dtype == "float32"                   # the model's stays float32
-    assert bf16.worker.runner.cpu_decoder is not None            # the C decoder serves it
+    assert narrow.engine_info.kv_bytes_per_token * ratio == f32.engine_info.kv_bytes_per_token
+    assert (narrow.engine_info.kv_cache_dtype, f32.engine_info.kv_cache_dtype) == (
+        str(dtype).removeprefix("torch."), "float32")
+    assert narrow.engine_info.dtype == "float32"                 # the model's stays float32
+    assert narrow.worker.runner.cpu_decoder is not None          # the C decoder serves it
 
 
+def test_the_c_decoder_writes_torchs_rounding(core):
+    """The same tokens through the C decoder and through the modules (KVStorage.write, torch's
+    casts) leave the same fp8 bits in the cache, and the same greedy tokens (scheduled by the
+    token budget alone, so both place every token in the same slot)."""
+    c_core, module_core = (core(kv_cache_dtype="fp8", max_decode_slowdown=None)
+                           for _ in range(2))
+    module_core.worker.runner.cpu_decoder = None
+    outs = [generate(c)[0] for c in (c_core, module_core)]
+    assert outs[0] == outs[1]
+    k = [c.worker.storage.k.view(torch.uint8) for c in (c_core, module_core)]
+    assert k[0].any() and torch.equal(k[0], k[1])
+
+
+def test_the_one_call_rounds_to_fp8_as_torch_does():
+    """float32 -> fp8 e4m3 in `decoder.c` is torch's cast bit for bit: to nearest with ties to
+    even (every midpoint between neighbouring e4m3 values), subnormals, saturation at 448 (and
+    of infinities), NaNs, signed zeros."""
+    from specserve.kernels.cpu import decoder as fused
+    g = torch.Generator().manual_seed(0)
+    values = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    edges = torch.tensor([0.0, 1e-30, 2.0 ** -10, 447.9, 448.0, 463.9, 464.0, 1e6,
+                          float("inf"), float("nan")])
+    x = torch.cat([(values[1:] + values[:-1]) / 2, values, edges,
+                   *(torch.randn(4096, generator=g) * s for s in (1e-3, 1.0, 100.0))])
+    x = torch.cat([x, -x])
+    assert torch.equal(fused.round_kv(x, torch.float8_e4m3fn).view(torch.uint8),
+                       x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv", list(NARROW))
 @pytest.mark.parametrize("method", list(SPECS))
-def test_speculation_is_lossless_on_a_bf16_cache(core, method):
-    """Greedy output with speculation equals greedy output without it, both over a bf16 cache,
-    with prompt chunks, decodes and verify rows sharing steps."""
-    plain, _ = generate(core(kv_cache_dtype="bfloat16"))
-    spec_core = core(kv_cache_dtype="bfloat16", speculative=SPECS[method])
+def test_speculation_is_lossless_on_a_narrow_cache(core, method, kv):
+    """Greedy output with speculation equals greedy output without it, both over a bf16 / fp8
+    cache, with prompt chunks, decodes and verify rows sharing steps."""
+    dtype = NARROW[kv][0]
+    plain, _ = generate(core(kv_cache_dtype=kv))
+    spec_core = core(kv_cache_dtype=kv, speculative=SPECS[method])
     out, drafted = generate(spec_core)
     assert drafted > 0
     assert out == plain
     if method.startswith("lossy_kv"):
-        usage = spec_core.last_usage               # counted against the bf16 full cache
+        usage = spec_core.last_usage               # counted against the narrow full cache
         cfg = spec_core.worker.model_config
-        assert usage.full_bytes_per_token == cfg.kv_bytes_per_token(torch.bfloat16)
-        assert usage.full_bytes == usage.num_tokens * cfg.kv_bytes_per_token(torch.bfloat16)
-        assert spec_core.worker.draft_pool.state_dtype == torch.bfloat16
+        assert usage.full_bytes_per_token == cfg.kv_bytes_per_token(dtype)
+        assert usage.full_bytes == usage.num_tokens * cfg.kv_bytes_per_token(dtype)
+        assert spec_core.worker.draft_pool.state_dtype == (
+            torch.bfloat16 if kv == "bfloat16" else torch.float16)
 
 
-def test_the_full_cache_in_the_host_pool_takes_bf16_too(core):
-    """lossy_kv with the full cache staged from a host pool (opt-in on CPU): bf16 there too."""
+@pytest.mark.parametrize("kv", list(NARROW))
+def test_the_full_cache_in_the_host_pool_takes_the_narrow_dtype_too(core, kv):
+    """lossy_kv with the full cache staged from a host pool (opt-in on CPU): bf16 / fp8 there
+    too."""
     from dataclasses import replace
 
     from specserve.kv_cache.host_pool import HostKVPool
-    plain, _ = generate(core(kv_cache_dtype="bfloat16"))
-    staged = core(kv_cache_dtype="bfloat16",
+    plain, _ = generate(core(kv_cache_dtype=kv))
+    staged = core(kv_cache_dtype=kv,
                   speculative=replace(SPECS["lossy_kv-quant"], full_kv_in_host=True))
     assert isinstance(staged.worker.storage, HostKVPool)
-    assert staged.worker.storage.k.dtype == torch.bfloat16
+    assert staged.worker.storage.k.dtype == NARROW[kv][0]
     out, drafted = generate(staged)
     assert out == plain and drafted > 0
 
 
-def test_fp8_and_unknown_spellings_are_refused_in_one_line(capsys):
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
-        EngineConfig(kv_cache_dtype="fp8")
+def test_unknown_spellings_are_refused_in_one_line(capsys):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2'"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
     parser = build_parser()
-    for value in ("fp8", "fp8_e4m3", "fp8_e5m2", "bf16", "float32"):
+    for ok in ("fp8", "fp8_e4m3"):
+        check_vllm_flags(parser.parse_args(["serve", "--kv-cache-dtype", ok]))
+    for value in ("fp8_e5m2", "bf16", "float32", "int8"):
         with pytest.raises(SystemExit) as info:
             check_vllm_flags(parser.parse_args(["serve", "--kv-cache-dtype", value]))
         assert info.value.code == 2
