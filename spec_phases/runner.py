@@ -3,9 +3,10 @@
 One forward serves prefill chunks, decodes and verify rows alike: the runner computes positions and
 the slot mapping, hands each layer a per-step attention object that writes the new K/V into the
 paged cache and attends (`kernels/dispatch.py` picks the kernel), and returns hidden states. On
-the CPU, where the model has the common layer shape and its weights are packed for the C kernels,
-steps over the device cache run `spec_phases/cpu_decoder.py` instead of the modules (bitwise the
-same hidden states, without the per-op bookkeeping). On CUDA, decode and verify batches replay
+the CPU, where `cpu_decoder.unsupported` accepts the model (any family's layer, in float32, its
+weights packed for the C kernels), steps over the device cache run `spec_phases/cpu_decoder.py`
+instead of the modules (bitwise the same hidden states, without the per-op bookkeeping); the log
+says which stack serves and why. On CUDA, decode and verify batches replay
 CUDA graphs (`spec_phases/cuda_graphs.py`).
 Verification (`spec_phases/verify.py`) turns them into tokens.
 """
