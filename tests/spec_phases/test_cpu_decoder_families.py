@@ -1,7 +1,8 @@
 """Every family's layer on the one-call C decoder (`kernels/cpu/decoder.c`): Gemma's (1 + w) norms,
 scaled embeddings, sandwich norms, query scale, GeGLU and score soft-cap, Gemma 3's per-head q/k
 norms and second RoPE for its sliding layers, and Phi-3's layer shape give hidden states, K/V and
-logits bitwise the modules' over prompt chunks, decodes and verify rows, on random tiny models.
+logits bitwise the modules' over prompt chunks, decodes and verify rows, on random tiny models,
+over every cache element type the C decoder takes (float32, bfloat16, fp8).
 (tests/models/test_families_cpu_decoder.py serves transformers' own checkpoints of each family.)"""
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def runners(model, cache_dtype=torch.float32):
     return fast, modules
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", cpu_decoder.CACHE_DTYPES)
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_bitwise_the_modules_for_every_family(name, cache_dtype, monkeypatch):
     model = family_model(name)
