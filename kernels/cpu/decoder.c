@@ -2,15 +2,15 @@
  * is `DecoderLayer.forward` (`spec_phases/model.py`) op for op: RMSNorm (with the residual add),
  * the QKV projection, the per-head q/k norms where the layer has them (Qwen3, Gemma 3), RoPE (the
  * layer's table: Gemma 3's sliding layers have their own), the query scale where the family has
- * one (Gemma's query_pre_attn_scalar), the K/V write into the paged cache
- * (float32, or bfloat16 / fp8 e4m3 rounded as torch rounds), paged attention
- * (its window and score soft-cap), the output projection, the attention output's norm (sandwich
- * norms: Gemma 2/3), RMSNorm, the gate-up projection, the gated activation (SwiGLU or GeGLU), the
- * down projection and the MLP output's norm (sandwich norms); then the final norm. What a layer
- * has is read from its `struct decoder_layer` (a NULL norm: none), built once from the model
- * (`spec_phases/cpu_decoder.py`). It runs the same kernels, on the same inputs, in the same order
- * as the model's modules call them one by one (this file includes their sources), so its hidden
- * states are bitwise theirs: only the Python between the kernels is gone.
+ * one (Gemma's query_pre_attn_scalar), the K/V write into the paged cache (float32, or bfloat16 /
+ * fp8 e4m3 rounded as torch rounds), paged attention (its window and score soft-cap), the output
+ * projection, the attention output's norm (sandwich norms: Gemma 2/3), RMSNorm, the gate-up
+ * projection, the gated activation (SwiGLU or GeGLU), the down projection and the MLP output's
+ * norm (sandwich norms); then the final norm. What a layer has is read from its `struct
+ * decoder_layer` (a NULL norm: none), built once from the model (`spec_phases/cpu_decoder.py`).
+ * It runs the same kernels, on the same inputs, in the same order as the model's modules call
+ * them one by one (this file includes their sources), so its hidden states are bitwise theirs:
+ * only the Python between the kernels is gone.
  *
  * `kernels/cpu/decoder.py` mirrors the structures below in ctypes; `decoder_abi` reports this
  * file's version and the structures' sizes, which it checks when it loads the library.
@@ -48,7 +48,7 @@ struct decoder_linear {
 
 struct decoder_layer {
     const float *input_norm, *post_attention_norm;     /* float32 [hidden] */
-    const float *q_norm, *k_norm;       /* float32 [head_dim] per-head norms (Qwen3) or NULL */
+    const float *q_norm, *k_norm;       /* float32 [head_dim] per-head norms or NULL */
     /* float32 [hidden]: the norms of the attention's and of the MLP's outputs (sandwich norms:
      * Gemma 2/3), or NULL */
     const float *attn_out_norm, *mlp_out_norm;
@@ -147,11 +147,10 @@ void decoder_round_fp8(const float *x, uint8_t *out, int64_t n) {
  * float32, or bfloat16 / fp8 e4m3 bits (K/V rounded to it on the write, widened exactly by the
  * attention);
  * slots[rows] where each row's K/V go; cos, sin: [RoPE tables, rows, head_dim] (a layer reads
- * table `rope`); requests, tables: as
- * paged_attention_short takes them (every query of the step among them); seconds: NULL, or [3]
- * to which the time in the linear layers, in attention (with the K/V write) and in the
- * elementwise kernels is added (profiling). Returns 0, or -1 where a kernel could not get
- * scratch memory. */
+ * table `rope`); requests, tables: as paged_attention_short takes them (every query of the step
+ * among them); seconds: NULL, or [3] to which the time in the linear layers, in attention (with
+ * the K/V write) and in the elementwise kernels is added (profiling). Returns 0, or -1 where a
+ * kernel could not get scratch memory. */
 int decoder_forward(const struct decoder_model *m, const struct decoder_layer *layers,
                     const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
                     int64_t rows, const float *cos, const float *sin, void *k_cache,
