@@ -1,5 +1,5 @@
-"""Plain decoding at long context with the full KV cache in float32 (`auto` on CPU), in bf16 and fp8
-(`--kv-cache-dtype bfloat16`, `fp8`): a benchmark, not a test.
+"""Plain decoding at long context with the full KV cache in float32 (`auto` on CPU), in bf16 and
+in fp8 e4m3 (`--kv-cache-dtype bfloat16`, `fp8`): a benchmark, not a test.
 
 One engine per setting, built once in this process; runs alternate between them (auto, bfloat16,
 auto, bfloat16, ...) so drift on a shared host lands on both. Each run: `concurrency` requests of
