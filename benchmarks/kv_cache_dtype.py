@@ -11,11 +11,19 @@ elementwise: `kernels/cpu/decoder.c` times them).
 
     python benchmarks/kv_cache_dtype.py --prompt-len 2800 --output-len 64 --concurrency 1 \\
         --rounds 2 --json benchmarks/results/cpu/kv-cache-dtype/c1.json
+
+`--accuracy` measures what the narrow caches cost instead: perplexity of a fixed text (the first
+`--prompt-len` tokens of this Python's `argparse.py`, every row attending the cache it wrote, from
+the engine's prompt logprobs) and greedy continuations (`--output-len` tokens) of held long
+prompts (the first `--prompt-len` tokens of eight standard-library modules): how many match the
+float32 cache's exactly, and the mean index of the first token where they part.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import os
 import platform
 import statistics
@@ -78,6 +86,53 @@ def run(core: EngineCore, tag: str, concurrency: int, prompt_len: int, output_le
             "seconds": round(elapsed, 2)}
 
 
+def texts(tokenizer, prompt_len: int) -> tuple[list[int], list[list[int]]]:
+    """The fixed text and the held prompts (`--accuracy`), as token ids."""
+    import argparse as text_module
+    import ast, calendar, dataclasses, difflib, json as json_module, logging, textwrap, \
+        tokenize  # noqa: E401
+    held = [ast, calendar, dataclasses, difflib, json_module, logging, textwrap, tokenize]
+    ids = lambda m: tokenizer.encode(inspect.getsource(m))[:prompt_len]  # noqa: E731
+    return ids(text_module), [ids(m) for m in held]
+
+
+def accuracy(core: EngineCore, text: list[int], prompts: list[list[int]],
+             output_len: int) -> tuple[float, list[list[int]]]:
+    """Perplexity of `text` (prompt logprobs) and the greedy continuation of each prompt."""
+    core.add_request(EngineRequest("ppl", text, SamplingParams(max_tokens=1, prompt_logprobs=0)))
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(EngineRequest(f"held-{i}", ids, params))
+    logprobs, outs = [], {f"held-{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for out in core.step().outputs:
+            if out.request_id == "ppl" and out.prompt_logprobs:
+                logprobs += [lp.logprob for lp in out.prompt_logprobs if lp is not None]
+            elif out.request_id in outs:
+                outs[out.request_id].extend(out.new_token_ids)
+    return math.exp(-sum(logprobs) / len(logprobs)), [outs[f"held-{i}"]
+                                                      for i in range(len(prompts))]
+
+
+def report_accuracy(cores: dict[str, EngineCore], args) -> dict:
+    from specserve.spec_phases.tokenizer import load_tokenizer
+    first = next(iter(cores.values()))
+    tokenizer = load_tokenizer(first.worker.config.model)
+    text, prompts = texts(tokenizer, args.prompt_len)
+    results = {kv: accuracy(core, text, prompts, args.output_len) for kv, core in cores.items()}
+    base = results[args.kv_cache_dtype[0]][1]
+    table = {}
+    for kv, (ppl, outs) in results.items():
+        parts = [next((i for i, (a, b) in enumerate(zip(o, w)) if a != b), len(w))
+                 for o, w in zip(outs, base)]
+        table[kv] = {"perplexity": round(ppl, 4), "text_tokens": len(text),
+                     "identical_continuations": sum(o == w for o, w in zip(outs, base)),
+                     "held_prompts": len(prompts),
+                     "mean_first_divergence": round(sum(parts) / len(parts), 1)}
+        print(json.dumps({"kv_cache_dtype": kv, **table[kv]}), flush=True)
+    return table
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
@@ -101,6 +156,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--accuracy", action="store_true",
+                    help="perplexity and greedy agreement instead of speed")
     args = ap.parse_args()
     cpu_fused.forward = timed_forward
     cores = {}
@@ -118,6 +175,13 @@ def main() -> None:
                                   for kv, c in cores.items()},
            "num_blocks": {kv: c.worker.num_blocks for kv, c in cores.items()}}
     print(json.dumps(env))
+    if args.accuracy:
+        table = report_accuracy(cores, args)
+        if args.json:
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"env": env, "accuracy": table}, f, indent=2)
+        return
     results = []
     for r in range(args.rounds):
         for i, (kv, core) in enumerate(cores.items()):
