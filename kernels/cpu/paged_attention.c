@@ -285,36 +285,17 @@ static inline v8f widen8_bf16(const uint16_t *p) {
 #endif
 }
 
-/* keys from .. from + n - 1 (key j's slot at cache + off[j]), `used` elements of each from `skip`
- * on (the kv heads a task reads), widened to float32 at to + i * used */
-static void stage_bf16(const uint16_t *cache, const int64_t *off, int64_t from, int64_t n,
-                       int64_t skip, int64_t used, float *to) {
-    const int64_t lanes = used & ~(int64_t)7;
-    for (int64_t i = 0; i < n; i++) {
-        const uint16_t *src = cache + off[from + i] + skip;
-        float *dst = to + i * used;
-        int64_t d = 0;
 #if defined(__AVX512F__)
-        for (; d + 16 <= lanes; d += 16) {
-            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
-            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-        }
-#endif
-        for (; d < lanes; d += 8)
-            *(v8f *)(dst + d) = widen8_bf16(src + d);
-        for (int64_t d = lanes; d < used; d++) {
-            const uint32_t bits = (uint32_t)src[d] << 16;
-            memcpy(dst + d, &bits, sizeof bits);
-        }
-    }
+static inline __m512 widen16_bf16(const uint16_t *p) {          /* widen8_bf16, 16 at a time */
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+#endif
 
 /* fp8 (e4m3) K/V, `--kv-cache-dtype fp8`: sign, 4 exponent bits (bias 7), 3 mantissa bits, no
  * infinities. Its bits below the sign, shifted left by 7, are a float16 worth exactly 2^-8 of it
  * (subnormals included: both formats' subnormals sit at the bottom of the same exponent range,
  * 8 binades apart), so a float16 conversion and a multiplication by 256 widen it exactly. */
-typedef uint8_t v8b __attribute__((vector_size(8), aligned(1)));
-
 static inline v8f widen8_fp8(const uint8_t *p) {
 #if defined(__F16C__) && defined(__AVX2__)
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
@@ -333,31 +314,46 @@ static inline v8f widen8_fp8(const uint8_t *p) {
 #endif
 }
 
-/* stage_bf16's fp8 form */
-static void stage_fp8(const uint8_t *cache, const int64_t *off, int64_t from, int64_t n,
-                      int64_t skip, int64_t used, float *to) {
-    const int64_t lanes = used & ~(int64_t)7;
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *src = cache + off[from + i] + skip;
-        float *dst = to + i * used;
-        int64_t d = 0;
-#if defined(__AVX512F__)                     /* widen8_fp8's operations, 16 values at a time */
-        for (; d + 16 <= lanes; d += 16) {
-            const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + d)));
-            const __m256i h = _mm256_or_si256(
-                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
-                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f)));
-        }
-#endif
-        for (; d < lanes; d += 8)
-            *(v8f *)(dst + d) = widen8_fp8(src + d);
-        for (int64_t d = lanes; d < used; d++) {
-            uint8_t tail[8] = {src[d]};
-            dst[d] = widen8_fp8(tail)[0];
-        }
-    }
+#if defined(__AVX512F__)
+static inline __m512 widen16_fp8(const uint8_t *p) {            /* widen8_fp8, 16 at a time */
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
+#define STAGE16(form)                                                                         \
+    for (; d + 16 <= lanes; d += 16)                                                            \
+        _mm512_storeu_ps(dst + d, widen16_##form(src + d));
+#else
+#define STAGE16(form)
+#endif
+
+/* stage_<form>: keys from .. from + n - 1 (key j's slot at cache + off[j]), `used` elements of
+ * each from `skip` on (the kv heads a task reads), widened to float32 at to + i * used (a slot's
+ * elements past a multiple of 8 through an 8-element copy) */
+#define DEFINE_STAGE(form, T)                                                                   \
+    static void stage_##form(const T *cache, const int64_t *off, int64_t from, int64_t n,       \
+                             int64_t skip, int64_t used, float *to) {                           \
+        const int64_t lanes = used & ~(int64_t)7;                                               \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            const T *src = cache + off[from + i] + skip;                                        \
+            float *dst = to + i * used;                                                         \
+            int64_t d = 0;                                                                      \
+            STAGE16(form)                                                                       \
+            for (; d < lanes; d += 8)                                                           \
+                *(v8f *)(dst + d) = widen8_##form(src + d);                                     \
+            if (lanes < used) {                                                                 \
+                T tail[8] = {0};                                                                \
+                memcpy(tail, src + lanes, sizeof(T) * (used - lanes));                          \
+                const v8f w = widen8_##form(tail);                                              \
+                memcpy(dst + lanes, &w, sizeof(float) * (used - lanes));                        \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+DEFINE_STAGE(bf16, uint16_t)
+DEFINE_STAGE(fp8, uint8_t)
 
 #define TILE_MIN_ROWS 4          /* a request of this many query rows or more: rows in lanes */
 
