@@ -105,6 +105,54 @@ def make_engine(engines):
 
 
 @pytest.fixture
+def decoder_runners():
+    """runners(model, cache_dtype=float32, num_blocks=32): two ModelRunners of `model` over two
+    caches, the first on the one-call C decoder (asserted), the second on the modules."""
+    import torch
+
+    from specserve.kv_cache.storage import KVStorage
+    from specserve.spec_phases.runner import ModelRunner
+
+    def runners(model, cache_dtype=torch.float32, num_blocks=32):
+        cfg = model.config
+        make = lambda: KVStorage(cfg.num_layers, num_blocks, 4, cfg.num_kv_heads,  # noqa: E731
+                                 cfg.head_dim, cache_dtype, "cpu")
+        fast, modules = ModelRunner(model, make()), ModelRunner(model, make())
+        assert fast.cpu_decoder is not None
+        modules.cpu_decoder = None
+        return fast, modules
+    return runners
+
+
+@pytest.fixture
+def same_steps():
+    """check(fast, modules, steps=None, seed=1): each step (tokens, starts, tables) gives both
+    runners the same hidden states, logits and K/V cache, bit for bit. steps None: three mixed
+    steps over random prompts (`seed`) of 23, 9 and 40 tokens in blocks 0-7, 8-11 and 12-23 (a
+    prompt chunk beside a whole prompt; the rest beside a decode and a third prompt; decodes
+    beside 4 verify rows). Returns the steps' tables."""
+    import torch
+
+    def check(fast, modules, steps=None, seed=1) -> list[tuple[int, ...]]:
+        tables = [tuple(range(0, 8)), tuple(range(8, 12)), tuple(range(12, 24))]
+        if steps is None:
+            g = torch.Generator().manual_seed(seed)
+            p = [tuple(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (23, 9, 40)]
+            steps = [([p[0][:16], p[1]], [0, 0], tables[:2]),
+                     ([p[0][16:], (5,), p[2]], [16, 9, 0], tables),
+                     ([(7,), (8, 9, 10, 11), (12,)], [23, 10, 40], tables)]
+        for tokens, starts, step_tables in steps:
+            got = fast.forward(tokens, starts, step_tables)
+            want = modules.forward(tokens, starts, step_tables)
+            assert torch.equal(got, want)
+            assert torch.equal(fast.compute_logits(got), modules.compute_logits(want))
+            assert torch.equal(fast.storage.k, modules.storage.k)
+            assert torch.equal(fast.storage.v, modules.storage.v)
+        return tables
+    return check
+
+
+@pytest.fixture
 def triton_interpreted():
     """run(code, marker, *args): `python -c code args` under TRITON_INTERPRET=1 with
     SPECSERVE_KERNELS=triton (in a child interpreter, so the flag never leaks into other tests);

@@ -31,14 +31,19 @@ def test_within_float32_rounding_of_the_exact_value(rows, n):
     torch.testing.assert_close(got, ref_activation.silu_mul(gate_up), rtol=1e-6, atol=1e-30)
 
 
-def test_extremes():
+@pytest.mark.parametrize("op,ideal,gate,rtol", [
+    ("silu_mul", "exact", [-1000.0, -100.0, -88.0, -20.0, 0.0, 1e-30, 20.0, 88.0, 100.0, 1000.0],
+     4e-7),
+    ("gelu_tanh_mul", "exact_gelu_tanh",
+     [-1000.0, -100.0, -20.0, -5.0, 0.0, 1e-30, 5.0, 20.0, 100.0, 1000.0], 4e-6)])
+def test_extremes(op, ideal, gate, rtol):
     """Large negative gates give (nearly) zero, large positive ones the gate itself, no NaN."""
-    gate = torch.tensor([-1000.0, -100.0, -88.0, -20.0, 0.0, 1e-30, 20.0, 88.0, 100.0, 1000.0])
+    gate = torch.tensor(gate)
     gate_up = torch.cat((gate, torch.full_like(gate, 2.0)))
-    got = cpu_activation.silu_mul(gate_up[None])[0]
+    got = getattr(cpu_activation, op)(gate_up[None])[0]
     assert torch.isfinite(got).all()
     assert (got[:3].abs() < 1e-30).all() and got[4] == 0
-    torch.testing.assert_close(got[3:], exact(gate_up[None])[0, 3:].float(), rtol=4e-7,
+    torch.testing.assert_close(got[3:], globals()[ideal](gate_up[None])[0, 3:].float(), rtol=rtol,
                                atol=1e-38)
 
 
@@ -82,17 +87,6 @@ def test_gelu_tanh_within_float32_rounding_of_the_exact_value(rows, n):
     # the cubic's roundings grow through exp by |2 z|: a few ulp times that at |g| <= ~16
     assert (err <= 4e-6 * want.abs() + 1e-12).all()
     torch.testing.assert_close(got, ref_activation.gelu_tanh_mul(gate_up), rtol=1e-5, atol=1e-6)
-
-
-def test_gelu_tanh_extremes():
-    """Large negative gates give (nearly) zero, large positive ones the gate itself, no NaN."""
-    gate = torch.tensor([-1000.0, -100.0, -20.0, -5.0, 0.0, 1e-30, 5.0, 20.0, 100.0, 1000.0])
-    gate_up = torch.cat((gate, torch.full_like(gate, 2.0)))
-    got = cpu_activation.gelu_tanh_mul(gate_up[None])[0]
-    assert torch.isfinite(got).all()
-    assert (got[:3].abs() < 1e-30).all() and got[4] == 0
-    torch.testing.assert_close(got[3:], exact_gelu_tanh(gate_up[None])[0, 3:].float(),
-                               rtol=4e-6, atol=1e-38)
 
 
 def test_gelu_tanh_rows_independent_and_dispatched():

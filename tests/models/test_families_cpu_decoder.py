@@ -5,48 +5,31 @@ float32 error, and greedy speculation changes no token of the engine's output.""
 import pytest
 import torch
 
-from specserve.kv_cache.storage import KVStorage
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases import cpu_decoder
 from specserve.spec_phases.loader import load_model
-from specserve.spec_phases.runner import ModelRunner
 from specserve.spec_phases.sampling_params import SamplingParams
 
 PROMPTS = [[(11 * j + 5) % 250 + 3 for j in range(21)], [7, 8, 9, 10] * 4 + [7]]
 
 
-def runner_pair(model):
-    cfg = model.config
-    make = lambda: KVStorage(cfg.num_layers, 24, 4, cfg.num_kv_heads,  # noqa: E731
-                             cfg.head_dim, torch.float32, "cpu")
-    fast, modules = ModelRunner(model, make()), ModelRunner(model, make())
-    assert fast.cpu_decoder is not None
-    modules.cpu_decoder = None
-    return fast, modules
-
-
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "gemma3-multimodal", "phi3"])
-def test_the_c_decoder_serves_the_family_bitwise_the_modules(checkpoints, name):
+def test_the_c_decoder_serves_the_family_bitwise_the_modules(checkpoints, name, decoder_runners,
+                                                             same_steps):
     new, _, hf = checkpoints(name)
     model = load_model(str(new))
     assert model.pack_for_cpu()
     assert cpu_decoder.unsupported(model) is None
-    fast, modules = runner_pair(model)
+    fast, modules = decoder_runners(model, num_blocks=24)
     a, b = PROMPTS
     tables = [tuple(range(0, 8)), tuple(range(8, 16))]
     steps = [([tuple(a[:12]), tuple(b)], [0, 0], tables),             # a chunk, a prompt
              ([tuple(a[12:]), (5,)], [12, 17], tables),               # the rest, a decode
              ([(7,), (8, 9, 10, 11)], [21, 18], tables)]              # decode, verify rows
-    for tokens, starts, step_tables in steps:
-        got = fast.forward(tokens, starts, step_tables)
-        want = modules.forward(tokens, starts, step_tables)
-        assert torch.equal(got, want)
-        assert torch.equal(fast.compute_logits(got), modules.compute_logits(want))
-        assert torch.equal(fast.storage.k, modules.storage.k)
-        assert torch.equal(fast.storage.v, modules.storage.v)
+    same_steps(fast, modules, steps)
     # the C decoder's prefill logits are transformers' (float32 error apart)
-    fresh, _ = runner_pair(model)
+    fresh, _ = decoder_runners(model, num_blocks=24)
     mine = fresh.compute_logits(fresh.forward([tuple(a)], [0], [tables[0]]))
     with torch.inference_mode():
         theirs = (hf(torch.tensor([a])).logits[0] if name != "gemma3-multimodal" else

@@ -23,44 +23,23 @@ def packed_model(**overrides):
     return model
 
 
-def runners(model, cache_dtype=torch.float32):
-    """Two runners over two caches of the same model: the C decoder's and the modules'."""
-    cfg = model.config
-    make = lambda: KVStorage(cfg.num_layers, 32, 4, cfg.num_kv_heads,  # noqa: E731
-                             cfg.head_dim, cache_dtype, "cpu")
-    fast, modules = ModelRunner(model, make()), ModelRunner(model, make())
-    assert fast.cpu_decoder is not None
-    modules.cpu_decoder = None
-    return fast, modules
-
-
 @pytest.mark.parametrize("bias,windows,qk_norm", [(False, (), False), (True, (), False),
                                                   (False, (0, 8), False), (False, (), True)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_bitwise_the_modules_over_mixed_steps(bias, windows, qk_norm, cache_dtype, monkeypatch):
+def test_bitwise_the_modules_over_mixed_steps(bias, windows, qk_norm, cache_dtype, monkeypatch,
+                                              decoder_runners, same_steps):
     """Every step (prompt chunks in tiles, decodes, verify rows) runs the whole stack in one
     call (`kernels/cpu/decoder.c`), bitwise the modules, with attention bias and with a sliding
     window on one layer, with Qwen3's per-head q/k norms; over a bf16 cache too (the one call
     rounds K/V as torch does)."""
     model = packed_model(attention_bias=bias, windows=windows,
                          family=replace(tiny_config().family, qk_norm=qk_norm))
-    fast, modules = runners(model, cache_dtype)
+    fast, modules = decoder_runners(model, cache_dtype)
     whole = []
     one_call = cpu_decoder.fused.forward
     monkeypatch.setattr(cpu_decoder.fused, "forward",
                         lambda *a: whole.append(len(a[2])) or one_call(*a))
-    g = torch.Generator().manual_seed(1)
-    prompts = [tuple(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (23, 9, 40)]
-    tables = [tuple(range(0, 8)), tuple(range(8, 12)), tuple(range(12, 24))]
-    steps = [([prompts[0][:16], prompts[1]], [0, 0], tables[:2]),         # a chunk, a prompt
-             ([prompts[0][16:], (5,), prompts[2]], [16, 9, 0], tables),  # + a decode
-             ([(7,), (8, 9, 10, 11), (12,)], [23, 10, 40], tables)]      # decode, verify rows
-    for tokens, starts, step_tables in steps:
-        got = fast.forward(tokens, starts, step_tables)
-        want = modules.forward(tokens, starts, step_tables)
-        assert torch.equal(got, want)
-        assert torch.equal(fast.storage.k, modules.storage.k)
-        assert torch.equal(fast.storage.v, modules.storage.v)
+    tables = same_steps(fast, modules, seed=1)
     one_call_steps = 3                                                # every step
     assert whole == [model.config.num_layers] * one_call_steps
     skip = [1]                                                        # self-speculation's subset
@@ -69,7 +48,7 @@ def test_bitwise_the_modules_over_mixed_steps(bias, windows, qk_norm, cache_dtyp
     assert whole[one_call_steps:] == [1]
 
 
-def test_taken_only_where_it_serves(monkeypatch):
+def test_taken_only_where_it_serves(monkeypatch, decoder_runners):
     unpacked = build_random_model(tiny_config(vocab_size=300))
     assert not cpu_decoder.supported(unpacked)                        # nothing packed
     assert cpu_decoder.supported(packed_model(family=replace(         # Qwen3's q/k norms
@@ -80,7 +59,7 @@ def test_taken_only_where_it_serves(monkeypatch):
         tiny_config().family, activation="gelu")))
     model = packed_model()
     assert cpu_decoder.supported(model)
-    fast, _ = runners(model)
+    fast, _ = decoder_runners(model)
     calls = []
     monkeypatch.setattr(cpu_decoder.CpuDecoder, "forward",
                         lambda self, *a, **k: calls.append(1) or torch.zeros(1, 1))
@@ -92,12 +71,13 @@ def test_taken_only_where_it_serves(monkeypatch):
     assert calls
 
 
-def test_the_one_call_times_its_kernels_without_changing_their_results(monkeypatch):
+def test_the_one_call_times_its_kernels_without_changing_their_results(monkeypatch,
+                                                                           decoder_runners):
     """`benchmarks/profile_step.py` passes a float64 [3] that the call adds its time in the
     linear layers, attention and the elementwise kernels to: the hidden states and the cache are
     bitwise those of an untimed call."""
     model = packed_model()
-    (plain, _), (timed, _) = runners(model), runners(model)
+    (plain, _), (timed, _) = decoder_runners(model), decoder_runners(model)
     seconds = torch.zeros(3, dtype=torch.float64)
     one_call = cpu_decoder.fused.forward
     steps = [([tuple(range(5, 17))], [0]), ([(9,)], [12]), ([(4, 5, 6)], [13])]
@@ -146,7 +126,7 @@ def test_the_library_reports_the_abi_its_ctypes_mirrors_match():
         fused.Linear = real
 
 
-def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog):
+def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog, decoder_runners):
     """One accept-list picks the stack (`cpu_decoder.unsupported`) and the runner logs the
     choice: the C decoder for the common shape, the modules with the reason otherwise."""
     import logging
@@ -155,7 +135,7 @@ def test_the_runner_logs_which_decoder_stack_serves_and_why(caplog):
     assert cpu_decoder.unsupported(model) is None
     assert cpu_decoder.unsupported(qk) == "the gelu activation"
     with caplog.at_level(logging.INFO, logger="specserve.spec_phases.runner"):
-        runners(model)
+        decoder_runners(model)
         cfg = qk.config
         ModelRunner(qk, KVStorage(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim,
                                   torch.float32, "cpu"))

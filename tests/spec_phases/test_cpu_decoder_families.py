@@ -11,12 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases import cpu_decoder
 from specserve.spec_phases.loader import build_random_model, tiny_config
 from specserve.spec_phases.model import FamilyOptions
 from specserve.spec_phases.rope import RopeConfig
-from specserve.spec_phases.runner import ModelRunner
 
 GEMMA2 = dict(family=FamilyOptions(norm_offset=1.0, scale_embeddings=True,
                                    activation="gelu_tanh", sandwich_norms=True,
@@ -44,52 +42,31 @@ def family_model(name: str):
     return model
 
 
-def runners(model, cache_dtype=torch.float32):
-    cfg = model.config
-    make = lambda: KVStorage(cfg.num_layers, 32, 4, cfg.num_kv_heads,  # noqa: E731
-                             cfg.head_dim, cache_dtype, "cpu")
-    fast, modules = ModelRunner(model, make()), ModelRunner(model, make())
-    assert fast.cpu_decoder is not None
-    modules.cpu_decoder = None
-    return fast, modules
-
-
 @pytest.mark.parametrize("cache_dtype", cpu_decoder.CACHE_DTYPES)
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_bitwise_the_modules_for_every_family(name, cache_dtype, monkeypatch):
+def test_bitwise_the_modules_for_every_family(name, cache_dtype, monkeypatch, decoder_runners,
+                                              same_steps):
     model = family_model(name)
     assert cpu_decoder.unsupported(model) is None
-    fast, modules = runners(model, cache_dtype)
+    fast, modules = decoder_runners(model, cache_dtype)
     calls = []
     one_call = cpu_decoder.fused.forward
     monkeypatch.setattr(cpu_decoder.fused, "forward",
                         lambda *a: calls.append(len(a[2])) or one_call(*a))
-    g = torch.Generator().manual_seed(2)
-    prompts = [tuple(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (23, 9, 40)]
-    tables = [tuple(range(0, 8)), tuple(range(8, 12)), tuple(range(12, 24))]
-    steps = [([prompts[0][:16], prompts[1]], [0, 0], tables[:2]),         # a chunk, a prompt
-             ([prompts[0][16:], (5,), prompts[2]], [16, 9, 0], tables),  # + a decode
-             ([(7,), (8, 9, 10, 11), (12,)], [23, 10, 40], tables)]      # decode, verify rows
-    for tokens, starts, step_tables in steps:
-        got = fast.forward(tokens, starts, step_tables)
-        want = modules.forward(tokens, starts, step_tables)
-        assert torch.equal(got, want)
-        assert torch.equal(fast.compute_logits(got), modules.compute_logits(want))
-        assert torch.equal(fast.storage.k, modules.storage.k)
-        assert torch.equal(fast.storage.v, modules.storage.v)
-    assert calls == [model.config.num_layers] * len(steps)
+    tables = same_steps(fast, modules, seed=2)
+    assert calls == [model.config.num_layers] * 3
     for run in ([1], [0]):                      # a layer subset (self-speculation's)
         assert torch.equal(fast.forward([(3,)], [41], [tables[2]], run),
                            modules.forward([(3,)], [41], [tables[2]], run))
 
 
-def test_every_option_is_applied():
+def test_every_option_is_applied(decoder_runners):
     """Each Gemma option changes the one call's hidden states (none is silently dropped)."""
     base = family_model("gemma3")
     ids, want = [tuple(range(3, 30))], None
 
     def hidden(model):
-        fast, _ = runners(model)
+        fast, _ = decoder_runners(model)
         return fast.forward(ids, [0], [tuple(range(8))])
 
     want = hidden(base)
