@@ -137,7 +137,7 @@ def load_tokenizer():
 
         tok = Tokenizer.from_file(str(path))
         return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
-    from specserve.server.tokenizer import load_tokenizer as specserve_tokenizer
+    from specserve.spec_phases.tokenizer import load_tokenizer as specserve_tokenizer
 
     hf = specserve_tokenizer(None)
     return (lambda text: hf.encode(text, add_special_tokens=False)), hf.decode

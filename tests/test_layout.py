@@ -27,8 +27,9 @@ NARROW = {
                "spec_phases.tokenizer"},
 }
 # Tool folders of the checkout, never installed with the server (run from the repository root as
-# `python -m loadtests.compare`): the product modules each may import. loadtests speaks HTTP.
-TOOLS = {"loadtests": {"spec_phases.paths"}}
+# `python -m loadtests.compare`): the product modules each may import. loadtests speaks HTTP (and
+# cuts prompts to token counts with the served model's tokenizer).
+TOOLS = {"loadtests": {"spec_phases.paths", "spec_phases.tokenizer"}}
 
 
 def imported_layers(path: Path) -> set[tuple[str, int]]:
