@@ -21,6 +21,7 @@ float32 cache's exactly, and the mean index of the first token where they part.
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import math
@@ -38,6 +39,9 @@ from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
 
+# --accuracy's held prompts: the first tokens of these standard-library modules' sources
+HELD_MODULES = ("ast", "calendar", "dataclasses", "difflib", "json", "logging", "textwrap",
+                "tokenize")
 SECONDS = torch.zeros(3, dtype=torch.float64)        # decoder.c: linear, attention, elementwise
 _forward = cpu_fused.forward
 
@@ -88,12 +92,9 @@ def run(core: EngineCore, tag: str, concurrency: int, prompt_len: int, output_le
 
 def texts(tokenizer, prompt_len: int) -> tuple[list[int], list[list[int]]]:
     """The fixed text and the held prompts (`--accuracy`), as token ids."""
-    import argparse as text_module
-    import ast, calendar, dataclasses, difflib, json as json_module, logging, textwrap, \
-        tokenize  # noqa: E401
-    held = [ast, calendar, dataclasses, difflib, json_module, logging, textwrap, tokenize]
-    ids = lambda m: tokenizer.encode(inspect.getsource(m))[:prompt_len]  # noqa: E731
-    return ids(text_module), [ids(m) for m in held]
+    ids = lambda name: tokenizer.encode(  # noqa: E731
+        inspect.getsource(importlib.import_module(name)))[:prompt_len]
+    return ids("argparse"), [ids(name) for name in HELD_MODULES]
 
 
 def accuracy(core: EngineCore, text: list[int], prompts: list[list[int]],

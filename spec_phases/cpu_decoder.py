@@ -11,10 +11,10 @@ Gemma 3's per-head q/k norms; Gemma's (1 + w) norms, sandwich norms, query scale
 soft-cap and Gemma 3's second RoPE). `unsupported` is the one accept-list: a float32 model whose
 every linear is packed for the C kernel (`LlamaModel.pack_for_cpu`), the kernels built; the runner
 takes it for steps over the paged cache in device memory
-(`spec_phases/runner.py`), the modules serve everything else. The cache holds float32 or, with
-`--kv-cache-dtype bfloat16`, bfloat16 (CACHE_DTYPES): the one call rounds K/V to bf16 as
-`KVStorage.write` (torch) does and the attention widens them back exactly, so both paths still
-agree bit for bit.
+(`spec_phases/runner.py`), the modules serve everything else. The cache holds float32, or with
+`--kv-cache-dtype bfloat16` / `fp8` bfloat16 or fp8 e4m3 (CACHE_DTYPES): the one call rounds K/V
+to them as `KVStorage.write` (torch) does and the attention widens them back exactly, so both
+paths still agree bit for bit.
 """
 from __future__ import annotations
 

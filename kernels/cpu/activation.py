@@ -54,6 +54,3 @@ def glu_into(gate_up: torch.Tensor, out: torch.Tensor, activation: str = "silu")
     rows, n = out.shape
     _kernel()(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n,
               ACTIVATIONS[activation], torch.get_num_threads())
-
-
-silu_mul_into = glu_into                          # (activation "silu")
