@@ -4,11 +4,11 @@
  *
  * One task per request, or, with fewer requests than threads (one decode), per part of a
  * request's heads, so that the threads share it. A task walks the request's keys once for all
- * its query rows: each block of 8 keys is scored for every row while in the L1 cache (eight dot
- * products side by side in 8-float lanes of the head's dimensions, then summed across lanes
- * together), each row soft-maxed over the keys it sees (causal, within the sliding window), then
- * each chunk of 16 values weighed into every row's sums. A slot's offset is computed once per
- * task, not per key and row.
+ * its query rows, the rows of a kv head up to GROUP_ROWS at a time: each block of 8 keys is
+ * scored for those rows together (each key's vector loaded once for them; with AVX-512, two
+ * keys' 8 lanes in one 16-float vector), each row soft-maxed over the keys it sees (causal,
+ * within the sliding window), then each chunk of 16 values weighed into those rows' sums
+ * together. A slot's offset is computed once per task, not per key and row.
  *
  * Row invariance, by construction: a query row's output is computed from its own query vector
  * and the keys it sees, in a fixed order (each score: fused multiply-adds in 8 lanes then the
@@ -17,13 +17,13 @@
  * rows, requests or keys share the call. A verify row therefore computes bit for bit what the
  * decode it replaces would.
  *
- * The cache holds float32, or bfloat16 (`--kv-cache-dtype bfloat16`: half the bytes a token):
- * `paged_attention_short` reads the one, `paged_attention_short_bf16` the other (both written
- * once, in `paged_attention_kv.h`). The bf16 form widens each block of keys (and each chunk of
- * values) of the heads a task reads exactly to float32 into a small scratch in the L1 cache, once
- * for all its rows, and runs the float32 form's arithmetic on it: the same products and sums in
- * the same order, so it computes bit for bit what the float32 form computes over the widened
- * cache, row-invariant alike.
+ * The cache holds float32, bfloat16 or fp8 e4m3 (`--kv-cache-dtype`: a half or a quarter of
+ * the bytes a token): `paged_attention_short` reads the one, `paged_attention_short_bf16` and
+ * `_fp8` the others (all written once, in `paged_attention_kv.h`). The narrow forms widen each
+ * value exactly to float32 in registers, once for all the rows that read it (prompt tiles: into
+ * a small scratch in the L1 cache), and run the float32 form's arithmetic on it: the same
+ * products and sums in the same order, so they compute bit for bit what the float32 form
+ * computes over the widened cache, row-invariant alike.
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,166 +57,6 @@ static inline v8f tree8x8(const v8f a[8]) {
         s[i] = tree8(a[i]);
     return s;
 #endif
-}
-
-/* q . K[j0 + i] for i < 8, K[j] at k + off[j] */
-static inline v8f scores8(const float *q, const float *k, const int64_t *off, int64_t j0,
-                          int64_t head_dim) {
-    const float *kp[KEYS];
-    v8f acc[KEYS];
-    for (int i = 0; i < KEYS; i++) {
-        kp[i] = k + off[j0 + i];
-        acc[i] = splat8(0.0f);
-    }
-    const int64_t lanes = head_dim & ~(int64_t)7;
-    for (int64_t d = 0; d < lanes; d += 8) {
-        const v8f qv = *(const v8f *)(q + d);
-        for (int i = 0; i < KEYS; i++)
-            acc[i] = fma8(qv, *(const v8f *)(kp[i] + d), acc[i]);
-    }
-    v8f s = tree8x8(acc);
-    for (int64_t d = lanes; d < head_dim; d++)            /* dimensions past the lanes, in order */
-        for (int i = 0; i < KEYS; i++)
-            s[i] += q[d] * kp[i][d];
-    return s;
-}
-
-/* scores8 for two query rows at once against the same keys (each key's vector loaded once for
- * both): each row's products and sums are scores8's, in its order, so each row's scores are bit
- * for bit what scores8 gives it alone */
-static inline void scores8x2(const float *qa, const float *qb, const float *k, const int64_t *off,
-                             int64_t j0, int64_t head_dim, float scale, float *sa, float *sb) {
-    const float *kp[KEYS];
-    v8f acc_a[KEYS], acc_b[KEYS];
-    for (int i = 0; i < KEYS; i++) {
-        kp[i] = k + off[j0 + i];
-        acc_a[i] = splat8(0.0f);
-        acc_b[i] = splat8(0.0f);
-    }
-    const int64_t lanes = head_dim & ~(int64_t)7;
-    for (int64_t d = 0; d < lanes; d += 8) {
-        const v8f qav = *(const v8f *)(qa + d), qbv = *(const v8f *)(qb + d);
-        for (int i = 0; i < KEYS; i++) {
-            const v8f kv = *(const v8f *)(kp[i] + d);
-            acc_a[i] = fma8(qav, kv, acc_a[i]);
-            acc_b[i] = fma8(qbv, kv, acc_b[i]);
-        }
-    }
-    v8f a = tree8x8(acc_a), b = tree8x8(acc_b);
-    for (int64_t d = lanes; d < head_dim; d++)
-        for (int i = 0; i < KEYS; i++) {
-            a[i] += qa[d] * kp[i][d];
-            b[i] += qb[d] * kp[i][d];
-        }
-    *(v8f *)sa = a * scale;
-    *(v8f *)sb = b * scale;
-}
-
-/* acc[0 .. 8 * nv) += p[j] * V[j] for keys lo..hi in order, V[j] at v + off[j]: a row's
- * weighted sum continued over a chunk of keys (registers in, the same chain of fused
- * multiply-adds as one pass over all its keys) */
-static inline __attribute__((always_inline)) void weigh8(const float *p, const float *v,
-                                                         const int64_t *off, int64_t lo,
-                                                         int64_t hi, float *acc_mem,
-                                                         const int nv) {
-    v8f acc[8];
-    for (int c = 0; c < nv; c++)
-        acc[c] = *(const v8f *)(acc_mem + 8 * c);
-    for (int64_t j = lo; j <= hi; j++) {
-        const v8f pj = splat8(p[j]);
-        const float *vj = v + off[j];
-        for (int c = 0; c < nv; c++)
-            acc[c] = fma8(pj, *(const v8f *)(vj + 8 * c), acc[c]);
-    }
-    for (int c = 0; c < nv; c++)
-        *(v8f *)(acc_mem + 8 * c) = acc[c];
-}
-
-static void weigh(const float *p, const float *v, const int64_t *off, int64_t lo, int64_t hi,
-                  int64_t head_dim, float *acc) {
-    const int64_t lanes = head_dim & ~(int64_t)7;
-    for (int64_t d = 0; d < lanes; d += 64) {
-        switch ((lanes - d) / 8 < 8 ? (lanes - d) / 8 : 8) {   /* a constant count each case */
-        case 8: weigh8(p, v + d, off, lo, hi, acc + d, 8); break;
-        case 7: weigh8(p, v + d, off, lo, hi, acc + d, 7); break;
-        case 6: weigh8(p, v + d, off, lo, hi, acc + d, 6); break;
-        case 5: weigh8(p, v + d, off, lo, hi, acc + d, 5); break;
-        case 4: weigh8(p, v + d, off, lo, hi, acc + d, 4); break;
-        case 3: weigh8(p, v + d, off, lo, hi, acc + d, 3); break;
-        case 2: weigh8(p, v + d, off, lo, hi, acc + d, 2); break;
-        default: weigh8(p, v + d, off, lo, hi, acc + d, 1); break;
-        }
-    }
-    for (int64_t d = lanes; d < head_dim; d++)            /* dimensions past the lanes */
-        for (int64_t j = lo; j <= hi; j++)
-            acc[d] += p[j] * v[off[j] + d];
-}
-
-/* weigh8 for two rows over the same keys lo..hi (each value vector loaded once for both): each
- * row's chain of fused multiply-adds is weigh8's */
-static inline __attribute__((always_inline)) void weigh8x2(const float *pa, const float *pb,
-                                                           const float *v, const int64_t *off,
-                                                           int64_t lo, int64_t hi, float *acc_a,
-                                                           float *acc_b, const int nv) {
-    v8f a[8], b[8];
-    for (int c = 0; c < nv; c++) {
-        a[c] = *(const v8f *)(acc_a + 8 * c);
-        b[c] = *(const v8f *)(acc_b + 8 * c);
-    }
-    for (int64_t j = lo; j <= hi; j++) {
-        const v8f paj = splat8(pa[j]), pbj = splat8(pb[j]);
-        const float *vj = v + off[j];
-        for (int c = 0; c < nv; c++) {
-            const v8f vv = *(const v8f *)(vj + 8 * c);
-            a[c] = fma8(paj, vv, a[c]);
-            b[c] = fma8(pbj, vv, b[c]);
-        }
-    }
-    for (int c = 0; c < nv; c++) {
-        *(v8f *)(acc_a + 8 * c) = a[c];
-        *(v8f *)(acc_b + 8 * c) = b[c];
-    }
-}
-
-/* weigh for two rows whose keys are lo_a..hi_a and lo_b..hi_b: the keys both see together, the
- * rest row by row; each row still takes its keys in order, so each row's sums are weigh's */
-static void weigh2(const float *pa, const float *pb, const float *v, const int64_t *off,
-                   int64_t lo_a, int64_t hi_a, int64_t lo_b, int64_t hi_b, int64_t head_dim,
-                   float *acc_a, float *acc_b) {
-    const int64_t lo = lo_a > lo_b ? lo_a : lo_b, hi = hi_a < hi_b ? hi_a : hi_b;
-    if (lo > hi) {
-        if (lo_a <= hi_a)
-            weigh(pa, v, off, lo_a, hi_a, head_dim, acc_a);
-        if (lo_b <= hi_b)
-            weigh(pb, v, off, lo_b, hi_b, head_dim, acc_b);
-        return;
-    }
-    if (lo_a < lo)
-        weigh(pa, v, off, lo_a, lo - 1, head_dim, acc_a);
-    if (lo_b < lo)
-        weigh(pb, v, off, lo_b, lo - 1, head_dim, acc_b);
-    const int64_t lanes = head_dim & ~(int64_t)7;
-    for (int64_t d = 0; d < lanes; d += 64) {
-        switch ((lanes - d) / 8 < 8 ? (lanes - d) / 8 : 8) {   /* a constant count each case */
-        case 8: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 8); break;
-        case 7: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 7); break;
-        case 6: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 6); break;
-        case 5: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 5); break;
-        case 4: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 4); break;
-        case 3: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 3); break;
-        case 2: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 2); break;
-        default: weigh8x2(pa, pb, v + d, off, lo, hi, acc_a + d, acc_b + d, 1); break;
-        }
-    }
-    for (int64_t d = lanes; d < head_dim; d++)            /* dimensions past the lanes */
-        for (int64_t j = lo; j <= hi; j++) {
-            acc_a[d] += pa[j] * v[off[j] + d];
-            acc_b[d] += pb[j] * v[off[j] + d];
-        }
-    if (hi_a > hi)
-        weigh(pa, v, off, hi + 1, hi_a, head_dim, acc_a);
-    if (hi_b > hi)
-        weigh(pb, v, off, hi + 1, hi_b, head_dim, acc_b);
 }
 
 /* a row's scores (keys first..end-1, in place) -> e^(s - max) over lo..hi, 0 elsewhere; returns
@@ -257,10 +97,12 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
  * last key's */
 static void key_offsets(int64_t *off, const int64_t *table, int64_t seq_len, int64_t padded,
                         int64_t block_size, int64_t slot_elems) {
-    for (int64_t j = 0; j < padded; j++) {
-        const int64_t key = j < seq_len ? j : seq_len - 1;
-        off[j] = (table[key / block_size] * block_size + key % block_size) * slot_elems;
-    }
+    int64_t j = 0;
+    for (int64_t b = 0; j < seq_len; b++)
+        for (int64_t i = 0, base = table[b] * block_size; i < block_size && j < seq_len; i++)
+            off[j++] = (base + i) * slot_elems;
+    for (; j < padded; j++)
+        off[j] = off[seq_len - 1];
 }
 
 /* the first key the query at `pos` sees: within the sliding window (0: none) */
@@ -286,41 +128,61 @@ static inline v8f widen8_bf16(const uint16_t *p) {
 }
 
 #if defined(__AVX512F__)
-static inline __m512 widen16_bf16(const uint16_t *p) {          /* widen8_bf16, 16 at a time */
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+static inline __m512 widen16_bf16_bits(__m256i w) {            /* widen8_bf16, 16 at a time */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+}
+
+static inline __m512 widen16_bf16(const uint16_t *p) {
+    return widen16_bf16_bits(_mm256_loadu_si256((const __m256i *)p));
 }
 #endif
+
+static inline float widen1_bf16(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* fp8 (e4m3) K/V, `--kv-cache-dtype fp8`: sign, 4 exponent bits (bias 7), 3 mantissa bits, no
  * infinities. Its bits below the sign, shifted left by 7, are a float16 worth exactly 2^-8 of it
  * (subnormals included: both formats' subnormals sit at the bottom of the same exponent range,
- * 8 binades apart), so a float16 conversion and a multiplication by 256 widen it exactly. */
-static inline v8f widen8_fp8(const uint8_t *p) {
+ * 8 binades apart), so a float16 conversion and a multiplication by 256 widen it exactly. The
+ * vector forms sign-extend each byte to 16 bits and shift it left by 7: the sign lands in bits
+ * 15 and 14, the rest in bits 13..7; clearing bit 14 leaves that float16. */
+#define FP8_TO_HALF ((short)0xbfff)
+static inline float widen1_fp8(uint8_t x) {
+    const int m = x & 0x7f, e = m >> 3;
+    const float mag = e ? ldexpf(1.0f + (float)(m & 7) / 8.0f, e - 7) : ldexpf((float)(m & 7), -9);
+    return x & 0x80 ? -mag : mag;          /* 0x7f / 0xff (NaN) widen to 480: never written */
+}
+
+/* 2^-8 of 8 fp8 values (exactly) */
+static inline v8f small8_fp8(const uint8_t *p) {
 #if defined(__F16C__) && defined(__AVX2__)
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-    return (v8f)_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return (v8f)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(FP8_TO_HALF)));
 #else
     v8f f;
-    for (int i = 0; i < 8; i++) {
-        const int m = p[i] & 0x7f, e = m >> 3;
-        const float mag = e ? ldexpf(1.0f + (float)(m & 7) / 8.0f, e - 7)
-                            : ldexpf((float)(m & 7), -9);
-        f[i] = p[i] & 0x80 ? -mag : mag;   /* 0x7f / 0xff (NaN) widen to 480: never written */
-    }
+    for (int i = 0; i < 8; i++)
+        f[i] = widen1_fp8(p[i]) * 0x1p-8f;
     return f;
 #endif
 }
 
+static inline v8f widen8_fp8(const uint8_t *p) {
+    return small8_fp8(p) * 256.0f;
+}
+
 #if defined(__AVX512F__)
+static inline __m512 small16_fp8(__m128i bytes) {               /* small8_fp8, 16 at a time */
+    const __m256i b = _mm256_cvtepi8_epi16(bytes);
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7),
+                                            _mm256_set1_epi16(FP8_TO_HALF)));
+}
+
 static inline __m512 widen16_fp8(const uint8_t *p) {            /* widen8_fp8, 16 at a time */
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i h = _mm256_or_si256(
-        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
-        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    return _mm512_mul_ps(small16_fp8(_mm_loadu_si128((const __m128i *)p)), _mm512_set1_ps(256.0f));
 }
 #define STAGE16(form)                                                                         \
     for (; d + 16 <= lanes; d += 16)                                                            \
@@ -402,6 +264,75 @@ DEFINE_EXP(exp_row, vrow, vrowi)                  /* exp8's operations, lane for
 static inline vrow exp_row(vrow x) {
     return exp8(x);
 }
+#endif
+
+/* The decode rows' loads (`attend_request`), each form widening exactly to float32 in registers,
+ * UNIT_<form> times smaller: loadrow_<form>, TILE consecutive values (of a value vector);
+ * loadpair_<form>(a, b), 8 values from a then, with TILE 16, 8 from b (two keys' score lanes in
+ * one vector: KP keys a vector). widen1_<form>: one value, full size. The rows multiply their
+ * queries and probabilities by UNIT (a power of 2: exact), so every product is the same. */
+#define KP (TILE / 8)
+#define GROUP_ROWS (KP + 1)        /* rows of a kv head scored and weighed together, at most */
+
+static inline float widen1(float x) {
+    return x;
+}
+
+#define UNIT 1.0f
+#define UNIT_bf16 1.0f
+#define UNIT_fp8 256.0f         /* fp8's loads: a float16 conversion, without the x256 */
+
+#if TILE == 16
+static inline vrow loadrow(const float *p) {
+    return *(const vrow *)p;
+}
+
+static inline vrow loadrow_bf16(const uint16_t *p) {
+    return (vrow)widen16_bf16(p);
+}
+
+static inline vrow loadrow_fp8(const uint8_t *p) {
+    return (vrow)small16_fp8(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline vrow loadpair(const float *a, const float *b) {
+    const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+    return (vrow)_mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(b)),
+                                                     1));
+}
+
+static inline vrow loadpair_bf16(const uint16_t *a, const uint16_t *b) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)a);
+    return (vrow)widen16_bf16_bits(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(lo), _mm_loadu_si128((const __m128i *)b), 1));
+}
+
+static inline vrow loadpair_fp8(const uint8_t *a, const uint8_t *b) {
+    return (vrow)small16_fp8(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
+                                                _mm_loadl_epi64((const __m128i *)b)));
+}
+
+/* the two keys' 8 lanes of a loadpair-shaped vector */
+static inline void split_pair(vrow x, v8f *a, v8f *b) {
+    *a = (v8f)_mm512_castps512_ps256((__m512)x);
+    *b = (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)x), 1));
+}
+#else
+static inline vrow loadrow(const float *p) {
+    return *(const v8f *)p;
+}
+
+static inline vrow loadrow_bf16(const uint16_t *p) {
+    return widen8_bf16(p);
+}
+
+static inline vrow loadrow_fp8(const uint8_t *p) {
+    return small8_fp8(p);
+}
+
+#define loadpair(a, b) loadrow(a)
+#define loadpair_bf16(a, b) loadrow_bf16(a)
+#define loadpair_fp8(a, b) loadrow_fp8(a)
 #endif
 
 /* the scores of TILE rows (qt: their queries, dimension-major, qt[d * TILE + row]) against two

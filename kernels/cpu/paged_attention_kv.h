@@ -1,157 +1,251 @@
 /* The part of `paged_attention.c` that reads the K/V cache, written once for each element type
- * the cache may hold: `paged_attention.c` includes this file twice, with
- *   KV_T       the cache's element type (float; uint16_t holding bfloat16 bits),
- *   KV_(name)  this form's name of a function (name; name##_bf16),
- *   KV_STAGED  0: the float32 form reads the cache in place; 1: the bf16 form widens each block
- *              of KEYS keys (then each chunk of CHUNK values) of the kv heads a task reads into
- *              `stage` (float32, exactly: a bf16 is a float32's top half) once for all its rows,
- *              and the same scores8 / weigh read it there.
- * Every product and sum is the float32 form's, in the same order: the bf16 form's result is bit
- * for bit the float32 form's over the widened cache, and as row-invariant.
+ * the cache may hold: `paged_attention.c` includes this file three times, with
+ *   KV_T       the cache's element type (float; uint16_t holding bfloat16 bits; uint8_t, fp8),
+ *   KV_(name)  this form's name of a function or constant (name; name##_bf16; name##_fp8),
+ *   KV_STAGED  0: the float32 form's prompt tiles read the cache in place; 1: the narrow forms'
+ *              tiles widen each block of KEYS keys (then each chunk of CHUNK values) of a kv
+ *              head into `stage` (float32, exactly) once for all their rows.
+ * The decode rows widen in registers (loadrow / loadpair). Every product and sum is the float32
+ * form's, in the same order: a narrow form's result is bit for bit the float32 form's over the
+ * widened cache, and as row-invariant.
  * (No include guard: included once per element type.)
  */
 
-/* Cache lines of keys' slots requested from memory ahead of use, a few at a time between the
- * rows' work (a burst of a whole block's lines would overflow the core's miss queue): the
- * cursor walks slot after slot, every line of each (every kv head), in address order. */
+/* Keys' cache lines requested from memory ahead of use, a few keys at a time between the rows'
+ * work (a burst of a whole block's lines would overflow the core's miss queue): key after key,
+ * the lines of the kv heads the task reads. */
 struct KV_(ahead) {
-    const char *cache;                  /* bytes: slot offsets are in elements */
-    const int64_t *off;
-    int64_t key, line, end, slot_lines;
+    const char *at;                     /* the cache's bytes from the task's first kv head on */
+    const int64_t *off;                 /* slot offsets, in elements */
+    int64_t key, end, bytes;            /* next key, keys end, bytes of a slot the task reads */
 };
 
-static inline void KV_(prefetch_lines)(struct KV_(ahead) *a, int64_t n) {
-    for (; n > 0 && a->key < a->end; n--) {
-        __builtin_prefetch(a->cache + sizeof(KV_T) * a->off[a->key] + 64 * a->line, 0, 1);
-        if (++a->line == a->slot_lines) {
-            a->line = 0;
-            a->key++;
-        }
+static inline void KV_(prefetch_keys)(struct KV_(ahead) *a, int64_t n) {
+    for (; n > 0 && a->key < a->end; n--, a->key++) {
+        const uintptr_t at = (uintptr_t)(a->at + sizeof(KV_T) * a->off[a->key]);
+        for (uintptr_t line = at & ~(uintptr_t)63; line < at + a->bytes; line += 64)
+            __builtin_prefetch((const void *)line, 0, 1);
     }
 }
 
-/* One request's heads h0 .. h0 + nh - 1, every query row of each, all together in one pass over
- * the keys (slot by slot, every kv head of a slot at once, the slots AHEAD keys on requested
- * early): each block of 8 keys is scored for every row while it is in the L1 cache, and each
- * chunk of values weighed by every row likewise. Scratch: off, the slot offset of every key
- * (seq_len rounded up to KEYS, the padding repeating the last key's); scores, keys_padded floats
- * per row; acc, head_dim floats per row; inv, one per row (rows: nh * q_len, row r = query
- * r % q_len of head h0 + r / q_len). */
+/* q . K[j0 + i] * scale for i < KEYS, n rows of one kv head at once (K[j] at k + off[j]; each
+ * key's vector loaded and widened once for all of them) into out[r][0 .. KEYS). qd[r]: row r's
+ * query times UNIT, each 8 dimensions repeated KP times (loadpair's shape); q[r]: the query. Each
+ * row's products and sums do not depend on n or the other rows: 8 lanes of fused multiply-adds
+ * over the dimensions d = l mod 8 in order, tree8x8's tree, the dimensions past the lanes in
+ * order, then the scale. */
+static inline __attribute__((always_inline)) void KV_(scores_rows)(
+    const int n, const float *const *qd, const float *const *q, const KV_T *k, const int64_t *off,
+    int64_t j0, int64_t head_dim, float scale, float *const *out) {
+    const KV_T *kp[KEYS];
+    vrow acc[GROUP_ROWS][KEYS / KP];
+    for (int i = 0; i < KEYS; i++)
+        kp[i] = k + off[j0 + i];
+    for (int r = 0; r < n; r++)
+        for (int p = 0; p < KEYS / KP; p++)
+            acc[r][p] = splat_row(0.0f);
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < lanes; d += 8)
+        for (int p = 0; p < KEYS / KP; p++) {
+            const vrow kv = KV_(loadpair)(kp[KP * p] + d, kp[KP * p + KP - 1] + d);
+            for (int r = 0; r < n; r++)
+                acc[r][p] = fma_row(*(const vrow *)(qd[r] + KP * d), kv, acc[r][p]);
+        }
+    for (int r = 0; r < n; r++) {
+        v8f key[KEYS];
+        for (int p = 0; p < KEYS / KP; p++)
+#if KP == 2
+            split_pair(acc[r][p], &key[2 * p], &key[2 * p + 1]);
+#else
+            key[p] = acc[r][p];
+#endif
+        v8f s = tree8x8(key);
+        for (int64_t d = lanes; d < head_dim; d++)        /* dimensions past the lanes, in order */
+            for (int i = 0; i < KEYS; i++)
+                s[i] += q[r][d] * KV_(widen1)(kp[i][d]);
+        *(v8f *)out[r] = s * scale;
+    }
+}
+
+/* acc[r][d0 .. d0 + TILE * nc) += p[r][j] * V[j] there, keys lo..hi in order, for n rows at once
+ * (each value vector loaded and widened once for all of them): each row's chains of fused
+ * multiply-adds, dimension by dimension, are the same whatever n */
+static inline __attribute__((always_inline)) void KV_(weigh_block)(
+    const int n, const int nc, const float *const *p, const KV_T *v, const int64_t *off,
+    int64_t lo, int64_t hi, int64_t d0, float *const *acc) {
+    vrow a[GROUP_ROWS][4];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < nc; c++)
+            a[r][c] = *(const vrow *)(acc[r] + d0 + TILE * c);
+    for (int64_t j = lo; j <= hi; j++) {
+        const KV_T *vj = v + off[j] + d0;
+        vrow vv[4];
+        for (int c = 0; c < nc; c++)
+            vv[c] = KV_(loadrow)(vj + TILE * c);
+        for (int r = 0; r < n; r++) {
+            const vrow pj = splat_row(p[r][j] * KV_(UNIT));
+            for (int c = 0; c < nc; c++)
+                a[r][c] = fma_row(pj, vv[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < nc; c++)
+            *(vrow *)(acc[r] + d0 + TILE * c) = a[r][c];
+}
+
+/* weigh_block over every dimension: TILE at a time, then one by one (a fused multiply-add below
+ * the last multiple of 8, as the 8-lane form computes there, a product then a sum past it) */
+static void KV_(weigh_rows)(int n, const float *const *p, const KV_T *v, const int64_t *off,
+                            int64_t lo, int64_t hi, int64_t head_dim, float *const *acc) {
+    const int64_t vec = head_dim / TILE * TILE, lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < vec; d += 4 * TILE) {
+        const int nc = (vec - d) / TILE < 4 ? (int)((vec - d) / TILE) : 4;
+#define WEIGH_CASE(N, NC)                                                                       \
+    case (N) * 8 + (NC): KV_(weigh_block)(N, NC, p, v, off, lo, hi, d, acc); break;
+        switch (n * 8 + nc) {                                   /* constant counts each case */
+            WEIGH_CASE(1, 1) WEIGH_CASE(1, 2) WEIGH_CASE(1, 3) WEIGH_CASE(1, 4)
+            WEIGH_CASE(2, 1) WEIGH_CASE(2, 2) WEIGH_CASE(2, 3) WEIGH_CASE(2, 4)
+#if GROUP_ROWS > 2
+            WEIGH_CASE(3, 1) WEIGH_CASE(3, 2) WEIGH_CASE(3, 3) WEIGH_CASE(3, 4)
+#endif
+        }
+#undef WEIGH_CASE
+    }
+    for (int64_t d = vec; d < head_dim; d++)
+        for (int r = 0; r < n; r++)
+            for (int64_t j = lo; j <= hi; j++) {
+                const float x = KV_(widen1)(v[off[j] + d]);
+                acc[r][d] = d < lanes ? __builtin_fmaf(p[r][j], x, acc[r][d])
+                                      : acc[r][d] + p[r][j] * x;
+            }
+}
+
+/* weigh_rows for n rows whose keys are lo[r]..hi[r]: the keys all see together, the rest row by
+ * row; each row still takes its keys in order */
+static void KV_(weigh_group)(int n, const float *const *p, const KV_T *v, const int64_t *off,
+                             const int64_t *lo, const int64_t *hi, int64_t head_dim,
+                             float *const *acc) {
+    int64_t both_lo = lo[0], both_hi = hi[0];
+    for (int r = 1; r < n; r++) {
+        both_lo = lo[r] > both_lo ? lo[r] : both_lo;
+        both_hi = hi[r] < both_hi ? hi[r] : both_hi;
+    }
+    if (both_lo > both_hi) {
+        for (int r = 0; r < n; r++)
+            if (lo[r] <= hi[r])
+                KV_(weigh_rows)(1, p + r, v, off, lo[r], hi[r], head_dim, acc + r);
+        return;
+    }
+    for (int r = 0; r < n; r++)
+        if (lo[r] < both_lo)
+            KV_(weigh_rows)(1, p + r, v, off, lo[r], both_lo - 1, head_dim, acc + r);
+    KV_(weigh_rows)(n, p, v, off, both_lo, both_hi, head_dim, acc);
+    for (int r = 0; r < n; r++)
+        if (hi[r] > both_hi)
+            KV_(weigh_rows)(1, p + r, v, off, both_hi + 1, hi[r], head_dim, acc + r);
+}
+
+/* One request's heads h0 .. h0 + nh - 1, every query row of each (rows: nh * q_len, row r =
+ * query r % q_len of head h0 + r / q_len), in one pass over the keys, then one over the values:
+ * each block of 8 keys is scored, and each chunk of CHUNK values weighed, for the rows of a kv
+ * head GROUP_ROWS at a time, each key's vector widened once for them (in registers), the slots
+ * AHEAD keys on requested early. Scratch: off, the slot offset of every key (seq_len rounded up
+ * to KEYS, the padding repeating the last key's); scores, keys_padded floats per row; acc,
+ * head_dim floats per row; inv, one per row; qd, KP * head_dim floats per row. */
 static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV_T *k_cache,
                                 const KV_T *v_cache, float *out, int64_t out_token_stride,
                                 const int64_t *table, int64_t q_start, int64_t q_len,
                                 int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                 float scale, int64_t window, float softcap, int64_t *off,
-                                float *scores, float *acc, float *inv, float *stage) {
+                                float *scores, float *acc, float *inv, float *qd_mem) {
     const int64_t group = num_heads / num_kv_heads, slot_elems = num_kv_heads * head_dim;
     const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1), rows = nh * q_len;
+    const int64_t lanes = head_dim & ~(int64_t)7;
     key_offsets(off, table, seq_len, padded, block_size, slot_elems);
     const int64_t first_pos = seq_len - q_len;           /* query qi sits at first_pos + qi */
-    const int64_t lo_any = first_key(first_pos, window);
-    const int64_t slot_lines = (slot_elems * (int64_t)sizeof(KV_T) + 63) / 64;   /* 64-byte */
+    /* each row's query, keys lo..hi, scores and sums; groups: rows g0 .. g0 + gn - 1 of kv head
+     * gkv, seeing keys from glo (a multiple of KEYS) to ghi */
+    const float *qr[rows], *qd[rows];
+    float *sr[rows], *ar[rows];
+    int64_t lo[rows], hi[rows], g0[rows], gkv[rows], glo[rows], ghi[rows];
+    int gn[rows];
+    int64_t groups = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t h = h0 + r / q_len, qi = r % q_len;
+        qr[r] = q + (q_start + qi) * q_token_stride + h * head_dim;
+        hi[r] = first_pos + qi;
+        lo[r] = first_key(hi[r], window);
+        sr[r] = scores + r * padded;
+        ar[r] = acc + r * head_dim;
+        float *dup = qd_mem + r * KP * lanes;
+        for (int64_t d = 0; d < lanes; d++)
+            for (int i = 0; i < KP; i++)
+                dup[KP * (d & ~(int64_t)7) + 8 * i + (d & 7)] = qr[r][d] * KV_(UNIT);
+        qd[r] = dup;
+        const int64_t first = lo[r] & ~(int64_t)(KEYS - 1);
+        if (groups && gkv[groups - 1] == h / group && gn[groups - 1] < GROUP_ROWS) {
+            gn[groups - 1]++;
+            glo[groups - 1] = first < glo[groups - 1] ? first : glo[groups - 1];
+            ghi[groups - 1] = hi[r] > ghi[groups - 1] ? hi[r] : ghi[groups - 1];
+        } else {
+            g0[groups] = r, gkv[groups] = h / group, gn[groups] = 1;
+            glo[groups] = first, ghi[groups] = hi[r];
+            groups++;
+        }
+    }
+    const int64_t lo_any = first_key(first_pos, window), kv_lo = h0 / group;
+    const int64_t span = ((h0 + nh - 1) / group - kv_lo + 1) * head_dim * (int64_t)sizeof(KV_T);
     const int64_t k_start = lo_any & ~(int64_t)(KEYS - 1);
-#if KV_STAGED
-    /* the kv heads this task reads (kv_lo on), widened a block of keys or a chunk of values at a
-     * time into `stage`, slot i at stage + staged[i] */
-    const int64_t kv_lo = h0 / group, used = ((h0 + nh - 1) / group - kv_lo + 1) * head_dim;
-    int64_t staged[CHUNK];
-    for (int64_t i = 0; i < CHUNK; i++)
-        staged[i] = i * used;
-#endif
-    struct KV_(ahead) ka = {(const char *)k_cache, off, k_start + AHEAD, 0, seq_len, slot_lines};
-    const int64_t k_lines = (KEYS * slot_lines + rows - 1) / rows;    /* per row, a block's lines */
+    struct KV_(ahead) ka = {(const char *)(k_cache + kv_lo * head_dim), off, k_start + AHEAD,
+                            seq_len, span};
+    const int64_t k_keys = (KEYS + groups - 1) / groups;          /* per group, a block's keys */
     for (int64_t j0 = k_start; j0 < padded; j0 += KEYS) {
         if (ka.key < j0 + AHEAD)
-            ka.key = j0 + AHEAD, ka.line = 0;
-#if KV_STAGED
-        KV_(stage)(k_cache, off, j0, KEYS, kv_lo * head_dim, used, stage);
-#endif
-        for (int64_t r = 0; r < rows;) {
-            KV_(prefetch_lines)(&ka, k_lines);
-            const int64_t h = h0 + r / q_len;
-            /* row r, with row r + 1 where it reads the same kv head (scores8x2) */
-            const int two = r + 1 < rows && (h0 + (r + 1) / q_len) / group == h / group;
-            int need = 0;
-            for (int64_t s = r; s < r + 1 + two; s++) {
-                const int64_t hi = first_pos + s % q_len;
-                need |= !(j0 > hi || j0 + KEYS <= (first_key(hi, window) & ~(int64_t)(KEYS - 1)));
-            }
-            if (!need) {
-                r += 1 + two;
+            ka.key = j0 + AHEAD;
+        for (int64_t g = 0; g < groups; g++) {
+            KV_(prefetch_keys)(&ka, k_keys);
+            if (j0 > ghi[g] || j0 + KEYS <= glo[g])
                 continue;
-            }
-#if KV_STAGED
-            const float *kh = stage + (h / group - kv_lo) * head_dim;
-            const int64_t *ko = staged, kj = 0;
-#else
-            const float *kh = k_cache + h / group * head_dim;
-            const int64_t *ko = off, kj = j0;
+            const KV_T *kh = k_cache + gkv[g] * head_dim;
+            const int64_t r = g0[g];
+            float *o[GROUP_ROWS];
+            for (int i = 0; i < gn[g]; i++)
+                o[i] = sr[r + i] + j0;
+            switch (gn[g]) {                                     /* a constant count each case */
+            case 1: KV_(scores_rows)(1, qd + r, qr + r, kh, off, j0, head_dim, scale, o); break;
+            case 2: KV_(scores_rows)(2, qd + r, qr + r, kh, off, j0, head_dim, scale, o); break;
+#if GROUP_ROWS > 2
+            case 3: KV_(scores_rows)(3, qd + r, qr + r, kh, off, j0, head_dim, scale, o); break;
 #endif
-            const float *qr = q + (q_start + r % q_len) * q_token_stride + h * head_dim;
-            if (two) {
-                KV_(prefetch_lines)(&ka, k_lines);
-                const int64_t h1 = h0 + (r + 1) / q_len;
-                const float *q1 = q + (q_start + (r + 1) % q_len) * q_token_stride + h1 * head_dim;
-                scores8x2(qr, q1, kh, ko, kj, head_dim, scale, scores + r * padded + j0,
-                          scores + (r + 1) * padded + j0);
-                r += 2;
-            } else {
-                *(v8f *)(scores + r * padded + j0) = scores8(qr, kh, ko, kj, head_dim) * scale;
-                r += 1;
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t hi = first_pos + r % q_len, lo = first_key(hi, window);
-        inv[r] = softmax_row(scores + r * padded, lo & ~(int64_t)(KEYS - 1),
-                             (hi + KEYS) & ~(int64_t)(KEYS - 1), lo, hi, softcap);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        inv[r] = softmax_row(sr[r], lo[r] & ~(int64_t)(KEYS - 1),
+                             (hi[r] + KEYS) & ~(int64_t)(KEYS - 1), lo[r], hi[r], softcap);
     memset(acc, 0, sizeof(float) * rows * head_dim);
-    struct KV_(ahead) va = {(const char *)v_cache, off, lo_any, 0, seq_len, slot_lines};
-    KV_(prefetch_lines)(&va, AHEAD * slot_lines);
-    const int64_t v_lines = (CHUNK * slot_lines + rows - 1) / rows;
+    struct KV_(ahead) va = {(const char *)(v_cache + kv_lo * head_dim), off, lo_any, seq_len,
+                            span};
+    KV_(prefetch_keys)(&va, AHEAD);
+    const int64_t v_keys = (CHUNK + groups - 1) / groups;        /* per group, a chunk's keys */
     for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
-#if KV_STAGED
-        KV_(stage)(v_cache, off, c0, seq_len - c0 < CHUNK ? seq_len - c0 : CHUNK,
-                   kv_lo * head_dim, used, stage);
-#endif
-        for (int64_t r = 0; r < rows;) {
-            KV_(prefetch_lines)(&va, v_lines);
-            const int64_t h = h0 + r / q_len;
-            const int two = r + 1 < rows && (h0 + (r + 1) / q_len) / group == h / group;
-            int64_t lo[2], hi[2];
-            for (int s = 0; s <= two; s++) {
-                const int64_t row_hi = first_pos + (r + s) % q_len;
-                const int64_t row_lo = first_key(row_hi, window);
-                lo[s] = row_lo > c0 ? row_lo : c0;
-                hi[s] = row_hi < c0 + CHUNK - 1 ? row_hi : c0 + CHUNK - 1;
+        for (int64_t g = 0; g < groups; g++) {
+            KV_(prefetch_keys)(&va, v_keys);
+            const int64_t r = g0[g];
+            int64_t clo[GROUP_ROWS], chi[GROUP_ROWS];
+            for (int i = 0; i < gn[g]; i++) {
+                clo[i] = lo[r + i] > c0 ? lo[r + i] : c0;
+                chi[i] = hi[r + i] < c0 + CHUNK - 1 ? hi[r + i] : c0 + CHUNK - 1;
             }
-#if KV_STAGED                               /* keys c0 + i at stage + i * used: shifted by c0 */
-            const float *p = scores + r * padded + c0;
-            const float *vh = stage + (h / group - kv_lo) * head_dim;
-            const int64_t *vo = staged, shift = c0;
-#else
-            const float *p = scores + r * padded;
-            const float *vh = v_cache + h / group * head_dim;
-            const int64_t *vo = off, shift = 0;
-#endif
-            if (two) {
-                KV_(prefetch_lines)(&va, v_lines);
-                weigh2(p, p + padded, vh, vo, lo[0] - shift, hi[0] - shift, lo[1] - shift,
-                       hi[1] - shift, head_dim, acc + r * head_dim, acc + (r + 1) * head_dim);
-                r += 2;
-            } else {
-                if (lo[0] <= hi[0])
-                    weigh(p, vh, vo, lo[0] - shift, hi[0] - shift, head_dim, acc + r * head_dim);
-                r += 1;
-            }
+            KV_(weigh_group)(gn[g], (const float *const *)sr + r, v_cache + gkv[g] * head_dim,
+                             off, clo, chi, head_dim, ar + r);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
         float *o = out + (q_start + r % q_len) * out_token_stride + (h0 + r / q_len) * head_dim;
         for (int64_t d = 0; d < head_dim; d++)
-            o[d] = acc[r * head_dim + d] * inv[r];
+            o[d] = ar[r][d] * inv[r];
     }
 }
 
@@ -359,7 +453,7 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
                 KV_(attend_request)(q, q_token_stride, k_cache, v_cache, out,
                                     out_token_stride, table, q0 + tiled, q_len - tiled, seq_len,
                                     h0, nh, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                    window, softcap, off, scores, acc, inv, stage);
+                                    window, softcap, off, scores, acc, inv, qt);
         }
         free(off);
         free(scores);
