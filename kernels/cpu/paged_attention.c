@@ -2,9 +2,8 @@
  * paged K/V cache in place: no gathered copy of a request's blocks, one call per layer for every
  * short request of the step whatever their shapes.
  *
- * One task per request, or, with fewer requests than threads, per part of a request's heads
- * (prompt chunks, verify rows) or of its kv heads' keys and values (decodes: `attend_shared`, no
- * kv head read twice), so that the threads share it. A task walks the request's keys once for all
+ * One task per request, or, with fewer requests than threads (one decode), per part of a
+ * request's heads, so that the threads share it. A task walks the request's keys once for all
  * its query rows, the rows of a kv head up to GROUP_ROWS at a time: each block of 8 keys is
  * scored for those rows together (each key's vector loaded once for them; with AVX-512, two
  * keys' 8 lanes in one 16-float vector), each row soft-maxed over the keys it sees (causal,
@@ -459,71 +458,6 @@ static void weigh_tile(const float *p, int64_t base, const float *v, const int64
             if (hi[i] > chi)
                 weigh_column(p + i, base, v, off, chi + 1, hi[i], head_dim, acc + i * head_dim);
     }
-}
-
-/* A decode task's query rows (row r: query r % q_len of head h0 + r / q_len): its query (and
- * the copy the score loads take, see scores_rows), the keys it sees (lo..hi), its scores (one
- * per key), weighted sums, 1 / the softmax's sum, and where its output goes */
-struct row {
-    const float *q, *qd;
-    float *scores, *acc, *out, inv;
-    int64_t lo, hi;
-};
-
-/* rows row .. row + n - 1, of kv head kv, scored and weighed together; keys first (a multiple of
- * KEYS) .. last are all the keys any of them sees */
-struct group {
-    int64_t row, kv, first, last;
-    int n;
-};
-
-/* The rows of one request's heads h0 .. h0 + nh - 1 and their groups (rows of a kv head, up to
- * GROUP_ROWS a group), with scratch scores (padded floats a row), acc (head_dim a row) and qd
- * (KP * head_dim a row; queries times unit, see scores_rows); returns the number of groups. */
-static int64_t decode_rows(const float *q, int64_t q_token_stride, float *out,
-                           int64_t out_token_stride, int64_t q_start, int64_t q_len,
-                           int64_t seq_len, int64_t h0, int64_t nh, int64_t group,
-                           int64_t head_dim, int64_t window, float unit, float *scores,
-                           float *acc, float *qd, struct row *rw, struct group *gr) {
-    const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1), rows = nh * q_len;
-    const int64_t lanes = head_dim & ~(int64_t)7, first_pos = seq_len - q_len;
-    int64_t groups = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t h = h0 + r / q_len, qi = r % q_len;
-        struct row *w = rw + r;
-        w->q = q + (q_start + qi) * q_token_stride + h * head_dim;
-        w->out = out + (q_start + qi) * out_token_stride + h * head_dim;
-        w->hi = first_pos + qi;                          /* query qi sits at first_pos + qi */
-        w->lo = first_key(w->hi, window);
-        w->scores = scores + r * padded;
-        w->acc = acc + r * head_dim;
-        float *dup = qd + r * KP * lanes;
-        for (int64_t d = 0; d < lanes; d++)
-            for (int i = 0; i < KP; i++)
-                dup[KP * (d & ~(int64_t)7) + 8 * i + (d & 7)] = w->q[d] * unit;
-        w->qd = dup;
-        const int64_t first = w->lo & ~(int64_t)(KEYS - 1);
-        struct group *g = gr + groups - 1;
-        if (groups && g->kv == h / group && g->n < GROUP_ROWS) {
-            g->n++;
-            g->first = first < g->first ? first : g->first;
-            g->last = w->hi > g->last ? w->hi : g->last;
-        } else {
-            gr[groups++] = (struct group){r, h / group, first, w->hi, 1};
-        }
-    }
-    return groups;
-}
-
-/* a row's softmax over its scores, then (after its values are weighed) its output */
-static inline void soften_row(struct row *w, float softcap) {
-    w->inv = softmax_row(w->scores, w->lo & ~(int64_t)(KEYS - 1),
-                         (w->hi + KEYS) & ~(int64_t)(KEYS - 1), w->lo, w->hi, softcap);
-}
-
-static inline void finish_row(const struct row *w, int64_t head_dim) {
-    for (int64_t d = 0; d < head_dim; d++)
-        w->out[d] = w->acc[d] * w->inv;
 }
 
 #define KV_T float

@@ -93,14 +93,12 @@ static inline __attribute__((always_inline)) void KV_(weigh_block)(
             *(vrow *)(acc[r] + d0 + TILE * c) = a[r][c];
 }
 
-/* weigh_block over dimensions d0 .. d1 - 1 (d0 a multiple of TILE): TILE at a time, then one by
- * one (a fused multiply-add below the last multiple of 8, as the 8-lane form computes there, a
- * product then a sum past it) */
+/* weigh_block over every dimension: TILE at a time, then one by one (a fused multiply-add below
+ * the last multiple of 8, as the 8-lane form computes there, a product then a sum past it) */
 static void KV_(weigh_rows)(int n, const float *const *p, const KV_T *v, const int64_t *off,
-                            int64_t lo, int64_t hi, int64_t d0, int64_t d1, int64_t head_dim,
-                            float *const *acc) {
-    const int64_t vec = d1 / TILE * TILE, lanes = head_dim & ~(int64_t)7;
-    for (int64_t d = d0; d < vec; d += 4 * TILE) {
+                            int64_t lo, int64_t hi, int64_t head_dim, float *const *acc) {
+    const int64_t vec = head_dim / TILE * TILE, lanes = head_dim & ~(int64_t)7;
+    for (int64_t d = 0; d < vec; d += 4 * TILE) {
         const int nc = (vec - d) / TILE < 4 ? (int)((vec - d) / TILE) : 4;
 #define WEIGH_CASE(N, NC)                                                                       \
     case (N) * 8 + (NC): KV_(weigh_block)(N, NC, p, v, off, lo, hi, d, acc); break;
@@ -113,7 +111,7 @@ static void KV_(weigh_rows)(int n, const float *const *p, const KV_T *v, const i
         }
 #undef WEIGH_CASE
     }
-    for (int64_t d = vec > d0 ? vec : d0; d < d1; d++)
+    for (int64_t d = vec; d < head_dim; d++)
         for (int r = 0; r < n; r++)
             for (int64_t j = lo; j <= hi; j++) {
                 const float x = KV_(widen1)(v[off[j] + d]);
@@ -122,24 +120,11 @@ static void KV_(weigh_rows)(int n, const float *const *p, const KV_T *v, const i
             }
 }
 
-/* A group's values over keys c0 .. c0 + CHUNK - 1 (each row's within lo..hi), dimensions d0 ..
- * d1 - 1: the keys all its rows see together, the rest row by row; each row still takes its keys
- * in order */
-static void KV_(weigh_group)(const struct row *rw, const struct group *g, const KV_T *v_cache,
-                             const int64_t *off, int64_t c0, int64_t d0, int64_t d1,
-                             int64_t head_dim) {
-    const float *p[GROUP_ROWS];
-    float *acc[GROUP_ROWS];
-    int64_t lo[GROUP_ROWS], hi[GROUP_ROWS];
-    const int n = g->n;
-    for (int i = 0; i < n; i++) {
-        const struct row *w = rw + g->row + i;
-        p[i] = w->scores;
-        acc[i] = w->acc;
-        lo[i] = w->lo > c0 ? w->lo : c0;
-        hi[i] = w->hi < c0 + CHUNK - 1 ? w->hi : c0 + CHUNK - 1;
-    }
-    const KV_T *v = v_cache + g->kv * head_dim;
+/* weigh_rows for n rows whose keys are lo[r]..hi[r]: the keys all see together, the rest row by
+ * row; each row still takes its keys in order */
+static void KV_(weigh_group)(int n, const float *const *p, const KV_T *v, const int64_t *off,
+                             const int64_t *lo, const int64_t *hi, int64_t head_dim,
+                             float *const *acc) {
     int64_t both_lo = lo[0], both_hi = hi[0];
     for (int r = 1; r < n; r++) {
         both_lo = lo[r] > both_lo ? lo[r] : both_lo;
@@ -148,104 +133,120 @@ static void KV_(weigh_group)(const struct row *rw, const struct group *g, const 
     if (both_lo > both_hi) {
         for (int r = 0; r < n; r++)
             if (lo[r] <= hi[r])
-                KV_(weigh_rows)(1, p + r, v, off, lo[r], hi[r], d0, d1, head_dim, acc + r);
+                KV_(weigh_rows)(1, p + r, v, off, lo[r], hi[r], head_dim, acc + r);
         return;
     }
     for (int r = 0; r < n; r++)
         if (lo[r] < both_lo)
-            KV_(weigh_rows)(1, p + r, v, off, lo[r], both_lo - 1, d0, d1, head_dim, acc + r);
-    KV_(weigh_rows)(n, p, v, off, both_lo, both_hi, d0, d1, head_dim, acc);
+            KV_(weigh_rows)(1, p + r, v, off, lo[r], both_lo - 1, head_dim, acc + r);
+    KV_(weigh_rows)(n, p, v, off, both_lo, both_hi, head_dim, acc);
     for (int r = 0; r < n; r++)
         if (hi[r] > both_hi)
-            KV_(weigh_rows)(1, p + r, v, off, both_hi + 1, hi[r], d0, d1, head_dim, acc + r);
+            KV_(weigh_rows)(1, p + r, v, off, both_hi + 1, hi[r], head_dim, acc + r);
 }
 
-/* Scores of groups g_from .. g_to - 1 (one request's) against keys j_from .. j_to - 1 (multiples
- * of KEYS): each block of keys scored for every group in turn while in the L1 cache, the slots
- * AHEAD keys on (of the groups' kv heads) requested early */
-static void KV_(score_keys)(const struct row *rw, const struct group *gr, int64_t g_from,
-                            int64_t g_to, const KV_T *k_cache, const int64_t *off,
-                            int64_t j_from, int64_t j_to, int64_t seq_len, int64_t head_dim,
-                            float scale) {
-    const int64_t kv0 = gr[g_from].kv, groups = g_to - g_from;
-    struct KV_(ahead) ka = {(const char *)(k_cache + kv0 * head_dim), off, j_from + AHEAD,
-                            j_to < seq_len ? j_to : seq_len,
-                            (gr[g_to - 1].kv - kv0 + 1) * head_dim * (int64_t)sizeof(KV_T)};
-    const int64_t per = (KEYS + groups - 1) / groups;            /* per group, a block's keys */
-    for (int64_t j0 = j_from; j0 < j_to; j0 += KEYS) {
-        if (ka.key < j0 + AHEAD)
-            ka.key = j0 + AHEAD;
-        for (const struct group *g = gr + g_from; g < gr + g_to; g++) {
-            KV_(prefetch_keys)(&ka, per);
-            if (j0 > g->last || j0 + KEYS <= g->first)
-                continue;
-            const KV_T *kh = k_cache + g->kv * head_dim;
-            const float *qd[GROUP_ROWS], *q[GROUP_ROWS];
-            float *o[GROUP_ROWS];
-            for (int i = 0; i < g->n; i++) {
-                qd[i] = rw[g->row + i].qd;
-                q[i] = rw[g->row + i].q;
-                o[i] = rw[g->row + i].scores + j0;
-            }
-            switch (g->n) {                                      /* a constant count each case */
-            case 1: KV_(scores_rows)(1, qd, q, kh, off, j0, head_dim, scale, o); break;
-            case 2: KV_(scores_rows)(2, qd, q, kh, off, j0, head_dim, scale, o); break;
-#if GROUP_ROWS > 2
-            case 3: KV_(scores_rows)(3, qd, q, kh, off, j0, head_dim, scale, o); break;
-#endif
-            }
-        }
-    }
-}
-
-/* Values of groups g_from .. g_to - 1 (one request's), keys from c_from on in chunks of CHUNK,
- * dimensions d0 .. d1 - 1, into their rows' sums (zeroed here): each chunk weighed for every group
- * in turn while in the L1 cache, the slots AHEAD keys on requested early */
-static void KV_(weigh_values)(const struct row *rw, const struct group *gr, int64_t g_from,
-                              int64_t g_to, const KV_T *v_cache, const int64_t *off,
-                              int64_t c_from, int64_t seq_len, int64_t d0, int64_t d1,
-                              int64_t head_dim) {
-    const int64_t kv0 = gr[g_from].kv, groups = g_to - g_from;
-    for (const struct group *g = gr + g_from; g < gr + g_to; g++)
-        for (int i = 0; i < g->n; i++)
-            memset(rw[g->row + i].acc + d0, 0, sizeof(float) * (d1 - d0));
-    struct KV_(ahead) va = {(const char *)(v_cache + kv0 * head_dim + d0), off, c_from, seq_len,
-                            ((gr[g_to - 1].kv - kv0) * head_dim + d1 - d0) * (int64_t)sizeof(KV_T)};
-    KV_(prefetch_keys)(&va, AHEAD);
-    const int64_t per = (CHUNK + groups - 1) / groups;          /* per group, a chunk's keys */
-    for (int64_t c0 = c_from; c0 < seq_len; c0 += CHUNK)
-        for (const struct group *g = gr + g_from; g < gr + g_to; g++) {
-            KV_(prefetch_keys)(&va, per);
-            KV_(weigh_group)(rw, g, v_cache, off, c0, d0, d1, head_dim);
-        }
-}
-
-/* One request's heads h0 .. h0 + nh - 1, every query row of each, by one task: one pass over the
- * keys (score_keys), the softmax, one pass over the values (weigh_values). Scratch: off, the slot
- * offset of every key (seq_len rounded up to KEYS, the padding repeating the last key's); scores,
- * keys_padded floats per row; acc, head_dim floats per row; qd, KP * head_dim per row; rw, gr,
- * one each per row. */
+/* One request's heads h0 .. h0 + nh - 1, every query row of each (rows: nh * q_len, row r =
+ * query r % q_len of head h0 + r / q_len), in one pass over the keys, then one over the values:
+ * each block of 8 keys is scored, and each chunk of CHUNK values weighed, for the rows of a kv
+ * head GROUP_ROWS at a time, each key's vector widened once for them (in registers), the slots
+ * AHEAD keys on requested early. Scratch: off, the slot offset of every key (seq_len rounded up
+ * to KEYS, the padding repeating the last key's); scores, keys_padded floats per row; acc,
+ * head_dim floats per row; inv, one per row; qd, KP * head_dim floats per row. */
 static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV_T *k_cache,
                                 const KV_T *v_cache, float *out, int64_t out_token_stride,
                                 const int64_t *table, int64_t q_start, int64_t q_len,
                                 int64_t seq_len, int64_t h0, int64_t nh, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                 float scale, int64_t window, float softcap, int64_t *off,
-                                float *scores, float *acc, float *qd, struct row *rw,
-                                struct group *gr) {
+                                float *scores, float *acc, float *inv, float *qd_mem) {
+    const int64_t group = num_heads / num_kv_heads, slot_elems = num_kv_heads * head_dim;
     const int64_t padded = (seq_len + KEYS - 1) & ~(int64_t)(KEYS - 1), rows = nh * q_len;
-    key_offsets(off, table, seq_len, padded, block_size, num_kv_heads * head_dim);
-    const int64_t groups = decode_rows(q, q_token_stride, out, out_token_stride, q_start, q_len,
-                                       seq_len, h0, nh, num_heads / num_kv_heads, head_dim,
-                                       window, KV_(UNIT), scores, acc, qd, rw, gr);
-    const int64_t lo_any = first_key(seq_len - q_len, window);
-    KV_(score_keys)(rw, gr, 0, groups, k_cache, off, lo_any & ~(int64_t)(KEYS - 1), padded,
-                    seq_len, head_dim, scale);
+    const int64_t lanes = head_dim & ~(int64_t)7;
+    key_offsets(off, table, seq_len, padded, block_size, slot_elems);
+    const int64_t first_pos = seq_len - q_len;           /* query qi sits at first_pos + qi */
+    /* each row's query, keys lo..hi, scores and sums; groups: rows g0 .. g0 + gn - 1 of kv head
+     * gkv, seeing keys from glo (a multiple of KEYS) to ghi */
+    const float *qr[rows], *qd[rows];
+    float *sr[rows], *ar[rows];
+    int64_t lo[rows], hi[rows], g0[rows], gkv[rows], glo[rows], ghi[rows];
+    int gn[rows];
+    int64_t groups = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t h = h0 + r / q_len, qi = r % q_len;
+        qr[r] = q + (q_start + qi) * q_token_stride + h * head_dim;
+        hi[r] = first_pos + qi;
+        lo[r] = first_key(hi[r], window);
+        sr[r] = scores + r * padded;
+        ar[r] = acc + r * head_dim;
+        float *dup = qd_mem + r * KP * lanes;
+        for (int64_t d = 0; d < lanes; d++)
+            for (int i = 0; i < KP; i++)
+                dup[KP * (d & ~(int64_t)7) + 8 * i + (d & 7)] = qr[r][d] * KV_(UNIT);
+        qd[r] = dup;
+        const int64_t first = lo[r] & ~(int64_t)(KEYS - 1);
+        if (groups && gkv[groups - 1] == h / group && gn[groups - 1] < GROUP_ROWS) {
+            gn[groups - 1]++;
+            glo[groups - 1] = first < glo[groups - 1] ? first : glo[groups - 1];
+            ghi[groups - 1] = hi[r] > ghi[groups - 1] ? hi[r] : ghi[groups - 1];
+        } else {
+            g0[groups] = r, gkv[groups] = h / group, gn[groups] = 1;
+            glo[groups] = first, ghi[groups] = hi[r];
+            groups++;
+        }
+    }
+    const int64_t lo_any = first_key(first_pos, window), kv_lo = h0 / group;
+    const int64_t span = ((h0 + nh - 1) / group - kv_lo + 1) * head_dim * (int64_t)sizeof(KV_T);
+    const int64_t k_start = lo_any & ~(int64_t)(KEYS - 1);
+    struct KV_(ahead) ka = {(const char *)(k_cache + kv_lo * head_dim), off, k_start + AHEAD,
+                            seq_len, span};
+    const int64_t k_keys = (KEYS + groups - 1) / groups;          /* per group, a block's keys */
+    for (int64_t j0 = k_start; j0 < padded; j0 += KEYS) {
+        if (ka.key < j0 + AHEAD)
+            ka.key = j0 + AHEAD;
+        for (int64_t g = 0; g < groups; g++) {
+            KV_(prefetch_keys)(&ka, k_keys);
+            if (j0 > ghi[g] || j0 + KEYS <= glo[g])
+                continue;
+            const KV_T *kh = k_cache + gkv[g] * head_dim;
+            const int64_t r = g0[g];
+            float *o[GROUP_ROWS];
+            for (int i = 0; i < gn[g]; i++)
+                o[i] = sr[r + i] + j0;
+            switch (gn[g]) {                                     /* a constant count each case */
+            case 1: KV_(scores_rows)(1, qd + r, qr + r, kh, off, j0, head_dim, scale, o); break;
+            case 2: KV_(scores_rows)(2, qd + r, qr + r, kh, off, j0, head_dim, scale, o); break;
+#if GROUP_ROWS > 2
+            case 3: KV_(scores_rows)(3, qd + r, qr + r, kh, off, j0, head_dim, scale, o); break;
+#endif
+            }
+        }
+    }
     for (int64_t r = 0; r < rows; r++)
-        soften_row(rw + r, softcap);
-    KV_(weigh_values)(rw, gr, 0, groups, v_cache, off, lo_any, seq_len, 0, head_dim, head_dim);
-    for (int64_t r = 0; r < rows; r++)
-        finish_row(rw + r, head_dim);
+        inv[r] = softmax_row(sr[r], lo[r] & ~(int64_t)(KEYS - 1),
+                             (hi[r] + KEYS) & ~(int64_t)(KEYS - 1), lo[r], hi[r], softcap);
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    struct KV_(ahead) va = {(const char *)(v_cache + kv_lo * head_dim), off, lo_any, seq_len,
+                            span};
+    KV_(prefetch_keys)(&va, AHEAD);
+    const int64_t v_keys = (CHUNK + groups - 1) / groups;        /* per group, a chunk's keys */
+    for (int64_t c0 = lo_any; c0 < seq_len; c0 += CHUNK) {
+        for (int64_t g = 0; g < groups; g++) {
+            KV_(prefetch_keys)(&va, v_keys);
+            const int64_t r = g0[g];
+            int64_t clo[GROUP_ROWS], chi[GROUP_ROWS];
+            for (int i = 0; i < gn[g]; i++) {
+                clo[i] = lo[r + i] > c0 ? lo[r + i] : c0;
+                chi[i] = hi[r + i] < c0 + CHUNK - 1 ? hi[r + i] : c0 + CHUNK - 1;
+            }
+            KV_(weigh_group)(gn[g], (const float *const *)sr + r, v_cache + gkv[g] * head_dim,
+                             off, clo, chi, head_dim, ar + r);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + (q_start + r % q_len) * out_token_stride + (h0 + r / q_len) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++)
+            o[d] = ar[r][d] * inv[r];
+    }
 }
 
 /* attend_request's results for the queries of one request's heads h0 .. h0 + nh - 1 when q_len
@@ -380,118 +381,6 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
     }
 }
 
-/* Fewer requests than threads, every one of them short (one decode): the threads share each
- * request's kv heads rather than its heads, so that no kv head is read twice. The keys of each
- * kv head are parted among the threads for the scores, the rows soft-maxed, then the dimensions
- * of its values parted among them for the sums (each row's arithmetic is the one-task form's:
- * a score does not depend on who computes the others, nor a dimension's chain). Returns 0, or
- * -1 when scratch memory could not be allocated. */
-static int KV_(attend_shared)(const float *q, int64_t q_token_stride, const KV_T *k_cache,
-                              const KV_T *v_cache, float *out, int64_t out_token_stride,
-                              const int64_t *requests, const int64_t *tables,
-                              int64_t table_width, int64_t num_reqs, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                              float scale, int64_t window, float softcap, int num_threads) {
-    /* each request's scratch at its offsets into one allocation of each kind */
-    int64_t keys = 0, rows = 0;
-    int64_t at_key[num_reqs + 1], at_row[num_reqs + 1], at_group[num_reqs + 1];
-    for (int64_t b = 0; b < num_reqs; b++) {
-        at_key[b] = keys, at_row[b] = rows;
-        keys += (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
-        rows += num_heads * requests[b * 3 + 1];
-    }
-    at_key[num_reqs] = keys, at_row[num_reqs] = rows;
-    int64_t *off = malloc(sizeof(int64_t) * keys);
-    float *scores = malloc(sizeof(float) * keys * num_heads * 3);  /* q_len < TILE_MIN_ROWS */
-    float *acc = malloc(sizeof(float) * rows * head_dim);
-    float *qd = malloc(sizeof(float) * rows * KP * head_dim);
-    struct row *rw = malloc(sizeof(struct row) * rows);
-    struct group *gr = malloc(sizeof(struct group) * rows);
-    int failed = !(off && scores && acc && qd && rw && gr);
-    if (!failed) {
-        const int64_t group = num_heads / num_kv_heads;
-        const int64_t tasks = num_reqs * num_kv_heads * num_threads;
-        const int64_t vecs = head_dim / TILE;          /* dimension parts: whole vectors each */
-#pragma omp parallel num_threads(num_threads)
-        {
-#if defined(__SSE__)
-            const unsigned int csr = _mm_getcsr();    /* as paged_attention_short (below) */
-            _mm_setcsr(csr | 0x8040);
-#endif
-#pragma omp for schedule(static, 1)
-            for (int64_t b = 0; b < num_reqs; b++) {
-                const int64_t seq_len = requests[b * 3 + 2], q_len = requests[b * 3 + 1];
-                key_offsets(off + at_key[b], tables + b * table_width, seq_len,
-                            at_key[b + 1] - at_key[b], block_size, num_kv_heads * head_dim);
-                at_group[b] = decode_rows(q, q_token_stride, out, out_token_stride,
-                                          requests[b * 3], q_len, seq_len, 0, num_heads, group,
-                                          head_dim, window, KV_(UNIT),
-                                          scores + at_key[b] * num_heads * 3,
-                                          acc + at_row[b] * head_dim,
-                                          qd + at_row[b] * KP * head_dim, rw + at_row[b],
-                                          gr + at_row[b]);
-            }
-            /* task t: request b, kv head kv, part t % num_threads (of its keys, then of its
-             * values' dimensions); a kv head's groups are consecutive */
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tasks; t++) {
-                const int64_t b = t / (num_kv_heads * num_threads);
-                const int64_t kv = t / num_threads % num_kv_heads, part = t % num_threads;
-                const struct group *g = gr + at_row[b];
-                int64_t g_from = 0, g_to;
-                while (g_from < at_group[b] && g[g_from].kv < kv)
-                    g_from++;
-                for (g_to = g_from; g_to < at_group[b] && g[g_to].kv == kv; g_to++)
-                    ;
-                if (g_from == g_to)
-                    continue;
-                const int64_t seq_len = requests[b * 3 + 2], q_len = requests[b * 3 + 1];
-                const int64_t first = first_key(seq_len - q_len, window) & ~(int64_t)(KEYS - 1);
-                const int64_t blocks = (at_key[b + 1] - at_key[b] - first) / KEYS;
-                KV_(score_keys)(rw + at_row[b], g, g_from, g_to, k_cache, off + at_key[b],
-                                first + blocks * part / num_threads * KEYS,
-                                first + blocks * (part + 1) / num_threads * KEYS, seq_len,
-                                head_dim, scale);
-            }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++)
-                soften_row(rw + r, softcap);
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tasks; t++) {
-                const int64_t b = t / (num_kv_heads * num_threads);
-                const int64_t kv = t / num_threads % num_kv_heads, part = t % num_threads;
-                const struct group *g = gr + at_row[b];
-                int64_t g_from = 0, g_to;
-                while (g_from < at_group[b] && g[g_from].kv < kv)
-                    g_from++;
-                for (g_to = g_from; g_to < at_group[b] && g[g_to].kv == kv; g_to++)
-                    ;
-                const int64_t d0 = vecs * part / num_threads * TILE;
-                const int64_t d1 = part + 1 == num_threads
-                                       ? head_dim : vecs * (part + 1) / num_threads * TILE;
-                if (g_from == g_to || d0 >= d1)
-                    continue;
-                const int64_t seq_len = requests[b * 3 + 2], q_len = requests[b * 3 + 1];
-                KV_(weigh_values)(rw + at_row[b], g, g_from, g_to, v_cache, off + at_key[b],
-                                  first_key(seq_len - q_len, window), seq_len, d0, d1, head_dim);
-            }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++)
-                finish_row(rw + r, head_dim);
-#if defined(__SSE__)
-            _mm_setcsr(csr);
-#endif
-        }
-    }
-    free(off);
-    free(scores);
-    free(acc);
-    free(qd);
-    free(rw);
-    free(gr);
-    return failed ? -1 : 0;
-}
-
 /* requests: [num_reqs, 3] (first query row, q_len, seq_len); tables: [num_reqs, table_width]
  * block ids. q rows are q_token_stride floats apart, heads head_dim apart; out likewise with
  * out_token_stride. Returns 0, or -1 when scratch memory could not be allocated. A row's result
@@ -502,14 +391,6 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
                                int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, float scale, int64_t window,
                                float softcap, int num_threads) {
-    int shared = num_threads > 1 && num_reqs < num_threads;
-    for (int64_t b = 0; b < num_reqs; b++)
-        shared &= requests[b * 3 + 1] < TILE_MIN_ROWS;
-    if (shared)
-        return KV_(attend_shared)(q, q_token_stride, k_cache, v_cache, out, out_token_stride,
-                                  requests, tables, table_width, num_reqs, num_heads,
-                                  num_kv_heads, head_dim, block_size, scale, window, softcap,
-                                  num_threads);
     /* scratch per thread: the longest context (rounded up to KEYS), the most query rows of a
      * task, the most scores of one (a request's rows times its keys: a long context's decode
      * and a short context's verify rows never need their product) */
@@ -546,9 +427,7 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
         float *qt = malloc(sizeof(float) * TILE * head_dim * num_heads);
         /* the bf16 form's widened keys or values: CHUNK slots (KEYS <= CHUNK) */
         float *stage = KV_STAGED ? malloc(sizeof(float) * CHUNK * num_kv_heads * head_dim) : NULL;
-        struct row *rw = malloc(sizeof(struct row) * max_rows);
-        struct group *gr = malloc(sizeof(struct group) * max_rows);
-        const int ok = off && scores && acc && inv && qt && rw && gr && (stage || !KV_STAGED);
+        const int ok = off && scores && acc && inv && qt && (stage || !KV_STAGED);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -574,7 +453,7 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
                 KV_(attend_request)(q, q_token_stride, k_cache, v_cache, out,
                                     out_token_stride, table, q0 + tiled, q_len - tiled, seq_len,
                                     h0, nh, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                    window, softcap, off, scores, acc, qt, rw, gr);
+                                    window, softcap, off, scores, acc, inv, qt);
         }
         free(off);
         free(scores);
@@ -582,8 +461,6 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
         free(inv);
         free(qt);
         free(stage);
-        free(rw);
-        free(gr);
 #if defined(__SSE__)
         _mm_setcsr(csr);
 #endif
