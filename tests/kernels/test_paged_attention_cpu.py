@@ -67,7 +67,7 @@ def test_takes_strided_queries():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("num_heads,num_kv,dim,window,softcap,cache_dtype", [
     (9, 3, 64, 0, 0.0, torch.float32), (9, 3, 64, 0, 0.0, torch.bfloat16),
     (4, 2, 24, 50, 0.0, torch.float32), (6, 6, 12, 0, 4.0, torch.float32),
@@ -104,6 +104,11 @@ def test_rows_do_not_depend_on_what_shares_the_call(threads, num_heads, num_kv, 
             q[query_start[b]:query_start[b + 1]], k_cache, v_cache,
             meta_of([shapes[b]], [0, num_q], [tables[b]], block_size), scale, **opts)
         assert torch.equal(own, batch[query_start[b]:query_start[b + 1]])
+    rows = [query_start[1], query_start[3] + 2]      # two decodes: (40, 1) and 97's last row
+    two = cpu_paged.paged_attention(q[rows], k_cache, v_cache,
+                                    meta_of([(40, 1), (97, 1)], [0, 1, 2],
+                                            [tables[1], tables[3]], block_size), scale, **opts)
+    assert torch.equal(two, batch[rows])
     torch.testing.assert_close(
         batch, reference(q, k_cache, v_cache, meta_of(shapes, query_start, tables, block_size),
                          scale, window, softcap), rtol=1e-5, atol=1e-5)
