@@ -59,40 +59,6 @@ static inline v8f tree8x8(const v8f a[8]) {
 #endif
 }
 
-/* a row's scores (keys first..end-1, in place) -> e^(s - max) over lo..hi, 0 elsewhere; returns
- * 1 / their sum */
-static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, int64_t hi,
-                         float softcap) {
-    if (softcap > 0.0f)
-        for (int64_t j = lo; j <= hi; j++)
-            scores[j] = tanhf(scores[j] / softcap) * softcap;
-    const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
-    const int32_t lo32 = (int32_t)lo, hi32 = (int32_t)hi;
-    const v8i lo8 = {lo32, lo32, lo32, lo32, lo32, lo32, lo32, lo32};
-    const v8i hi8 = {hi32, hi32, hi32, hi32, hi32, hi32, hi32, hi32};
-    v8f most = splat8(scores[lo]);                 /* the maximum by lane (exact in any order) */
-    for (int64_t j0 = first; j0 < end; j0 += KEYS) {
-        const int32_t at = (int32_t)j0;
-        const v8i key = iota + (v8i){at, at, at, at, at, at, at, at};
-        const v8i seen = (key >= lo8) & (key <= hi8);
-        const v8f s = *(const v8f *)(scores + j0);
-        const v8i more = seen & (s > most);
-        most = (v8f)(((v8i)s & more) | ((v8i)most & ~more));
-    }
-    float m = most[0];
-    for (int l = 1; l < 8; l++)
-        m = most[l] > m ? most[l] : m;
-    v8f sum = splat8(0.0f);
-    for (int64_t j0 = first; j0 < end; j0 += KEYS) {      /* summed by lane: key index mod 8 */
-        const int32_t at = (int32_t)j0;
-        const v8i key = iota + (v8i){at, at, at, at, at, at, at, at};
-        const v8f e = (v8f)((v8i)exp8(*(v8f *)(scores + j0) - m) & (key >= lo8) & (key <= hi8));
-        *(v8f *)(scores + j0) = e;
-        sum += e;
-    }
-    return 1.0f / tree8(sum);
-}
-
 /* off[j]: the element offset of key j's slot for j < padded, keys past seq_len repeating the
  * last key's */
 static void key_offsets(int64_t *off, const int64_t *table, int64_t seq_len, int64_t padded,
@@ -458,6 +424,73 @@ static void weigh_tile(const float *p, int64_t base, const float *v, const int64
             if (hi[i] > chi)
                 weigh_column(p + i, base, v, off, chi + 1, hi[i], head_dim, acc + i * head_dim);
     }
+}
+
+#if TILE == 16
+/* tree8x8 of the 8 keys of four loadpair-shaped vectors (key 2p in lanes 0-7 of x[p], key 2p + 1
+ * in lanes 8-15), with the same sums: adjacent lanes, then adjacent pair sums, then the two
+ * halves, each level one addition of the even and the odd lanes */
+static inline v8f tree8_pairs(const vrow x[4]) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2,
+                                          0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+#define PAIRS(a, b) _mm512_add_ps(_mm512_permutex2var_ps(a, even, b),                          \
+                                  _mm512_permutex2var_ps(a, odd, b))
+    const __m512 u0 = PAIRS((__m512)x[0], (__m512)x[1]), u1 = PAIRS((__m512)x[2], (__m512)x[3]);
+    const __m512 v = PAIRS(u0, u1);
+#undef PAIRS
+    const __m512 w = _mm512_add_ps(_mm512_permutexvar_ps(even, v), _mm512_permutexvar_ps(odd, v));
+    return (v8f)_mm512_castps512_ps256(w);
+}
+#endif
+
+/* a row's scores (keys first..end-1, in place) -> e^(s - max) over lo..hi, 0 elsewhere; returns
+ * 1 / their sum */
+static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, int64_t hi,
+                         float softcap) {
+    if (softcap > 0.0f)
+        for (int64_t j = lo; j <= hi; j++)
+            scores[j] = tanhf(scores[j] / softcap) * softcap;
+    const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+    const int32_t lo32 = (int32_t)lo, hi32 = (int32_t)hi;
+    const v8i lo8 = {lo32, lo32, lo32, lo32, lo32, lo32, lo32, lo32};
+    const v8i hi8 = {hi32, hi32, hi32, hi32, hi32, hi32, hi32, hi32};
+    v8f most = splat8(scores[lo]);                 /* the maximum by lane (exact in any order) */
+    for (int64_t j0 = first; j0 < end; j0 += KEYS) {
+        const int32_t at = (int32_t)j0;
+        const v8i key = iota + (v8i){at, at, at, at, at, at, at, at};
+        const v8i seen = (key >= lo8) & (key <= hi8);
+        const v8f s = *(const v8f *)(scores + j0);
+        const v8i more = seen & (s > most);
+        most = (v8f)(((v8i)s & more) | ((v8i)most & ~more));
+    }
+    float m = most[0];
+    for (int l = 1; l < 8; l++)
+        m = most[l] > m ? most[l] : m;
+    v8f sum = splat8(0.0f);                               /* summed by lane: key index mod 8 */
+    int64_t j0 = first;
+#if TILE == 16
+    /* 16 exponentials at a time (exp8's operations, lane for lane), each half added in turn */
+    const vrowi iota16 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (; j0 + 16 <= end; j0 += 16) {
+        const vrowi key = iota16 + splat_rowi((int32_t)j0);
+        const vrowi seen = (key >= splat_rowi(lo32)) & (key <= splat_rowi(hi32));
+        const vrow e = (vrow)((vrowi)exp_row(*(vrow *)(scores + j0) - m) & seen);
+        *(vrow *)(scores + j0) = e;
+        v8f low, high;
+        split_pair(e, &low, &high);
+        sum += low;
+        sum += high;
+    }
+#endif
+    for (; j0 < end; j0 += KEYS) {
+        const int32_t at = (int32_t)j0;
+        const v8i key = iota + (v8i){at, at, at, at, at, at, at, at};
+        const v8f e = (v8f)((v8i)exp8(*(v8f *)(scores + j0) - m) & (key >= lo8) & (key <= hi8));
+        *(v8f *)(scores + j0) = e;
+        sum += e;
+    }
+    return 1.0f / tree8(sum);
 }
 
 #define KV_T float

@@ -52,14 +52,11 @@ static inline __attribute__((always_inline)) void KV_(scores_rows)(
                 acc[r][p] = fma_row(*(const vrow *)(qd[r] + KP * d), kv, acc[r][p]);
         }
     for (int r = 0; r < n; r++) {
-        v8f key[KEYS];
-        for (int p = 0; p < KEYS / KP; p++)
 #if KP == 2
-            split_pair(acc[r][p], &key[2 * p], &key[2 * p + 1]);
+        v8f s = tree8_pairs(acc[r]);
 #else
-            key[p] = acc[r][p];
+        v8f s = tree8x8(acc[r]);
 #endif
-        v8f s = tree8x8(key);
         for (int64_t d = lanes; d < head_dim; d++)        /* dimensions past the lanes, in order */
             for (int i = 0; i < KEYS; i++)
                 s[i] += q[r][d] * KV_(widen1)(kp[i][d]);
