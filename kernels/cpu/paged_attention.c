@@ -183,7 +183,11 @@ static inline __m512 widen16_fp8(const uint8_t *p) {            /* widen8_fp8, 1
 DEFINE_STAGE(bf16, uint16_t)
 DEFINE_STAGE(fp8, uint8_t)
 
-#define TILE_MIN_ROWS 4          /* a request of this many query rows or more: rows in lanes */
+/* A request of this many query rows or more (prompt chunks, long verify passes) runs rows in
+ * lanes, a shorter one (decodes, short verify passes) row by row: on the embedded model's shape
+ * at 2.8K tokens of context, 5-7 rows of a request took 1.3-2x as long in lanes (a lane per row
+ * of 16, the rest idle), 8 rows over fp8 less (each group of rows widens the keys again) */
+#define TILE_MIN_ROWS 8
 
 /* Rows in lanes: TILE query rows of one head (consecutive positions) held across a vector's
  * lanes, for prompt chunks (`attend_tiles`). Each lane computes what its row computes in
@@ -239,6 +243,7 @@ static inline vrow exp_row(vrow x) {
  * queries and probabilities by UNIT (a power of 2: exact), so every product is the same. */
 #define KP (TILE / 8)
 #define GROUP_ROWS (KP + 1)        /* rows of a kv head scored and weighed together, at most */
+_Static_assert((TILE_MIN_ROWS - 1) * KP <= TILE, "row queries fit qt");
 
 static inline float widen1(float x) {
     return x;

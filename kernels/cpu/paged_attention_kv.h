@@ -435,8 +435,8 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
             const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
             if (!ok || nh <= 0)
                 continue;
-            /* a request of TILE_MIN_ROWS rows or more (prompt chunks, verify rows) rows in lanes,
-             * a shorter one (decodes) row by row */
+            /* a request of TILE_MIN_ROWS rows or more (prompt chunks, long verify passes) rows
+             * in lanes, a shorter one (decodes, short verify passes) row by row */
             const int64_t q0 = requests[b * 3], q_len = requests[b * 3 + 1];
             const int64_t seq_len = requests[b * 3 + 2];
             const int64_t tiled = q_len >= TILE_MIN_ROWS ? q_len : 0;
