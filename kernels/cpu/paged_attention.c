@@ -184,10 +184,11 @@ DEFINE_STAGE(bf16, uint16_t)
 DEFINE_STAGE(fp8, uint8_t)
 
 /* A request of this many query rows or more (prompt chunks, long verify passes) runs rows in
- * lanes, a shorter one (decodes, short verify passes) row by row: on the embedded model's shape
- * at 2.8K tokens of context, 5-7 rows of a request took 1.3-2x as long in lanes (a lane per row
- * of 16, the rest idle), 8 rows over fp8 less (each group of rows widens the keys again) */
-#define TILE_MIN_ROWS 8
+ * lanes, a shorter one (decodes, verify passes of up to 9 rows: n-gram's, lossy_kv's k = 8)
+ * row by row: on the embedded model's shape at 2.8K tokens of context, 5-9 rows of a request
+ * took 1.4-2x as long in 16-lane tiles over float32 and bf16 caches, as long over fp8 (each
+ * group of rows widens the keys again). */
+#define TILE_MIN_ROWS 10
 
 /* Rows in lanes: TILE query rows of one head (consecutive positions) held across a vector's
  * lanes, for prompt chunks (`attend_tiles`). Each lane computes what its row computes in
@@ -243,7 +244,8 @@ static inline vrow exp_row(vrow x) {
  * queries and probabilities by UNIT (a power of 2: exact), so every product is the same. */
 #define KP (TILE / 8)
 #define GROUP_ROWS (KP + 1)        /* rows of a kv head scored and weighed together, at most */
-_Static_assert((TILE_MIN_ROWS - 1) * KP <= TILE, "row queries fit qt");
+/* rows a head of the scratch qt holds: a tile's queries, or a row task's (KP copies each) */
+#define QT_ROWS (KP * (TILE_MIN_ROWS - 1) > TILE ? KP * (TILE_MIN_ROWS - 1) : TILE)
 
 static inline float widen1(float x) {
     return x;

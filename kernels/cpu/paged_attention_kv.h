@@ -395,7 +395,8 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
     for (int64_t b = 0; b < num_reqs; b++) {
         const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
         const int64_t q_len = requests[b * 3 + 1];
-        const int64_t rows = num_heads * (q_len >= TILE_MIN_ROWS && q_len < TILE ? TILE : q_len);
+        const int tile = q_len >= TILE_MIN_ROWS && q_len < TILE;
+        const int64_t rows = num_heads * (tile ? TILE : q_len);
         max_keys = padded > max_keys ? padded : max_keys;
         max_rows = rows > max_rows ? rows : max_rows;
         max_scores = rows * padded > max_scores ? rows * padded : max_scores;
@@ -421,7 +422,7 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
         float *scores = malloc(sizeof(float) * max_scores);
         float *acc = malloc(sizeof(float) * max_rows * head_dim);
         float *inv = malloc(sizeof(float) * max_rows);
-        float *qt = malloc(sizeof(float) * TILE * head_dim * num_heads);
+        float *qt = malloc(sizeof(float) * QT_ROWS * head_dim * num_heads);
         /* the bf16 form's widened keys or values: CHUNK slots (KEYS <= CHUNK) */
         float *stage = KV_STAGED ? malloc(sizeof(float) * CHUNK * num_kv_heads * head_dim) : NULL;
         const int ok = off && scores && acc && inv && qt && (stage || !KV_STAGED);

@@ -86,7 +86,7 @@ def test_rows_do_not_depend_on_what_shares_the_call(threads, num_heads, num_kv, 
     torch.set_num_threads(threads)
     block_size = 16
     shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40), (35, 35), (1100, 70),
-              (930, 17)]
+              (930, 17), (300, 9)]
     q, k_cache, v_cache, query_start, tables = make_batch(shapes, block_size, num_heads, num_kv,
                                                           dim, num_blocks=200)
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
