@@ -185,9 +185,11 @@ DEFINE_STAGE(fp8, uint8_t)
 
 /* A request of this many query rows or more (prompt chunks, long verify passes) runs rows in
  * lanes, a shorter one (decodes, verify passes of up to 9 rows: n-gram's, lossy_kv's k = 8)
- * row by row: on the embedded model's shape at 2.8K tokens of context, 5-9 rows of a request
- * took 1.4-2x as long in 16-lane tiles over float32 and bf16 caches, as long over fp8 (each
- * group of rows widens the keys again). */
+ * row by row. The embedded model's shape at 2.8K tokens of context, 30 layers
+ * (`benchmarks/attention_chunk.py`, results/cpu/attention/rows-2800.txt): 5 rows row by row
+ * 16.2 ms against 33.4 in 16-lane tiles over float32, 13.2 against 26.8 over bf16, 17.0 against
+ * 23.1 over fp8; 9 rows 22.3 against 35.3, 22.8 against 28.7, but 29.9 against 25.2 over fp8
+ * (each group of rows widens the keys again). */
 #define TILE_MIN_ROWS 10
 
 /* Rows in lanes: TILE query rows of one head (consecutive positions) held across a vector's
