@@ -423,8 +423,9 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
         float *acc = malloc(sizeof(float) * max_rows * head_dim);
         float *inv = malloc(sizeof(float) * max_rows);
         float *qt = malloc(sizeof(float) * QT_ROWS * head_dim * num_heads);
-        /* the bf16 form's widened keys or values: CHUNK slots (KEYS <= CHUNK) */
-        float *stage = KV_STAGED ? malloc(sizeof(float) * CHUNK * num_kv_heads * head_dim) : NULL;
+        /* a narrow form's tile's widened keys or values of one kv head: CHUNK slots (KEYS <=
+         * CHUNK) */
+        float *stage = KV_STAGED ? malloc(sizeof(float) * CHUNK * head_dim) : NULL;
         const int ok = off && scores && acc && inv && qt && (stage || !KV_STAGED);
         if (!ok) {
 #pragma omp atomic write
