@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import NoReturn
 
@@ -544,9 +545,13 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"specserve: the engine is not available in this build ({exc})") from None
     logger.info("loading %s", args.model or "the embedded SmolLM2 model")
     # the tokenizer loads on a thread while the engine process starts (the two overlap on a
-    # second core: a few seconds of start-up)
+    # second core: a few seconds of start-up). An engine on a thread of this process starts after
+    # it: transformers' lazy names are not thread-safe, and the engine's warm-up resolves them too
+    # (its grammar tokenizer), so the two at once could fail with an AttributeError.
     with ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer") as pool:
         tokenizer_job = pool.submit(load_tokenizer, tokenizer_path or config.model)
+        if args.engine_in_thread:
+            futures_wait([tokenizer_job])
         try:
             engine = AsyncEngine(config, process=not args.engine_in_thread, warm_up=True)
         except (ValueError, FileNotFoundError) as exc:       # unsupported model, missing weights
