@@ -47,6 +47,8 @@ class StepWorker(Protocol):
     def check_integrity(self, live_ids: set[str], releasing: set[str],
                         reserved_bytes: int | None) -> None: ...
 
+    def calibrate_drafter(self) -> list[tuple[int, float, int]]: ...
+
 
 @dataclass(frozen=True)
 class EngineStep:
@@ -189,7 +191,9 @@ class EngineCore:
         """Run a small synthetic batch through whole steps (kernels' first-call set-up paid before
         the first user's request) and return the decode rate it measured, in tokens per second:
         the drain estimate's prior until real steps are measured. The prompts stay shorter than a
-        block (nothing reaches the prefix cache) and draft nothing (no drafter learns from them)."""
+        block (nothing reaches the prefix cache) and draft nothing (no drafter learns from them).
+        With FASER's controller, the drafter's passes are then timed over synthetic contexts
+        (`Worker.calibrate_drafter`) and priced (`CostModel.calibrate`)."""
         n = min(self.config.max_num_seqs, WARM_UP_ROWS)
         vocab = self.model_info.vocab_size
         # one constrained request first: the worker's grammar tokenizer is loaded now, not by
@@ -212,6 +216,8 @@ class EngineCore:
         elapsed = time.perf_counter() - start
         while self.has_work():                     # release the finished requests' state
             self.step()
+        if self.scheduler.controller is not None:  # FASER: the drafter's passes priced up front
+            self.scheduler.cost.calibrate(self.worker.calibrate_drafter())
         return tokens / elapsed if elapsed > 0 and tokens else 0.0
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:

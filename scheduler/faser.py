@@ -26,6 +26,9 @@
     exploring   while the cost model's draft prices are still priors (`unpriced_drafting_steps`,
                 the scheduler's first 4 drafting steps), a request drafts at most one: a drafter
                 whose pass costs a forward over a long context is priced before it drafts k_max.
+                A drafter that runs the model is timed at start-up instead (`CostModel.calibrate`
+                from the engine's warm-up): its passes are priced before any request drafts, so
+                where a pass costs more than drafting could win, no request ever drafts.
 Under load the rows' price dominates, every extra draft lowers goodput and k falls to 0 by itself:
 no batch-size threshold, so no cliff.
 """
@@ -266,12 +269,20 @@ class CostModel:
             self.fit_s = self.clock() - start
             self.unfitted, self.unfitted_s = 0, 0.0
 
-    def _fit_passes(self) -> None:
+    def calibrate(self, passes: list[tuple[int, float, int]]) -> None:
+        """Draft passes timed before any request drafted (`Proposer.calibrate`: (rows, seconds,
+        keys) each): the pass prices fitted from them, and the drafts priced from the first
+        drafting step on (no exploring at one draft a request)."""
+        self.passes.extend(DraftPass(*p) for p in passes)
+        if self._fit_passes():
+            self.unpriced_drafting_steps = 0
+
+    def _fit_passes(self) -> bool:
         """draft_pass + pass_row x rows + pass_key x keys over the recent draft passes, all >= 0.
         A count that did not vary across the passes is not priced apart (passes that all had the
-        same rows and keys price the pass alone)."""
+        same rows and keys price the pass alone). False: too few passes to fit yet."""
         if len(self.passes) < 4:
-            return
+            return False
         rows, secs, keys = np.array(self.passes, dtype=float).T
         x = np.stack([np.ones_like(rows), rows, keys], 1)
         varied = np.ptp(x, axis=0) > 0
@@ -279,6 +290,7 @@ class CostModel:
         prices = np.zeros(3)
         prices[varied] = nonneg_least_squares(x[:, varied], secs, free_intercept=False)
         self.prices.draft_pass, self.prices.pass_row, self.prices.pass_key = prices.tolist()
+        return True
 
     def fit(self) -> None:
         """The step prices from the samples (the class docstring)."""

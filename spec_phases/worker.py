@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE_GB = 1.0      # gpu_memory_utilization: device memory kept for forward passes
 DEFAULT_KV_CACHE_GB = 1.0        # the KV budget on a CPU when none is given (kv_cache_memory_gb)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9    # CUDA, when no KV size is given: vLLM's default
+CALIBRATION_CONTEXT = 2048       # the longest synthetic context a drafter's passes are timed at
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -332,6 +333,14 @@ class Worker:
                 storage.bytes_d2h - d2h)
 
     # -- what the engine asks at start-up and in integrity checks ----------------------------
+    def calibrate_drafter(self, steps: int = 2) -> list[tuple[int, float, int]]:
+        """The drafter's passes measured over synthetic contexts of up to 2048 tokens (a quarter
+        and all of that, within max_model_len): `Proposer.calibrate`."""
+        if self.proposer is None:
+            return []
+        longest = max(min(CALIBRATION_CONTEXT, self.max_model_len - steps - 1), 4)
+        return self.proposer.calibrate([longest // 4, longest], steps)
+
     def facts(self) -> WorkerFacts:
         """What this worker is, plain data: the engine's one message from it before the steps."""
         cfg, pool = self.model_config, self.draft_pool

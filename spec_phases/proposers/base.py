@@ -45,5 +45,11 @@ class Proposer:
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
         raise NotImplementedError
 
+    def calibrate(self, contexts: list[int], steps: int = 2) -> list[tuple[int, float, int]]:
+        """Draft passes measured at these context lengths before any request drafts, (rows,
+        seconds, keys) each (`CostModel.calibrate`). A drafter that runs no model, or whose
+        passes cost what a decode row costs, measures none: its drafts are priced as they come."""
+        return []
+
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Raw logits [rows, vocab] of verified rows and the token each row consumed."""

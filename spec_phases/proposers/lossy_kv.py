@@ -162,39 +162,72 @@ class LossyKVProposer(Proposer):
         states = [self.pool.sync(r.request_id, r.num_computed_tokens, r.block_ids)
                   for r in requests]
         t1 = time.perf_counter()
-        drafts: list[list[int]] = [[] for _ in requests]
-        passes = []
-        order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
-        if order:
-            num_steps = max_lens[order[0]]
-            drafting = [states[i] for i in order]
-            fast = self._c_decoder(drafting)
-            if fast is not None:
-                self.dense.fill(drafting, num_steps)
-                self.num_c_rounds += 1
-            else:
-                attn = self._attention(drafting, num_steps)
-            dev = self.device
-            current = torch.tensor([requests[i].token_ids[-1] for i in order], device=dev)
-            start = torch.tensor([requests[i].num_computed_tokens for i in order], device=dev)
-            for step in range(num_steps):
-                t = time.perf_counter()
-                rows = sum(1 for i in order if max_lens[i] > step)    # a prefix: sorted by length
-                if fast is not None:
-                    meta, slots = self.dense.step(rows, step)
-                    hidden = fast.forward(current[:rows], start[:rows] + step,
-                                          self.dense.storage, meta, slots, self.runner.layers)
-                else:
-                    attn.step = step
-                    hidden = self.model(current[:rows], start[:rows] + step, attn)
-                current = self.model.compute_logits(hidden).argmax(-1)
-                for i, tok in zip(order, current.tolist()):         # .tolist() syncs: t is honest
-                    drafts[i].append(tok)
-                self.num_draft_steps += 1
-                passes.append((rows, time.perf_counter() - t))
+        refresh = self.num_rounds % MASS_REFRESH_ROUNDS == 0
+        drafts, passes, on_c = self._draft(states, [r.token_ids[-1] for r in requests],
+                                           [r.num_computed_tokens for r in requests], max_lens,
+                                           refresh)
         self.num_rounds += 1
+        self.num_c_rounds += on_c
+        self.num_draft_steps += len(passes)
         self.draft_s += time.perf_counter() - t1
         return Drafts(drafts, passes)
+
+    @torch.inference_mode()
+    def calibrate(self, contexts: list[int], steps: int = 2) -> list[tuple[int, float, int]]:
+        """Rounds of `steps` draft passes over one synthetic state of each context length (random
+        K/V encoded by the compressor): what a pass costs there, (rows, seconds, keys) each,
+        measured before any request drafts. FASER prices drafting with them
+        (`CostModel.calibrate`), so it never explores a drafter whose pass costs a forward over
+        compressed pages at a long context (Mustafar's costs ~30 plain steps at 2.8K here)."""
+        comp, gen = self.pool.comp, torch.Generator().manual_seed(0)
+        c, out = comp.config, []
+        for n in contexts:
+            state = comp.new_state(self.pool.state_dtype, str(self.pool.device))
+            for layer in range(c.num_layers):
+                k = torch.randn(n, c.num_kv_heads, c.head_dim, generator=gen)
+                comp.encode(state, layer, k.to(self.pool.device),
+                            torch.randn(k.shape, generator=gen).to(self.pool.device))
+            _, passes, _ = self._draft([state], [1], [n], [steps], refresh_mass=False)
+            out += [(rows, seconds, n + j) for j, (rows, seconds) in enumerate(passes)]
+        return out
+
+    def _draft(self, states: list[SequenceState], last_tokens: list[int], starts: list[int],
+               max_lens: list[int], refresh_mass: bool
+               ) -> tuple[list[list[int]], list[tuple[int, float]], bool]:
+        """Greedy drafts over the states (request i: its newest token last_tokens[i] at position
+        starts[i], at most max_lens[i] drafts), each pass's (rows, seconds), and whether the C
+        decoder ran them. refresh_mass: feed the retention the round's attention mass."""
+        drafts: list[list[int]] = [[] for _ in states]
+        passes = []
+        order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
+        if not order:
+            return drafts, passes, False
+        num_steps = max_lens[order[0]]
+        drafting = [states[i] for i in order]
+        fast = self._c_decoder(drafting)
+        if fast is not None:
+            self.dense.fill(drafting, num_steps)
+        else:
+            attn = DraftAttention(self.pool.comp, drafting, num_steps,
+                                  observe_mass=refresh_mass and self.pool.comp.uses_attention_mass)
+        dev = self.device
+        current = torch.tensor([last_tokens[i] for i in order], device=dev)
+        start = torch.tensor([starts[i] for i in order], device=dev)
+        for step in range(num_steps):
+            t = time.perf_counter()
+            rows = sum(1 for i in order if max_lens[i] > step)    # a prefix: sorted by length
+            if fast is not None:
+                meta, slots = self.dense.step(rows, step)
+                hidden = fast.forward(current[:rows], start[:rows] + step,
+                                      self.dense.storage, meta, slots, self.runner.layers)
+            else:
+                attn.step = step
+                hidden = self.model(current[:rows], start[:rows] + step, attn)
+            current = self.model.compute_logits(hidden).argmax(-1)
+            for i, tok in zip(order, current.tolist()):         # .tolist() syncs: t is honest
+                drafts[i].append(tok)
+            passes.append((rows, time.perf_counter() - t))
+        return drafts, passes, fast is not None
 
     def _c_decoder(self, states: list[SequenceState]) -> CpuDecoder | None:
         """The runner's one-call C decoder where it serves and no state holds pages (a dropped
@@ -205,11 +238,6 @@ class LossyKVProposer(Proposer):
         if any(p is not None for state in states for ls in state.layers for p in ls.pages):
             return None
         return fast
-
-    def _attention(self, states: list[SequenceState], max_len: int) -> DraftAttention:
-        comp = self.pool.comp
-        refresh = comp.uses_attention_mass and self.num_rounds % MASS_REFRESH_ROUNDS == 0
-        return DraftAttention(comp, states, max_len, observe_mass=refresh)
 
     def stats(self) -> dict[str, float]:
         pool = self.pool

@@ -563,3 +563,27 @@ def test_drafts_are_one_a_request_until_the_draft_prices_are_measured():
         assert ctl.choose(["r"], [8], 1) == [1]
         ctl.cost.observe(2, 1, 0.02, draft_tokens=1)
     assert ctl.choose(["r"], [8], 1)[0] >= 4
+
+
+def test_a_drafter_timed_up_front_is_priced_before_any_request_drafts():
+    """`CostModel.calibrate`: draft passes timed at two context lengths before any request
+    drafted price the pass and its context keys, and end the exploring. A drafter whose pass at
+    a long context costs many steps then never drafts there (no single exploring draft either),
+    while at a short context, where its pass is cheap, it drafts several at once."""
+    cost = CostModel(unpriced_drafting_steps=4)
+    cost.calibrate([(1, 0.011, 512), (1, 0.011, 513), (1, 0.041, 2048), (1, 0.041, 2049)])
+    assert cost.unpriced_drafting_steps == 0
+    assert cost.prices.pass_key == pytest.approx(0.03 / 1536, rel=1e-3)
+    assert cost.prices.draft_pass == pytest.approx(0.011 - 512.5 * 0.03 / 1536, rel=1e-3)
+    ctl = DraftLengthController(8, cost=cost)
+    ctl.accept["r"] = np.full(8, 0.95)
+    assert ctl.choose(["r"], [8], 1, row_keys=2800, contexts=[2800]) == [0]
+    cheap = CostModel(unpriced_drafting_steps=4)
+    cheap.calibrate([(1, 0.0004, 64), (1, 0.0004, 65), (1, 0.0005, 256), (1, 0.0005, 257)])
+    ctl = DraftLengthController(8, cost=cheap)
+    ctl.accept["r"] = np.full(8, 0.95)
+    assert ctl.choose(["r"], [8], 1, row_keys=100, contexts=[100])[0] >= 4
+    # too few passes to fit: the prices stay priors, and exploring stays on
+    few = CostModel(unpriced_drafting_steps=4)
+    few.calibrate([(1, 0.5, 2048)])
+    assert few.unpriced_drafting_steps == 4 and few.prices.pass_key == 0.0

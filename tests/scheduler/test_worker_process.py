@@ -53,6 +53,8 @@ def worker_main(config: EngineConfig, conn) -> None:
         try:
             if kind == "plan":
                 conn.send(worker.execute(*args))
+            elif kind == "calibrate":
+                conn.send(worker.calibrate_drafter())
             else:                                               # "check"
                 worker.check_integrity(*args)
                 conn.send(None)
@@ -91,6 +93,10 @@ class ProcessWorker:
     def check_integrity(self, live_ids, releasing, reserved_bytes) -> None:
         self.conn.send(("check", live_ids, releasing, reserved_bytes))
         self._reply()
+
+    def calibrate_drafter(self) -> list[tuple[int, float, int]]:
+        self.conn.send(("calibrate",))
+        return self._reply()
 
     def close(self) -> None:
         self.conn.send(None)

@@ -63,3 +63,30 @@ def test_no_drafting_cache_without_lossy_kv(make_engine):
     core = make_engine(speculative=SpeculativeConfig(method="ngram", prompt_lookup_min=1,
                                                      prompt_lookup_max=4))
     assert core.worker.draft_pool is None and core.kv.draft_budget is None
+
+
+def test_warm_up_times_the_drafter_for_faser_without_counting_it_as_drafting(make_engine):
+    """With FASER's controller the warm-up times lossy_kv's draft passes over synthetic states of
+    two context lengths (`Worker.calibrate_drafter`): the pass is priced and exploring is off
+    before the first request, the drafter's counters and pool stay untouched, and output stays
+    plain decoding's."""
+    spec = replace(SPEC, adaptive=True)
+    core = make_engine(speculative=spec, num_threads=1, max_model_len=256)
+    plain = make_engine(num_threads=1, max_model_len=256)
+    core.warm_up()
+    cost = core.scheduler.cost
+    assert cost.unpriced_drafting_steps == 0
+    keys = sorted({p.keys for p in cost.passes})
+    assert len(cost.passes) == 4 and keys == [63, 64, 253, 254]      # 256 - 3 and a quarter
+    assert all(p.rows == 1 and p.seconds > 0 for p in cost.passes)
+    assert cost.prices.draft_pass + cost.prices.pass_key > 0
+    proposer = core.worker.proposer
+    assert proposer.num_rounds == proposer.num_draft_steps == 0
+    assert not core.worker.draft_pool.states
+    outs = []
+    for engine in (core, plain):
+        engine.add_request(EngineRequest("r", [(7 * j) % 300 + 3 for j in range(90)],
+                                         SamplingParams(max_tokens=12, temperature=0,
+                                                        ignore_eos=True)))
+        outs.append([t for o in engine.run_until_idle() for t in o.new_token_ids])
+    assert outs[0] == outs[1] and len(outs[0]) == 12
