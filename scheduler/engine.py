@@ -202,6 +202,8 @@ class EngineCore:
             max_tokens=1, temperature=0.0, num_speculative_tokens=0,
             constraint=WARM_UP_GRAMMAR)))
         self.run_until_idle()
+        # that step paid the tokenizer's load and the kernels' first calls: no price of a step
+        self.scheduler.cost.forget()
         params = SamplingParams(max_tokens=WARM_UP_STEPS + 1, temperature=0.0, ignore_eos=True,
                                 num_speculative_tokens=0)
         prompt_len = max(1, min(4, self.config.block_size - WARM_UP_STEPS - 2))

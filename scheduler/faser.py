@@ -269,6 +269,11 @@ class CostModel:
             self.fit_s = self.clock() - start
             self.unfitted, self.unfitted_s = 0, 0.0
 
+    def forget(self) -> None:
+        """Drop the steps observed so far (steps that paid one-time loads price nothing)."""
+        self.samples.clear()
+        self.unfitted, self.unfitted_s = 0, 0.0
+
     def calibrate(self, passes: list[tuple[int, float, int]]) -> None:
         """Draft passes timed before any request drafted (`Proposer.calibrate`: (rows, seconds,
         keys) each): the pass prices fitted from them, and the drafts priced from the first

@@ -358,7 +358,11 @@ class Scheduler:
         return outputs, stats
 
     def _observe_cost(self, plan: StepPlan, result: StepResult) -> None:
-        """The step's counts of `Prices`' terms and its measured seconds, to the cost model."""
+        """The step's counts of `Prices`' terms and its measured seconds, to the cost model. A
+        step that computed no row (it only released finished requests) is no sample: it would
+        price a step at nothing."""
+        if plan.num_tokens == 0:
+            return
         # drafts the grammar cut were never computed: priced as no rows
         drafted = [s.num_drafted - s.num_masked for s in result.sampled.values()]
         prompt_rows = [r for r in plan.requests if r.num_new_tokens > 1]
