@@ -183,3 +183,16 @@ def test_logprobs_and_prompt_logprobs(make_engine):
     for lp in lps:                                        # greedy: the chosen token is the top-1
         assert lp.rank == 1 and lp.top_token_ids[0] == lp.token_id and len(lp.top_token_ids) == 3
         assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True) and lp.logprob <= 0
+
+
+def test_the_warm_up_leaves_the_cost_model_only_steps_that_computed_rows(make_engine):
+    """The warm-up's grammar step (it pays the tokenizer's load) and the steps that only release
+    finished requests are no cost samples: the one priced a 1-row step at seconds, the other a
+    step at nothing. What is left: the warm-up batch's prompt step and its decode steps."""
+    from specserve.scheduler.engine import WARM_UP_ROWS, WARM_UP_STEPS
+    core = make_engine(num_threads=1)
+    core.warm_up()
+    samples = list(core.scheduler.cost.samples)
+    rows = [s[1] for s in samples]
+    assert all(s[-1] > 0 for s in samples)
+    assert rows == [0] + [WARM_UP_ROWS] * WARM_UP_STEPS
