@@ -191,11 +191,11 @@ class CostModel:
     The fit: non-negative least squares over the recent steps, on the terms whose counts varied
     (the others keep their price), in relative error (each step's residual over its seconds: a
     3 s prompt step must not buy its fit with every 7 ms decode step's); the per-step price is the
-    intercept, left free and floored at 1e-6 s. A drafter that runs the model reports each draft
-    pass (`DraftPass`): the passes alone then fit draft_pass + pass_row x rows + pass_key x keys
-    (the step-level fit cannot tell them apart when every request drafts the same k, and confuses
-    their scale with prefill steps and long contexts), and the rest of the step fits the other
-    prices."""
+    intercept, left free, or fitted non-negative with the rest where it came out below 1e-6 s. A
+    drafter that runs the model reports each draft pass (`DraftPass`): the passes alone then fit
+    draft_pass + pass_row x rows + pass_key x keys (the step-level fit cannot tell them apart
+    when every request drafts the same k, and confuses their scale with prefill steps and long
+    contexts), and the rest of the step fits the other prices."""
 
     def __init__(self, *prices: float, window: int = 256, unpriced_drafting_steps: int = 0,
                  **named: float):
@@ -310,6 +310,11 @@ class CostModel:
         weight = 1.0 / np.maximum(seconds, 0.1 * np.median(seconds) + 1e-9)
         prices[varied] = nonneg_least_squares(counts[:, varied], rest, free_intercept=True,
                                               weight=weight)
+        if prices[0] < 1e-6:
+            # a negative intercept floored would move every prediction by it (a decode at a long
+            # context priced at many times its measured seconds): fit it non-negative instead
+            prices[varied] = nonneg_least_squares(counts[:, varied], rest, free_intercept=False,
+                                                  weight=weight)
         prices[0] = max(prices[0], 1e-6)
         self.prices = Prices(*prices.tolist())
         if not varied[TERMS.index("draft_row")]:           # no drafts seen: priced as a row

@@ -587,3 +587,17 @@ def test_a_drafter_timed_up_front_is_priced_before_any_request_drafts():
     few = CostModel(unpriced_drafting_steps=4)
     few.calibrate([(1, 0.5, 2048)])
     assert few.unpriced_drafting_steps == 4 and few.prices.pass_key == 0.0
+
+
+def test_a_negative_intercept_is_refitted_not_floored():
+    """Steps whose seconds grow faster than their rows (a free intercept fits -1 ms) are priced
+    by a non-negative intercept fitted with the rest: flooring the negative one would add its
+    1 ms to every prediction (the 1-row step priced at twice its seconds)."""
+    cost = CostModel()
+    for _ in range(3):
+        for rows, seconds in ((1, 0.001), (2, 0.003), (3, 0.005)):
+            cost.observe(rows, 0, seconds)
+    cost.fit()
+    assert cost.prices.step >= 0
+    for rows, seconds in ((1, 0.001), (2, 0.003), (3, 0.005)):
+        assert abs(cost.predict(rows, 0) - seconds) < 0.5 * seconds
