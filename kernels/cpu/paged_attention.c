@@ -189,8 +189,11 @@ DEFINE_STAGE(fp8, uint8_t)
  * (`benchmarks/attention_chunk.py`, results/cpu/attention/rows-2800.txt): 5 rows row by row
  * 16.2 ms against 33.4 in 16-lane tiles over float32, 13.2 against 26.8 over bf16, 17.0 against
  * 23.1 over fp8; 9 rows 22.3 against 35.3, 22.8 against 28.7, but 29.9 against 25.2 over fp8
- * (each group of rows widens the keys again). */
+ * (each group of rows widens the keys again). So the fp8 form tiles from 9 rows (26.1-26.5 ms
+ * against 30.5-30.6 row by row; 8 rows even, 27.5-28.4 either way: results/cpu/attention/
+ * fp8-rows-2800.txt). */
 #define TILE_MIN_ROWS 10
+#define TILE_MIN_ROWS_FP8 9
 
 /* Rows in lanes: TILE query rows of one head (consecutive positions) held across a vector's
  * lanes, for prompt chunks (`attend_tiles`). Each lane computes what its row computes in
@@ -505,23 +508,29 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
 #define KV_T float
 #define KV_(name) name
 #define KV_STAGED 0
+#define KV_TILE_MIN_ROWS TILE_MIN_ROWS
 #include "paged_attention_kv.h"
 #undef KV_T
 #undef KV_
 #undef KV_STAGED
+#undef KV_TILE_MIN_ROWS
 
 #define KV_T uint16_t
 #define KV_(name) name##_bf16
 #define KV_STAGED 1
+#define KV_TILE_MIN_ROWS TILE_MIN_ROWS
 #include "paged_attention_kv.h"
 #undef KV_T
 #undef KV_
 #undef KV_STAGED
+#undef KV_TILE_MIN_ROWS
 
 #define KV_T uint8_t
 #define KV_(name) name##_fp8
 #define KV_STAGED 1
+#define KV_TILE_MIN_ROWS TILE_MIN_ROWS_FP8
 #include "paged_attention_kv.h"
 #undef KV_T
 #undef KV_
 #undef KV_STAGED
+#undef KV_TILE_MIN_ROWS

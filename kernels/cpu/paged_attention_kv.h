@@ -5,6 +5,8 @@
  *   KV_STAGED  0: the float32 form's prompt tiles read the cache in place; 1: the narrow forms'
  *              tiles widen each block of KEYS keys (then each chunk of CHUNK values) of a kv
  *              head into `stage` (float32, exactly) once for all their rows.
+ *   KV_TILE_MIN_ROWS  the fewest query rows of a request that run in tiles (rows in lanes);
+ *              fewer run row by row (`TILE_MIN_ROWS` in paged_attention.c).
  * The decode rows widen in registers (loadrow / loadpair). Every product and sum is the float32
  * form's, in the same order: a narrow form's result is bit for bit the float32 form's over the
  * widened cache, and as row-invariant.
@@ -395,7 +397,7 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
     for (int64_t b = 0; b < num_reqs; b++) {
         const int64_t padded = (requests[b * 3 + 2] + KEYS - 1) & ~(int64_t)(KEYS - 1);
         const int64_t q_len = requests[b * 3 + 1];
-        const int tile = q_len >= TILE_MIN_ROWS && q_len < TILE;
+        const int tile = q_len >= KV_TILE_MIN_ROWS && q_len < TILE;
         const int64_t rows = num_heads * (tile ? TILE : q_len);
         max_keys = padded > max_keys ? padded : max_keys;
         max_rows = rows > max_rows ? rows : max_rows;
@@ -437,11 +439,11 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
             const int64_t nh = num_heads - h0 < part_heads ? num_heads - h0 : part_heads;
             if (!ok || nh <= 0)
                 continue;
-            /* a request of TILE_MIN_ROWS rows or more (prompt chunks, long verify passes) rows
-             * in lanes, a shorter one (decodes, short verify passes) row by row */
+            /* a request of KV_TILE_MIN_ROWS rows or more (prompt chunks, long verify passes)
+             * rows in lanes, a shorter one (decodes, short verify passes) row by row */
             const int64_t q0 = requests[b * 3], q_len = requests[b * 3 + 1];
             const int64_t seq_len = requests[b * 3 + 2];
-            const int64_t tiled = q_len >= TILE_MIN_ROWS ? q_len : 0;
+            const int64_t tiled = q_len >= KV_TILE_MIN_ROWS ? q_len : 0;
             const int64_t *table = tables + b * table_width;
             if (tiled)
                 KV_(attend_tiles)(q, q_token_stride, k_cache, v_cache, out, out_token_stride,

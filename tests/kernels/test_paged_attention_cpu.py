@@ -141,9 +141,10 @@ def test_a_narrow_cache_is_the_float32_kernel_on_the_widened_cache(num_heads, nu
                                                                    softcap, cache_dtype):
     """--kv-cache-dtype bfloat16 / fp8: the kernel's bf16 and fp8 forms widen each value exactly
     and sum in the float32 form's order, so their rows are bit for bit the float32 kernel's over
-    the widened cache (decodes, verify rows, chunks in tiles). The fp8 cache holds every e4m3
-    value: subnormals, the largest (448), both zeros."""
-    shapes = [(9, 1), (13, 5), (20, 20), (37, 17), (16, 1), (30, 16), (40, 30), (1, 1)]
+    the widened cache (decodes, verify rows, chunks in tiles; a 9-row pass, in tiles over fp8 and
+    row by row over float32). The fp8 cache holds every e4m3 value: subnormals, the largest
+    (448), both zeros."""
+    shapes = [(9, 1), (13, 5), (20, 20), (37, 17), (16, 1), (30, 16), (40, 30), (1, 1), (50, 9)]
     q, k32, v32, query_start, tables = make_batch(shapes, 4, num_heads, num_kv, dim)
     k16, v16 = k32.to(cache_dtype), v32.to(cache_dtype)
     if cache_dtype == torch.float8_e4m3fn:
