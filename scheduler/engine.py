@@ -219,7 +219,15 @@ class EngineCore:
         while self.has_work():                     # release the finished requests' state
             self.step()
         if self.scheduler.controller is not None:  # FASER: the drafter's passes priced up front
-            self.scheduler.cost.calibrate(self.worker.calibrate_drafter())
+            timed = time.perf_counter()
+            passes = self.worker.calibrate_drafter()
+            if passes:
+                cost = self.scheduler.cost
+                cost.calibrate(passes)
+                logger.info("FASER: %d draft passes timed over contexts up to %d tokens in "
+                            "%.2f s: a pass %.2f ms + %.2f us a context key", len(passes),
+                            max(k for _, _, k in passes), time.perf_counter() - timed,
+                            cost.prices.draft_pass * 1e3, cost.prices.pass_key * 1e6)
         return tokens / elapsed if elapsed > 0 and tokens else 0.0
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:
