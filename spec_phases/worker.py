@@ -334,8 +334,9 @@ class Worker:
 
     # -- what the engine asks at start-up and in integrity checks ----------------------------
     def calibrate_drafter(self, steps: int = 2) -> list[tuple[int, float, int]]:
-        """The drafter's passes measured over synthetic contexts of up to 2048 tokens (a quarter
-        and all of that, within max_model_len): `Proposer.calibrate`."""
+        """The drafter's passes, `steps` a round, measured over synthetic contexts of
+        CALIBRATION_CONTEXT tokens (or what max_model_len leaves) and a quarter of that:
+        `Proposer.calibrate`."""
         if self.proposer is None:
             return []
         longest = max(min(CALIBRATION_CONTEXT, self.max_model_len - steps - 1), 4)

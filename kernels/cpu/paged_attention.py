@@ -2,8 +2,8 @@
 query of a step in one call of the C kernel `paged_attention.c`, which reads K/V from the paged
 cache in place. Decodes and verify rows (q_len <= SHORT_QUERY) go in as they are; a prompt chunk
 goes in as tiles of SHORT_QUERY rows, each tile a request of its own that ends at its last row.
-The kernel runs a request of 10 rows or more rows in lanes, a shorter one (decodes, verify passes
-of up to 9 rows) row by row. A row's output depends only on its query and the keys it sees, by
+The kernel runs a request of 10 rows or more (9 over an fp8 cache) in lanes, a shorter one
+(decodes, short verify passes) row by row. A row's output depends only on its query and the keys it sees, by
 construction (see the C source): a prompt row computes bit for bit what a decode at its position
 computes, whatever the chunking, the context length or what shares the call.
 

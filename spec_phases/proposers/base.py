@@ -45,7 +45,7 @@ class Proposer:
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
         raise NotImplementedError
 
-    def calibrate(self, contexts: list[int], steps: int = 2) -> list[tuple[int, float, int]]:
+    def calibrate(self, contexts: list[int], steps: int) -> list[tuple[int, float, int]]:
         """Draft passes measured at these context lengths before any request drafts, (rows,
         seconds, keys) each (`CostModel.calibrate`). A drafter that runs no model, or whose
         passes cost what a decode row costs, measures none: its drafts are priced as they come."""

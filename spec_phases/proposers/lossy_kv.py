@@ -173,12 +173,12 @@ class LossyKVProposer(Proposer):
         return Drafts(drafts, passes)
 
     @torch.inference_mode()
-    def calibrate(self, contexts: list[int], steps: int = 2) -> list[tuple[int, float, int]]:
+    def calibrate(self, contexts: list[int], steps: int) -> list[tuple[int, float, int]]:
         """Rounds of `steps` draft passes over one synthetic state of each context length (random
         K/V encoded by the compressor): what a pass costs there, (rows, seconds, keys) each,
         measured before any request drafts. FASER prices drafting with them
-        (`CostModel.calibrate`), so it never explores a drafter whose pass costs a forward over
-        compressed pages at a long context (Mustafar's costs ~30 plain steps at 2.8K here)."""
+        (`CostModel.calibrate`), so it never explores a drafter whose pass over compressed pages
+        at a long context costs more than drafting could win."""
         comp, gen = self.pool.comp, torch.Generator().manual_seed(0)
         c, out = comp.config, []
         for n in contexts:
