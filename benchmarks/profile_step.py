@@ -65,9 +65,9 @@ def label_c_kernels() -> None:
     cpu_attention.paged_attention = labelled("paged_attention", cpu_attention.paged_attention)
     one_call = cpu_fused.forward
 
-    def timed(*args):
+    def timed(*args, **kwargs):
         seconds = torch.zeros(3, dtype=torch.float64)
-        one_call(*args, seconds=seconds)
+        one_call(*args, **kwargs, seconds=seconds)
         for name, sec in zip(FUSED_MS, seconds.tolist()):
             FUSED_MS[name] += sec * 1000
     cpu_fused.forward = timed

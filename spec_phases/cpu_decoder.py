@@ -107,9 +107,11 @@ class CpuDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, storage: KVStorage,
                 meta: PagedAttentionMetadata, slot_mapping: torch.Tensor,
-                attention: LayerAttention, layers: list[int] | None = None) -> torch.Tensor:
+                attention: LayerAttention, layers: list[int] | None = None,
+                draft: fused.DraftPages | None = None) -> torch.Tensor:
         """As `LlamaModel.forward` with `runner.PagedAttention`: final-norm hidden states, the
-        whole stack in one call of `decoder.c`."""
+        whole stack in one call of `decoder.c`. draft: a draft step's compressed pages (VeriCache's
+        drafter, `proposers/lossy_kv.py`), attended beside the cache's keys."""
         model, n = self.model, input_ids.shape[0]
         x = model.embed(input_ids).contiguous()             # the residual stream, updated in place
         run = range(len(model.layers)) if layers is None else layers
@@ -126,7 +128,8 @@ class CpuDecoder:
         short = cpu_attention.short_requests(meta)
         structs, layer_structs = self._structs(attention, meta.block_size)
         fused.forward(structs, layer_structs, torch.tensor(run, dtype=torch.int64), b, cos, sin,
-                      storage.k, storage.v, slot_mapping, short.requests, short.tables)
+                      storage.k, storage.v, slot_mapping, short.requests, short.tables,
+                      draft=draft)
         return b["h"]
 
     def _structs(self, attention: LayerAttention, block_size: int

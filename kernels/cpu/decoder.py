@@ -41,15 +41,29 @@ class Buffers(ctypes.Structure):
                                           "act")]
 
 
-ABI_VERSION = 6                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+class QuantPages(ctypes.Structure):
+    """One request's `quant` pages of one layer (`quant_draft_attention.c`): its `QuantArena`'s
+    tensors, page-major, and how many pages they hold."""
+    _fields_ = [(name, _ptr) for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
+                                          "v_zero")] + [("num_pages", _i64)]
+
+
+class DraftPages(ctypes.Structure):
+    """A draft step's pages: layer l's of request r at pages[l * row_stride + r]."""
+    _fields_ = [("pages", _ptr), ("row_stride", _i64), ("page_size", _i64), ("key_bits", _i64),
+                ("value_bits", _i64)]
+
+
+ABI_VERSION = 7                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
     """decoder.c's version and structure sizes against the mirrors above (BuildError if not)."""
-    got = (ctypes.c_int64 * 5)()
+    structs = (Linear, Layer, Model, Buffers, QuantPages, DraftPages)     # read at each check
+    got = (ctypes.c_int64 * (1 + len(structs)))()
     lib.decoder_abi.restype, lib.decoder_abi.argtypes = None, [_ptr]
     lib.decoder_abi(got)
-    want = [ABI_VERSION, *(ctypes.sizeof(t) for t in (Linear, Layer, Model, Buffers))]
+    want = [ABI_VERSION, *(ctypes.sizeof(t) for t in structs)]
     if list(got) != want:
         raise BuildError(f"decoder.c's ABI (version, struct sizes) {list(got)} is not the "
                          f"one kernels/cpu/decoder.py mirrors, {want}")
@@ -63,7 +77,7 @@ def _kernel():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), _ptr, _i64,
                    ctypes.POINTER(Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
-                   _ptr, _i64, _i64, _ptr, ctypes.c_int]
+                   _ptr, _i64, _i64, ctypes.POINTER(DraftPages), _ptr, ctypes.c_int]
     return fn
 
 
@@ -88,13 +102,15 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
             buffers: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor,
             slots: torch.Tensor, requests: torch.Tensor, tables: torch.Tensor,
-            seconds: torch.Tensor | None = None) -> None:
+            seconds: torch.Tensor | None = None, draft: DraftPages | None = None) -> None:
     """Runs layers[run] (int64 indices) over buffers["x"] (the embedded rows, the residual stream
     after) into buffers["h"] (the final-norm hidden states); every buffer contiguous float32
     [rows, width] (`decoder.c`); cos, sin: float32 [RoPE tables, rows, head_dim] (a layer reads
     its `rope`'s). k_cache, v_cache: float32, bfloat16 or fp8 e4m3 [layers, slots,
     kv heads, head_dim] (CACHE_DTYPES), written at `slots` (int64 [rows]); requests, tables:
-    `paged_attention.short_requests`'s (every query of the step). seconds:
+    `paged_attention.short_requests`'s (every query of the step). draft: a draft step's `quant`
+    pages (one query row a request; a float32 or bfloat16 cache), attended with the cache's keys
+    (`quant_draft_attention.c`), or None. seconds:
     None, or float64 [3] to which the call adds its time in the linear layers, in attention (with
     the K/V write) and in the elementwise kernels (`benchmarks/profile_step.py`)."""
     rows = buffers["x"].shape[0]
@@ -106,7 +122,8 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
                        k_cache.data_ptr(), v_cache.data_ptr(),
                        CACHE_DTYPES.index(k_cache.dtype), k_cache.shape[1],
                        slots.data_ptr(), requests.data_ptr(), tables.data_ptr(), tables.shape[1],
-                       requests.shape[0], None if seconds is None else seconds.data_ptr(),
+                       requests.shape[0], None if draft is None else ctypes.byref(draft),
+                       None if seconds is None else seconds.data_ptr(),
                        torch.get_num_threads())
     if status:
         raise MemoryError("decoder_forward: a kernel found no scratch memory")

@@ -74,6 +74,7 @@ class LayerState:
     page_starts: list[int] = field(default_factory=list)
     attn_mass: list[float] = field(default_factory=list)   # per page, EMA (retention hint)
     mass_seen: list[bool] = field(default_factory=list)    # per page: observed at least once
+    arena: Any = None             # the compressor's contiguous store of the pages (quant), or None
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +162,12 @@ class Compressor(ABC):
     def bytes_per_token(self) -> float:
         """Steady-state bytes of one compressed token, one layer, all kv heads, K + V."""
         raise NotImplementedError
+
+    def kernel_bits(self) -> tuple[int, int] | None:
+        """(key bits, value bits) where the C drafter attends this compressor's pages straight
+        from their codes (`kernels/cpu/quant_draft_attention.c`, reading `LayerState.arena`);
+        None: drafts over its pages run through the modules."""
+        return None
 
     # ---- protocol ----------------------------------------------------------------------------
     def new_state(self, dtype: torch.dtype = torch.float16, device: str = "cpu") -> SequenceState:

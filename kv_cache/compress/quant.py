@@ -68,6 +68,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     return codes.float() * scale.float() + zero.float()
 
 
+FIELDS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero")
+
+
 @dataclass
 class QuantPage:
     k_packed: torch.Tensor      # [P, H, D * kbits / 8] uint8
@@ -76,6 +79,40 @@ class QuantPage:
     v_packed: torch.Tensor      # [P, H, D * vbits / 8] uint8
     v_scale: torch.Tensor       # [P, H, 1] fp16 (per token)
     v_zero: torch.Tensor
+
+
+class QuantArena:
+    """One layer's pages of one sequence in six contiguous page-major tensors, [capacity, *the
+    field's page shape] each, the capacity doubled as pages arrive: every `QuantPage`'s fields are
+    views of them, so a page is held once and the C drafter (`quant_draft_attention.c`) reads a
+    layer from six pointers. Quant pages are only ever appended (a rebuilt state starts anew)."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, pages: list[QuantPage]) -> None:
+        """Moves pages[count:] in, and points those pages' fields at their rows."""
+        if len(pages) <= self.count:
+            return
+        cap = next(iter(self.tensors.values())).shape[0] if self.tensors else 0
+        if len(pages) > cap:
+            cap = max(len(pages), 2 * cap, 4)
+            old, proto = self.tensors, pages[0]
+            self.tensors = {name: getattr(proto, name).new_empty((cap, *getattr(proto, name).shape))
+                            for name in FIELDS}
+            for name, t in old.items():
+                self.tensors[name][:self.count] = t[:self.count]
+            for i in range(self.count):                 # the pages moved with their tensors
+                pages[i] = self.page(i)
+        for i in range(self.count, len(pages)):
+            for name in FIELDS:
+                self.tensors[name][i] = getattr(pages[i], name)
+            pages[i] = self.page(i)
+        self.count = len(pages)
+
+    def page(self, i: int) -> QuantPage:
+        return QuantPage(*(self.tensors[name][i] for name in FIELDS))
 
 
 class QuantCompressor(Compressor):
@@ -93,6 +130,20 @@ class QuantCompressor(Compressor):
         vc, vs, vz = quantize(v, self.value_bits, dim=2)
         return QuantPage(pack_bits(kc, self.key_bits), ks, kz, pack_bits(vc, self.value_bits), vs,
                          vz)
+
+    def _after_new_pages(self, layer: int, ls: LayerState) -> None:
+        if ls.pages:
+            if ls.arena is None:
+                ls.arena = QuantArena()
+            ls.arena.add(ls.pages)
+
+    def kernel_bits(self) -> tuple[int, int] | None:
+        """The C drafter reads a token's codes 16 bytes at a time: head_dim * bits a multiple of
+        128 for keys and values."""
+        d = self.config.head_dim
+        if (d * self.key_bits) % 128 or (d * self.value_bits) % 128:
+            return None
+        return self.key_bits, self.value_bits
 
     def _decode_page(self, page: QuantPage) -> tuple[torch.Tensor, torch.Tensor]:
         k = dequantize(unpack_bits(page.k_packed, self.key_bits), page.k_scale, page.k_zero)
@@ -129,24 +180,20 @@ class QuantPagesBatch(PagesBatch):
     padded to the most pages: [B, H, max_pages, P or 1, ...]. Each attend dequantizes the first rows
     (one layer, all their pages) and runs one batched attention."""
 
-    FIELDS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero")
-
     def __init__(self, comp: QuantCompressor, states: list[LayerState]):
         self.comp = comp
         num_pages = [len(ls.pages) for ls in states]
         most, p = max(num_pages), comp.config.page_size
         proto = next(ls.pages[0] for ls in states if ls.pages)
         self.stacked = {}
-        for name in self.FIELDS:
+        for name in FIELDS:
             like = getattr(proto, name)                                     # [P or 1, H, last]
             rows, heads, last = like.shape
             buf = like.new_zeros((len(states), heads, most, rows, last))
             for i, ls in enumerate(states):
-                if ls.pages:
-                    buf[i, :, :len(ls.pages)] = torch.stack([getattr(pg, name) for pg in ls.pages],
-                                                            dim=1
-                                                            # [H, NP, P, last]
-                                                            ).transpose(0, 2)
+                if ls.pages:                        # the arena's [NP, P, H, last] -> [H, NP, P, last]
+                    buf[i, :, :len(ls.pages)] = ls.arena.tensors[name][:len(ls.pages)].permute(
+                        2, 0, 1, 3)
             self.stacked[name] = buf
         counts = torch.tensor(num_pages, device=proto.k_packed.device)
         # [B, T]

@@ -20,13 +20,16 @@ The verify pass reads and writes only the full cache, so output is identical to 
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import asdict
 
 import torch
+from specserve.kernels.cpu import decoder as fused
 from specserve.kernels.dispatch import get_op
 from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kv_cache.compress.base import Compressor, SequenceState
+from specserve.kv_cache.compress.quant import FIELDS as QUANT_FIELDS
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.cpu_decoder import CpuDecoder
@@ -139,6 +142,23 @@ class DenseDraftCache:
         return meta, slots
 
 
+def draft_pages(states: list[SequenceState], page_size: int, bits: tuple[int, int]
+                ) -> fused.DraftPages:
+    """The round's pages as `quant_draft_attention.c` reads them: layer l of state r at
+    [l * len(states) + r], pointers into each layer's `QuantArena` (kept alive by the states,
+    which do not change during the round)."""
+    table = (fused.QuantPages * (len(states[0].layers) * len(states)))()
+    for r, state in enumerate(states):
+        for layer, ls in enumerate(state.layers):
+            if ls.pages:
+                t = ls.arena.tensors
+                table[layer * len(states) + r] = fused.QuantPages(
+                    *(t[name].data_ptr() for name in QUANT_FIELDS), len(ls.pages))
+    pages = fused.DraftPages(ctypes.cast(table, ctypes.c_void_p), len(states), page_size, *bits)
+    pages.table = table                                     # alive as long as the struct
+    return pages
+
+
 class LossyKVProposer(Proposer):
     """Drafts greedily with the target model over the drafting pool's compressed states: on the
     one-call C decoder where every state is dense (`DenseDraftCache`), through the modules with
@@ -204,7 +224,7 @@ class LossyKVProposer(Proposer):
             return drafts, passes, False
         num_steps = max_lens[order[0]]
         drafting = [states[i] for i in order]
-        fast = self._c_decoder(drafting)
+        fast, pages = self._c_decoder(drafting)
         if fast is not None:
             self.dense.fill(drafting, num_steps)
         else:
@@ -219,7 +239,8 @@ class LossyKVProposer(Proposer):
             if fast is not None:
                 meta, slots = self.dense.step(rows, step)
                 hidden = fast.forward(current[:rows], start[:rows] + step,
-                                      self.dense.storage, meta, slots, self.runner.layers)
+                                      self.dense.storage, meta, slots, self.runner.layers,
+                                      draft=pages)
             else:
                 attn.step = step
                 hidden = self.model(current[:rows], start[:rows] + step, attn)
@@ -229,15 +250,20 @@ class LossyKVProposer(Proposer):
             passes.append((rows, time.perf_counter() - t))
         return drafts, passes, fast is not None
 
-    def _c_decoder(self, states: list[SequenceState]) -> CpuDecoder | None:
-        """The runner's one-call C decoder where it serves and no state holds pages (a dropped
-        page, the window compressor's, holds nothing)."""
+    def _c_decoder(self, states: list[SequenceState]
+                   ) -> tuple[CpuDecoder | None, fused.DraftPages | None]:
+        """The runner's one-call C decoder where it serves and either no state holds pages (a
+        dropped page, the window compressor's, holds nothing) or the compressor's pages have a C
+        form (`Compressor.kernel_bits`: quant), with the round's pages as the kernel reads them."""
         fast = self.runner.cpu_decoder if self.runner is not None else None
         if fast is None or not fast.enabled():
-            return None
-        if any(p is not None for state in states for ls in state.layers for p in ls.pages):
-            return None
-        return fast
+            return None, None
+        if not any(p is not None for state in states for ls in state.layers for p in ls.pages):
+            return fast, None
+        bits = self.pool.comp.kernel_bits()
+        if bits is None:
+            return None, None
+        return fast, draft_pages(states, self.pool.comp.config.page_size, bits)
 
     def stats(self) -> dict[str, float]:
         pool = self.pool

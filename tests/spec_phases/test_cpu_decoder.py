@@ -38,7 +38,7 @@ def test_bitwise_the_modules_over_mixed_steps(bias, windows, qk_norm, cache_dtyp
     whole = []
     one_call = cpu_decoder.fused.forward
     monkeypatch.setattr(cpu_decoder.fused, "forward",
-                        lambda *a: whole.append(len(a[2])) or one_call(*a))
+                        lambda *a, **kw: whole.append(len(a[2])) or one_call(*a, **kw))
     tables = same_steps(fast, modules, seed=1)
     one_call_steps = 3                                                # every step
     assert whole == [model.config.num_layers] * one_call_steps
@@ -85,7 +85,7 @@ def test_the_one_call_times_its_kernels_without_changing_their_results(monkeypat
         want = plain.forward(tokens, starts, [tuple(range(8))])
         with monkeypatch.context() as m:
             m.setattr(cpu_decoder.fused, "forward",
-                      lambda *a: one_call(*a, seconds=seconds))
+                      lambda *a, **kw: one_call(*a, **kw, seconds=seconds))
             got = timed.forward(tokens, starts, [tuple(range(8))])
         assert torch.equal(got, want)
     assert torch.equal(timed.storage.k, plain.storage.k)

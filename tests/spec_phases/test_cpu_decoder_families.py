@@ -52,7 +52,7 @@ def test_bitwise_the_modules_for_every_family(name, cache_dtype, monkeypatch, de
     calls = []
     one_call = cpu_decoder.fused.forward
     monkeypatch.setattr(cpu_decoder.fused, "forward",
-                        lambda *a: calls.append(len(a[2])) or one_call(*a))
+                        lambda *a, **kw: calls.append(len(a[2])) or one_call(*a, **kw))
     tables = same_steps(fast, modules, seed=2)
     assert calls == [model.config.num_layers] * 3
     for run in ([1], [0]):                      # a layer subset (self-speculation's)

@@ -215,3 +215,48 @@ def test_dense_states_draft_on_the_one_call_c_decoder(name, dense):
     assert got == want
     assert fast.stats()["num_c_rounds"] == int(dense)
     assert modules.stats()["num_c_rounds"] == 0
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (8, 2), (2, 8)])
+def test_quant_pages_draft_on_the_one_call_c_decoder(bits):
+    """States holding `quant` pages draft on the C decoder too, attending the pages straight
+    from their codes (`quant_draft_attention.c`): every draft step's hidden states those of the
+    modules' batched path within float32 rounding, so the same drafts."""
+    from specserve.spec_phases.runner import ModelRunner
+    torch.manual_seed(0)
+    model = model_for("mustafar")                                   # head_dim 64
+    assert model.pack_for_cpu()
+    cfg = model.config
+    bs = 16
+    storage = KVStorage(cfg.num_layers, 64, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    storage.k.normal_()
+    storage.v.normal_()
+    runner = ModelRunner(model, storage)
+    sizes, reqs, first = [150, 97, 131], [], 0
+    for i, n in enumerate(sizes):
+        blocks = list(range(first, first + -(-(n + 8) // bs)))
+        first += len(blocks)
+        tokens = [(11 * j + 7 * i) % 500 + 3 for j in range(n + 1)]
+        reqs.append(DraftRequest(f"r{i}", tuple(tokens), n, tuple(blocks)))
+    max_lens = [5, 2, 5]
+    settings = {**SMALL_PAGES, "key_bits": bits[0], "value_bits": bits[1]}
+
+    def pool():
+        return DraftPool(build_compressor("quant", model, dict(settings)), storage, "cpu")
+    fast, modules = LossyKVProposer(model, pool(), runner), LossyKVProposer(model, pool())
+    hidden = {"fast": [], "modules": []}
+    logits = model.compute_logits
+    for name, proposer in (("fast", fast), ("modules", modules)):
+        model.compute_logits = lambda h, name=name: hidden[name].append(h.clone()) or logits(h)
+        try:
+            drafts = proposer.propose(reqs, max_lens).token_ids
+        finally:
+            model.compute_logits = logits
+        hidden[name + " drafts"] = drafts
+    assert all(len(s.layers[0].pages) >= 8 for s in fast.pool.states.values())
+    assert fast.stats()["num_c_rounds"] == 1 and modules.stats()["num_c_rounds"] == 0
+    assert len(hidden["fast"]) == len(hidden["modules"]) == 5
+    for got, want in zip(hidden["fast"], hidden["modules"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert hidden["fast drafts"] == hidden["modules drafts"]
+    assert [len(d) for d in hidden["fast drafts"]] == max_lens

@@ -1,0 +1,351 @@
+/* VeriCache's drafter on the C decoder over the `quant` compressor's pages (KIVI-style codes,
+ * `kv_cache/compress/quant.py`): the attention of draft rows, one row a request, over the
+ * request's compressed pages and its dense keys (sinks, the recent tail and the round's drafts,
+ * in a small paged cache), with one softmax over both. Attention straight from the codes: the
+ * scales and zeros fold into the query and into the probabilities, only the codes are widened,
+ * never dequantized into a cache:
+ *     logit = (q * s_k) . c_k + q . z_k    (keys: a scale and zero per page, head and channel)
+ *     out   = (p * s_v) @ c_v + p @ z_v    (values: a scale and zero per token and head)
+ * Codes are packed little end first, 8 / bits to a byte: dimension d of a token is code
+ * (d mod (8 / bits)) of its byte d / (8 / bits). The kernel reads a token's codes in planes
+ * (plane j: code j of every byte, 8 bytes to a vector) against the query split the same way.
+ *
+ * A draft's output feeds only the draft: the verify pass reads the full cache, so outputs stay
+ * those of plain decoding whatever this computes. It is the module path's math
+ * (`QuantPagesBatch.attend` merged with the dense part) in another summation order: tests hold
+ * it to float32 tolerance, not bits.
+ *
+ * Tasks: (request, kv head, part of its keys), the parts merged by their maxima and sums, so that
+ * one request's three kv heads still keep two threads busy.
+ *
+ * Included by `decoder.c` after `paged_attention.c` (key_offsets, tree8, widen8_bf16).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* one request's pages of one layer, page-major (`QuantArena`: every page's fields are views of
+ * these six tensors) */
+struct quant_pages {
+    const uint8_t *k_codes;            /* [num_pages, page_size, kv_heads, head_dim*kbits/8] */
+    const uint16_t *k_scale, *k_zero;  /* float16 [num_pages, kv_heads, head_dim] */
+    const uint8_t *v_codes;            /* [num_pages, page_size, kv_heads, head_dim*vbits/8] */
+    const uint16_t *v_scale, *v_zero;  /* float16 [num_pages, page_size, kv_heads] */
+    int64_t num_pages;
+};
+
+/* a draft step's pages: layer l's of the step's request r at pages[l * row_stride + r] */
+struct draft_pages {
+    const struct quant_pages *pages;
+    int64_t row_stride, page_size, key_bits, value_bits;
+};
+
+#define MAX_G 8                  /* query heads of a kv head taken together, at most */
+
+typedef uint8_t vrowb __attribute__((vector_size(TILE), aligned(1)));
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const int e = (h >> 10) & 31, m = h & 0x3ff;
+    const float f = e == 0 ? ldexpf((float)m, -24)
+                    : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 0x400), e - 25);
+    return h & 0x8000 ? -f : f;
+#endif
+}
+
+/* codes (b[i] >> shift) & mask of TILE bytes, as floats */
+static inline vrow plane_row(const uint8_t *b, int shift, int mask) {
+#if TILE == 16
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    return (vrow)_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, shift),
+                                                     _mm512_set1_epi32(mask)));
+#elif defined(__AVX2__)
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    return (vrow)_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift),
+                                                     _mm256_set1_epi32(mask)));
+#else
+    vrowb x;
+    memcpy(&x, b, sizeof x);
+    const vrowi w = __builtin_convertvector(x, vrowi);
+    return __builtin_convertvector((w >> shift) & mask, vrow);
+#endif
+}
+
+static inline float hsum_row(vrow a) {
+#if TILE == 16
+    return _mm512_reduce_add_ps((__m512)a);
+#else
+    return tree8(a);
+#endif
+}
+
+/* 8 values of a dense cache (float32, or bfloat16 bits) as floats */
+static inline v8f dense8(const void *cache, int64_t at, int bf16) {
+    if (bf16)
+        return widen8_bf16((const uint16_t *)cache + at);
+    v8f x;
+    memcpy(&x, (const float *)cache + at, sizeof x);
+    return x;
+}
+
+/* what one part of the keys of one request's kv head h gives n <= MAX_G of its query heads */
+struct quant_part {
+    const float *q[MAX_G];              /* the heads' queries */
+    float *s[MAX_G];                    /* scores, then e^(s - max), at [t - a] */
+    float *acc[MAX_G];                  /* the probabilities' unnormalized sums of values */
+    float max[MAX_G], sum[MAX_G];
+};
+
+/* scores of the pages' tokens a .. e - 1 (e <= the pages' tokens) */
+static inline __attribute__((always_inline)) void page_scores(
+    const int n, struct quant_part *w, const struct quant_pages *pg, int64_t page_size, int kbits,
+    int64_t h, int64_t D, int64_t kv_heads, float scale, int64_t a, int64_t e, float *qp) {
+    const int64_t per = 8 / kbits, bytes = D / per;
+    const int mask = (1 << kbits) - 1;
+    for (int64_t p = a / page_size; p * page_size < e; p++) {
+        const uint16_t *ks = pg->k_scale + (p * kv_heads + h) * D;
+        const uint16_t *kz = pg->k_zero + (p * kv_heads + h) * D;
+        float qz[MAX_G], sf[D], zf[D];
+        for (int64_t d = 0; d < D; d++)
+            sf[d] = half_to_float(ks[d]), zf[d] = half_to_float(kz[d]);
+        for (int g = 0; g < n; g++) {             /* q * s_k in the codes' planes, q . z_k */
+            float z = 0.0f;
+            for (int64_t d = 0; d < D; d++)
+                z += w->q[g][d] * zf[d];
+            qz[g] = z;
+            for (int64_t j = 0; j < per; j++)             /* dimension i * per + j at j, i */
+                for (int64_t i = 0; i < bytes; i++)
+                    qp[g * D + j * bytes + i] = w->q[g][i * per + j] * sf[i * per + j];
+        }
+        const int64_t t0 = p * page_size > a ? p * page_size : a;
+        const int64_t t1 = (p + 1) * page_size < e ? (p + 1) * page_size : e;
+        for (int64_t t = t0; t < t1; t++) {
+            const uint8_t *codes = pg->k_codes + (t * kv_heads + h) * bytes;
+            vrow dot[MAX_G];
+            for (int g = 0; g < n; g++)
+                dot[g] = splat_row(0.0f);
+            for (int64_t j = 0; j < per; j++)
+                for (int64_t i = 0; i < bytes; i += TILE) {
+                    const vrow c = plane_row(codes + i, (int)(j * kbits), mask);
+                    for (int g = 0; g < n; g++)
+                        dot[g] = fma_row(*(const vrow *)(qp + g * D + j * bytes + i), c, dot[g]);
+                }
+            for (int g = 0; g < n; g++)
+                w->s[g][t - a] = (hsum_row(dot[g]) + qz[g]) * scale;
+        }
+    }
+}
+
+/* the pages' tokens a .. e - 1 weighed into acc (which they set): each TILE codes of a plane
+ * summed over the tokens in registers, weights e^(s - max) * s_v from pw (n * (e - a)) */
+static inline __attribute__((always_inline)) void page_values(
+    const int n, struct quant_part *w, const struct quant_pages *pg, int vbits, int64_t h,
+    int64_t D, int64_t kv_heads, int64_t a, int64_t e, float *pw) {
+    const int64_t per = 8 / vbits, bytes = D / per, len = e - a;
+    const int mask = (1 << vbits) - 1;
+    float zsum[MAX_G];
+    for (int g = 0; g < n; g++)
+        zsum[g] = 0.0f;
+    for (int64_t t = a; t < e; t++) {
+        const int64_t at = t * kv_heads + h;
+        const float vs = half_to_float(pg->v_scale[at]), vz = half_to_float(pg->v_zero[at]);
+        for (int g = 0; g < n; g++) {
+            pw[g * len + t - a] = w->s[g][t - a] * vs;
+            zsum[g] += w->s[g][t - a] * vz;
+        }
+    }
+    const uint8_t *codes = pg->v_codes + h * bytes;
+    for (int64_t j = 0; j < per; j++)
+        for (int64_t i = 0; i < bytes; i += TILE) {
+            vrow sum[MAX_G];
+            for (int g = 0; g < n; g++)
+                sum[g] = splat_row(0.0f);
+            for (int64_t t = a; t < e; t++) {
+                const vrow c = plane_row(codes + t * kv_heads * bytes + i, (int)(j * vbits), mask);
+                for (int g = 0; g < n; g++)
+                    sum[g] = fma_row(splat_row(pw[g * len + t - a]), c, sum[g]);
+            }
+            for (int g = 0; g < n; g++)
+                for (int l = 0; l < TILE; l++)
+                    w->acc[g][(i + l) * per + j] = sum[g][l] + zsum[g];
+        }
+}
+
+/* One task: n of kv head h's query heads over keys [a, b) of a request's sequence: its pages'
+ * tokens first (t < page_tokens), then its dense keys (dense key j's slot at off[j]). Sets
+ * w->max, w->sum and w->acc. Scratch: qp (MAX_G * D), pw (MAX_G * (b - a)). */
+static inline __attribute__((always_inline)) void quant_part_n(
+    const int n, struct quant_part *w, const struct quant_pages *pg, int64_t page_size,
+    int kbits, int vbits, const void *k_cache, const void *v_cache, int bf16, const int64_t *off,
+    int64_t h, int64_t D, int64_t kv_heads, float scale, float softcap, int64_t a, int64_t b,
+    float *qp, float *pw) {
+    const int64_t page_tokens = pg ? pg->num_pages * page_size : 0, len = b - a;
+    const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
+    if (a < e)
+        page_scores(n, w, pg, page_size, kbits, h, D, kv_heads, scale, a, e, qp);
+    for (int64_t t = dense_from; t < b; t++) {                       /* the dense keys' scores */
+        const int64_t at = off[t - page_tokens] + h * D;
+        v8f dot[MAX_G];
+        for (int g = 0; g < n; g++)
+            dot[g] = splat8(0.0f);
+        for (int64_t d = 0; d < D; d += 8) {
+            const v8f k = dense8(k_cache, at + d, bf16);
+            for (int g = 0; g < n; g++)
+                dot[g] = fma8(*(const v8f *)(w->q[g] + d), k, dot[g]);
+        }
+        for (int g = 0; g < n; g++)
+            w->s[g][t - a] = tree8(dot[g]) * scale;
+    }
+    const int64_t stride = (len + 7) & ~(int64_t)7;
+    for (int g = 0; g < n; g++) {                 /* e^(s - max) in place, the max and the sum */
+        float *s = w->s[g];
+        if (softcap > 0.0f)
+            for (int64_t i = 0; i < len; i++)
+                s[i] = tanhf(s[i] / softcap) * softcap;
+        for (int64_t i = len; i < stride; i++)
+            s[i] = s[0];
+        v8f most = *(const v8f *)s;
+        for (int64_t i = 8; i < stride; i += 8) {
+            const v8f x = *(const v8f *)(s + i);
+            most = (v8f)(((v8i)x & (x > most)) | ((v8i)most & ~(x > most)));
+        }
+        float m = most[0];
+        for (int l = 1; l < 8; l++)
+            m = most[l] > m ? most[l] : m;
+        v8f total = splat8(0.0f);
+        for (int64_t i = 0; i < stride; i += 8) {
+            const v8i real = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)i < (int32_t)len;
+            const v8f kept = (v8f)((v8i)exp8(*(const v8f *)(s + i) - m) & real);
+            *(v8f *)(s + i) = kept;
+            total += kept;
+        }
+        w->max[g] = m;
+        w->sum[g] = tree8(total);
+    }
+    if (a < e)
+        page_values(n, w, pg, vbits, h, D, kv_heads, a, e, pw);
+    else
+        for (int g = 0; g < n; g++)
+            memset(w->acc[g], 0, sizeof(float) * D);
+    for (int64_t t = dense_from; t < b; t++) {                       /* the dense keys' values */
+        const int64_t at = off[t - page_tokens] + h * D;
+        for (int64_t d = 0; d < D; d += 8) {
+            const v8f v = dense8(v_cache, at + d, bf16);
+            for (int g = 0; g < n; g++) {
+                v8f *o = (v8f *)(w->acc[g] + d);
+                *o = fma8(splat8(w->s[g][t - a]), v, *o);
+            }
+        }
+    }
+}
+
+/* Every request of the step one query row (q: [rows, q_token_stride], request r's row r), its
+ * dense keys in the paged cache k_cache / v_cache (float32, or bfloat16 bits where bf16) as
+ * paged_attention_short reads them (requests: [r] = first row, 1, dense keys; tables), its
+ * pages pages[r] (NULL: none) -> out [rows, out_token_stride]. Requires head_dim * bits a
+ * multiple of 128 (the Python side checks). Returns 0, or -1 where scratch memory failed. */
+int quant_draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
+                          const void *v_cache, int bf16, float *out, int64_t out_token_stride,
+                          const int64_t *requests, const int64_t *tables, int64_t table_width,
+                          int64_t num_reqs, const struct quant_pages *pages, int64_t page_size,
+                          int64_t key_bits, int64_t value_bits, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          float softcap, int num_threads) {
+    const int64_t G = num_heads / num_kv_heads, D = head_dim, slot = num_kv_heads * D;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t n = requests[r * 3 + 2] + pages[r].num_pages * page_size;
+        longest = n > longest ? n : longest;
+    }
+    const int64_t heads = num_reqs * num_kv_heads;
+    const int64_t parts = heads >= 2 * num_threads ? 1 : (2 * num_threads + heads - 1) / heads;
+    const int64_t per_part = G * (D + 2), tasks = heads * parts;
+    float *parts_out = malloc(sizeof(float) * tasks * per_part);
+    if (!parts_out)
+        return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+    {
+        const int64_t most = ((longest + parts - 1) / parts + 8) & ~(int64_t)7;
+        const int64_t n_max = G < MAX_G ? G : MAX_G;
+        float *scores = malloc(sizeof(float) * n_max * most);
+        float *pw = malloc(sizeof(float) * n_max * most), *qp = malloc(sizeof(float) * MAX_G * D);
+        int64_t *off = malloc(sizeof(int64_t) * (longest + 8));
+        if (!scores || !pw || !qp || !off) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (failed)
+                continue;
+            const int64_t r = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
+            const int64_t part = task % parts, dense = requests[r * 3 + 2];
+            const struct quant_pages *pg = pages[r].num_pages ? pages + r : NULL;
+            const int64_t total = dense + (pg ? pg->num_pages * page_size : 0);
+            const int64_t a = total * part / parts, b = total * (part + 1) / parts;
+            float *res = parts_out + task * per_part;       /* max [G], sum [G], acc [G, D] */
+            if (a == b) {
+                for (int64_t g = 0; g < G; g++)
+                    res[g] = -INFINITY, res[G + g] = 0.0f;
+                continue;
+            }
+            key_offsets(off, tables + r * table_width, dense, dense, block_size, slot);
+            const float *qr = q + requests[r * 3] * q_token_stride + h * G * D;
+            for (int64_t g0 = 0; g0 < G; g0 += MAX_G) {
+                const int n = (int)(G - g0 < MAX_G ? G - g0 : MAX_G);
+                struct quant_part w;
+                for (int g = 0; g < n; g++) {
+                    w.q[g] = qr + (g0 + g) * D;
+                    w.s[g] = scores + g * most;
+                    w.acc[g] = res + 2 * G + (g0 + g) * D;
+                }
+#define PART(N)                                                                                 \
+    case N:                                                                                     \
+        quant_part_n(N, &w, pg, page_size, (int)key_bits, (int)value_bits, k_cache, v_cache,    \
+                     bf16, off, h, D, num_kv_heads, scale, softcap, a, b, qp, pw);              \
+        break;
+                switch (n) {                                  /* a constant count each case */
+                    PART(1) PART(2) PART(3) PART(4) PART(5) PART(6) PART(7) PART(8)
+                }
+#undef PART
+                for (int g = 0; g < n; g++)
+                    res[g0 + g] = w.max[g], res[G + g0 + g] = w.sum[g];
+            }
+        }
+        free(scores);
+        free(pw);
+        free(qp);
+        free(off);
+    }
+    if (!failed)
+        for (int64_t r = 0; r < num_reqs; r++)     /* the parts merged by their maxima and sums */
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                for (int64_t g = 0; g < G; g++) {
+                    const float *first = parts_out + (r * num_kv_heads + h) * parts * per_part;
+                    float m = -INFINITY, total = 0.0f;
+                    for (int64_t p = 0; p < parts; p++)
+                        m = first[p * per_part + g] > m ? first[p * per_part + g] : m;
+                    float *o = out + requests[r * 3] * out_token_stride + (h * G + g) * D;
+                    for (int64_t d = 0; d < D; d++)
+                        o[d] = 0.0f;
+                    for (int64_t p = 0; p < parts; p++) {
+                        const float *res = first + p * per_part;
+                        if (res[G + g] == 0.0f)
+                            continue;
+                        const float w = expf(res[g] - m);
+                        total += w * res[G + g];
+                        for (int64_t d = 0; d < D; d++)
+                            o[d] += w * res[2 * G + g * D + d];
+                    }
+                    for (int64_t d = 0; d < D; d++)
+                        o[d] /= total;
+                }
+    free(parts_out);
+    return failed ? -1 : 0;
+}
