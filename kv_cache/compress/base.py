@@ -198,16 +198,24 @@ class Compressor(ABC):
 
     def _compress_full_pages(self, layer: int, ls: LayerState) -> None:
         p = self.config.page_size
-        while ls.tail_k.shape[0] >= self.config.window + p:
-            page = self._compress_page(layer, ls.tail_k[:p].contiguous(),
-                                       ls.tail_v[:p].contiguous())
-            ls.pages.append(page)
-            ls.page_starts.append(ls.tail_start)
-            ls.attn_mass.append(1.0)
-            ls.mass_seen.append(False)
-            ls.tail_k, ls.tail_v = ls.tail_k[p:], ls.tail_v[p:]
-            ls.tail_start += p
+        n = max(0, (ls.tail_k.shape[0] - self.config.window) // p)
+        if n:
+            shape = (n, p, *ls.tail_k.shape[1:])
+            pages = self._compress_pages(layer, ls.tail_k[:n * p].reshape(shape).contiguous(),
+                                         ls.tail_v[:n * p].reshape(shape).contiguous())
+            for page in pages:
+                ls.pages.append(page)
+                ls.page_starts.append(ls.tail_start)
+                ls.attn_mass.append(1.0)
+                ls.mass_seen.append(False)
+                ls.tail_start += p
+            ls.tail_k, ls.tail_v = ls.tail_k[n * p:], ls.tail_v[n * p:]
         self._after_new_pages(layer, ls)
+
+    def _compress_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[Any]:
+        """k, v: [num_pages, page_size, num_kv_heads, D] -> the pages, oldest first (default: one
+        `_compress_page` each; a format that batches overrides it)."""
+        return [self._compress_page(layer, k[i], v[i]) for i in range(k.shape[0])]
 
     def _after_new_pages(self, layer: int, ls: LayerState) -> None:
         """Hook for retention policies (e.g. rate-distortion downgrades). Default: nothing."""

@@ -131,6 +131,14 @@ class QuantCompressor(Compressor):
         return QuantPage(pack_bits(kc, self.key_bits), ks, kz, pack_bits(vc, self.value_bits), vs,
                          vz)
 
+    def _compress_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[QuantPage]:
+        """All the pages at once (each page's codes and ranges are its own tokens' alone, as
+        `_compress_page` computes them): a long prompt's pages in a few tensor ops a layer."""
+        kc, ks, kz = quantize(k, self.key_bits, dim=1)
+        vc, vs, vz = quantize(v, self.value_bits, dim=3)
+        kp, vp = pack_bits(kc, self.key_bits), pack_bits(vc, self.value_bits)
+        return [QuantPage(*fields) for fields in zip(kp, ks, kz, vp, vs, vz)]
+
     def _after_new_pages(self, layer: int, ls: LayerState) -> None:
         if ls.pages:
             if ls.arena is None:
@@ -191,7 +199,7 @@ class QuantPagesBatch(PagesBatch):
             rows, heads, last = like.shape
             buf = like.new_zeros((len(states), heads, most, rows, last))
             for i, ls in enumerate(states):
-                if ls.pages:                        # the arena's [NP, P, H, last] -> [H, NP, P, last]
+                if ls.pages:                  # the arena's [NP, P, H, last] -> [H, NP, P, last]
                     buf[i, :, :len(ls.pages)] = ls.arena.tensors[name][:len(ls.pages)].permute(
                         2, 0, 1, 3)
             self.stacked[name] = buf

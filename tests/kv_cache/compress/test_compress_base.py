@@ -172,3 +172,29 @@ def test_quant8_attention_is_close_and_int2_is_worse():
         out, _ = comp.attend(state, 0, q)
         errs.append(((out - ref).norm() / ref.norm()).item())
     assert errs[0] < 0.02 < errs[1]
+
+
+@pytest.mark.parametrize("kbits,vbits", [(4, 4), (2, 8)])
+def test_quant_pages_compressed_at_once_equal_pages_compressed_one_by_one(kbits, vbits):
+    """A long prompt's pages are quantized in one batch (`_compress_pages`); each is what a
+    token-by-token encode makes of it, and every page is a view of its layer's `QuantArena`
+    (held once, read by the C drafter from six pointers)."""
+    torch.manual_seed(0)
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=32, num_sink=4, window=8,
+                           page_size=8)
+    comp = QuantCompressor(cfg, kbits, vbits)
+    k, v = torch.randn(2, 75, 2, 32).unbind(0)
+    batch, single = comp.new_state(torch.float32), comp.new_state(torch.float32)
+    comp.encode(batch, 0, k, v)
+    for i in range(75):
+        comp.encode(single, 0, k[i:i + 1], v[i:i + 1])
+    got, want = batch.layers[0], single.layers[0]
+    assert len(got.pages) == len(want.pages) == (75 - 4 - 8) // 8
+    assert got.page_starts == want.page_starts and got.tail_start == want.tail_start
+    assert torch.equal(got.tail_k, want.tail_k)
+    arena = got.arena.tensors
+    for i, (a, b) in enumerate(zip(got.pages, want.pages)):
+        for name in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert getattr(a, name).data_ptr() == arena[name][i].data_ptr()
+    assert comp.page_bytes(got.pages[0]) == comp.nominal_page_bytes()
