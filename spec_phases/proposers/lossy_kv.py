@@ -11,7 +11,9 @@ Drafting is batched across requests: one model forward per draft position for ev
 drafting. Where no state holds compressed pages (the `window` compressor keeps none; every
 compressor's state is dense until the context outgrows its window), each draft step is one call of
 the C decoder over a small paged cache of the states' dense tokens (`DenseDraftCache`), as a plain
-decode step is. Otherwise the modules run it, with per layer two attention calls for all requests:
+decode step is; so is a step over states holding `quant` pages, which the C kernel
+`quant_draft_attention.c` attends straight from their codes (`Compressor.kernel_bits`, the pages'
+`QuantArena`). Otherwise the modules run it, with per layer two attention calls for all requests:
 the compressor's `PagesBatch` over the compressed pages, and one padded dense attention over each
 request's sinks + dense tail + scratch, merged exactly by log-sum-exp (the same math as
 `compressor.attend(state)` merged with the scratch).
