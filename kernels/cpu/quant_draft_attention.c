@@ -6,9 +6,10 @@
  * never dequantized into a cache:
  *     logit = (q * s_k) . c_k + q . z_k    (keys: a scale and zero per page, head and channel)
  *     out   = (p * s_v) @ c_v + p @ z_v    (values: a scale and zero per token and head)
- * Codes are packed little end first, 8 / bits to a byte: dimension d of a token is code
- * (d mod (8 / bits)) of its byte d / (8 / bits). The kernel reads a token's codes in planes
- * (plane j: code j of every byte, 8 bytes to a vector) against the query split the same way.
+ * Codes are packed little end first, 8 / bits to a byte: keys channel by channel along a
+ * page's tokens (a page's tokens are scored in vector lanes), values token by token along the
+ * dimensions (a token's codes weighed into the sums of its dimensions). A vector of codes is one
+ * plane of TILE bytes (plane j: code j of every byte).
  *
  * A draft's output feeds only the draft: the verify pass reads the full cache, so outputs stay
  * those of plain decoding whatever this computes. It is the module path's math
@@ -30,7 +31,7 @@
 /* one request's pages of one layer, page-major (`QuantArena`: every page's fields are views of
  * these six tensors) */
 struct quant_pages {
-    const uint8_t *k_codes;            /* [num_pages, page_size, kv_heads, head_dim*kbits/8] */
+    const uint8_t *k_codes;            /* [num_pages, kv_heads, head_dim, page_size*kbits/8] */
     const uint16_t *k_scale, *k_zero;  /* float16 [num_pages, kv_heads, head_dim] */
     const uint8_t *v_codes;            /* [num_pages, page_size, kv_heads, head_dim*vbits/8] */
     const uint16_t *v_scale, *v_zero;  /* float16 [num_pages, page_size, kv_heads] */
@@ -58,32 +59,6 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* codes (b[i] >> shift) & mask of TILE bytes, as floats */
-static inline vrow plane_row(const uint8_t *b, int shift, int mask) {
-#if TILE == 16
-    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    return (vrow)_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, shift),
-                                                     _mm512_set1_epi32(mask)));
-#elif defined(__AVX2__)
-    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    return (vrow)_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift),
-                                                     _mm256_set1_epi32(mask)));
-#else
-    vrowb x;
-    memcpy(&x, b, sizeof x);
-    const vrowi w = __builtin_convertvector(x, vrowi);
-    return __builtin_convertvector((w >> shift) & mask, vrow);
-#endif
-}
-
-static inline float hsum_row(vrow a) {
-#if TILE == 16
-    return _mm512_reduce_add_ps((__m512)a);
-#else
-    return tree8(a);
-#endif
-}
-
 /* 8 values of a dense cache (float32, or bfloat16 bits) as floats */
 static inline v8f dense8(const void *cache, int64_t at, int bf16) {
     if (bf16)
@@ -101,53 +76,143 @@ struct quant_part {
     float max[MAX_G], sum[MAX_G];
 };
 
-/* scores of the pages' tokens a .. e - 1 (e <= the pages' tokens) */
+/* TILE bytes from b, each widened to an int32 lane (n < TILE: the first n, the rest 0) */
+static inline vrowi bytes_row(const uint8_t *b, int64_t n) {
+    uint8_t pad[TILE];
+    if (n < TILE) {
+        memset(pad, 0, sizeof pad);
+        if (n > 0)
+            memcpy(pad, b, (size_t)n);
+        b = pad;
+    }
+#if TILE == 16
+    return (vrowi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+#elif defined(__AVX2__)
+    return (vrowi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+#else
+    vrowb x;
+    memcpy(&x, b, sizeof x);
+    return __builtin_convertvector(x, vrowi);
+#endif
+}
+
+#define BLOCK_TOKENS 64                         /* a page's tokens scored together, at most */
+#define AHEAD_TOKENS 8                  /* tokens ahead whose value codes are requested early */
+#define BLOCK_VECS (BLOCK_TOKENS / TILE)
+
+/* n query heads' scores of tokens b0 .. b0 + BLOCK_TOKENS - 1 of a page (those past its end,
+ * or outside lo .. hi - 1, computed over zero codes and not written), per = 8 / kbits codes a
+ * byte: every count a constant where it is inlined, so the sums stay in registers. Lane l of
+ * chunk c, plane j holds token b0 + (c * TILE + l) * per + j. */
+static inline __attribute__((always_inline)) void score_block(
+    const int n, const int per, struct quant_part *w, const uint8_t *codes, int64_t pbytes,
+    int64_t b0, int64_t lo, int64_t hi, int64_t base, int64_t a, int64_t D, const float *qp,
+    const float *qz, float scale) {
+    const int kbits = 8 / per, mask = (1 << kbits) - 1, chunks = BLOCK_VECS / per;
+    const int64_t byte0 = b0 / per, nbytes = pbytes - byte0;
+    vrow acc[MAX_G][BLOCK_VECS];
+    for (int g = 0; g < n; g++)
+        for (int v = 0; v < BLOCK_VECS; v++)
+            acc[g][v] = splat_row(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        const uint8_t *cd = codes + d * pbytes + byte0;
+        for (int c = 0; c < chunks; c++) {
+            const vrowi x = bytes_row(cd + c * TILE, nbytes - c * TILE);
+            for (int j = 0; j < per; j++) {
+                const vrow cj = __builtin_convertvector((x >> (j * kbits)) & mask, vrow);
+                for (int g = 0; g < n; g++)
+                    acc[g][c * per + j] = fma_row(splat_row(qp[g * D + d]), cj,
+                                                  acc[g][c * per + j]);
+            }
+        }
+    }
+    for (int g = 0; g < n; g++)
+        for (int c = 0; c < chunks; c++)
+            for (int j = 0; j < per; j++)
+                for (int l = 0; l < TILE; l++) {
+                    const int64_t t = b0 + (int64_t)(c * TILE + l) * per + j;
+                    if (t >= lo && t < hi)
+                        w->s[g][base + t - a] = (acc[g][c * per + j][l] + qz[g]) * scale;
+                }
+}
+
+/* scores of the pages' tokens a .. e - 1 (e <= the pages' tokens). A page's key codes are
+ * stored channel by channel, each channel's codes of the page's tokens packed along the tokens
+ * (`quant.py`), so BLOCK_TOKENS tokens are scored in vector lanes, one channel after the other
+ * (q * s_k of the channel broadcast): no sum across lanes. */
 static inline __attribute__((always_inline)) void page_scores(
     const int n, struct quant_part *w, const struct quant_pages *pg, int64_t page_size, int kbits,
     int64_t h, int64_t D, int64_t kv_heads, float scale, int64_t a, int64_t e, float *qp) {
-    const int64_t per = 8 / kbits, bytes = D / per;
-    const int mask = (1 << kbits) - 1;
+    const int64_t pbytes = page_size * kbits / 8;             /* a channel's bytes in a page */
     for (int64_t p = a / page_size; p * page_size < e; p++) {
         const uint16_t *ks = pg->k_scale + (p * kv_heads + h) * D;
         const uint16_t *kz = pg->k_zero + (p * kv_heads + h) * D;
-        float qz[MAX_G], sf[D], zf[D];
-        for (int64_t d = 0; d < D; d++)
-            sf[d] = half_to_float(ks[d]), zf[d] = half_to_float(kz[d]);
-        for (int g = 0; g < n; g++) {             /* q * s_k in the codes' planes, q . z_k */
+        const uint8_t *codes = pg->k_codes + (p * kv_heads + h) * D * pbytes;
+        if (p + 1 < pg->num_pages)              /* the next page's codes of this head, early */
+            for (int64_t at = 0; at < D * pbytes; at += 64)
+                __builtin_prefetch(codes + kv_heads * D * pbytes + at, 0, 1);
+        float qz[MAX_G];
+        for (int g = 0; g < n; g++) {                             /* q * s_k and q . z_k */
             float z = 0.0f;
-            for (int64_t d = 0; d < D; d++)
-                z += w->q[g][d] * zf[d];
+            for (int64_t d = 0; d < D; d++) {
+                qp[g * D + d] = w->q[g][d] * half_to_float(ks[d]);
+                z += w->q[g][d] * half_to_float(kz[d]);
+            }
             qz[g] = z;
-            for (int64_t j = 0; j < per; j++)             /* dimension i * per + j at j, i */
-                for (int64_t i = 0; i < bytes; i++)
-                    qp[g * D + j * bytes + i] = w->q[g][i * per + j] * sf[i * per + j];
         }
-        const int64_t t0 = p * page_size > a ? p * page_size : a;
-        const int64_t t1 = (p + 1) * page_size < e ? (p + 1) * page_size : e;
-        for (int64_t t = t0; t < t1; t++) {
-            const uint8_t *codes = pg->k_codes + (t * kv_heads + h) * bytes;
-            vrow dot[MAX_G];
-            for (int g = 0; g < n; g++)
-                dot[g] = splat_row(0.0f);
-            for (int64_t j = 0; j < per; j++)
-                for (int64_t i = 0; i < bytes; i += TILE) {
-                    const vrow c = plane_row(codes + i, (int)(j * kbits), mask);
-                    for (int g = 0; g < n; g++)
-                        dot[g] = fma_row(*(const vrow *)(qp + g * D + j * bytes + i), c, dot[g]);
-                }
-            for (int g = 0; g < n; g++)
-                w->s[g][t - a] = (hsum_row(dot[g]) + qz[g]) * scale;
-        }
+        const int64_t base = p * page_size;
+        const int64_t lo = (a > base ? a : base) - base;
+        const int64_t hi = (e < base + page_size ? e : base + page_size) - base;
+        for (int64_t b0 = lo / BLOCK_TOKENS * BLOCK_TOKENS; b0 < hi; b0 += BLOCK_TOKENS)
+            switch (kbits) {                                 /* a constant count each case */
+            case 2: score_block(n, 4, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
+                break;
+            case 4: score_block(n, 2, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
+                break;
+            default: score_block(n, 1, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
+            }
     }
 }
 
-/* the pages' tokens a .. e - 1 weighed into acc (which they set): each TILE codes of a plane
- * summed over the tokens in registers, weights e^(s - max) * s_v from pw (n * (e - a)) */
+/* n query heads' value sums over the pages' tokens a .. e - 1, dimensions d0 .. d0 + 63: each
+ * token's codes of them read once (BLOCK_VECS vectors, per = 8 / vbits codes a byte), weighed
+ * by pw[g * len + t - a] into sums held in registers; lane l of chunk c, plane j is dimension
+ * d0 + (c * TILE + l) * per + j. */
+static inline __attribute__((always_inline)) void value_block(
+    const int n, const int per, struct quant_part *w, const uint8_t *codes, int64_t stride,
+    int64_t d0, int64_t a, int64_t e, const float *pw, const float *zsum) {
+    const int vbits = 8 / per, mask = (1 << vbits) - 1, chunks = BLOCK_VECS / per;
+    const int64_t len = e - a;
+    vrow acc[MAX_G][BLOCK_VECS];
+    for (int g = 0; g < n; g++)
+        for (int v = 0; v < BLOCK_VECS; v++)
+            acc[g][v] = splat_row(0.0f);
+    const uint8_t *ct = codes + a * stride + d0 / per;
+    for (int64_t t = 0; t < len; t++, ct += stride) {
+        __builtin_prefetch(ct + AHEAD_TOKENS * stride, 0, 1);
+        for (int c = 0; c < chunks; c++) {
+            const vrowi x = bytes_row(ct + c * TILE, TILE);
+            for (int j = 0; j < per; j++) {
+                const vrow cj = __builtin_convertvector((x >> (j * vbits)) & mask, vrow);
+                for (int g = 0; g < n; g++)
+                    acc[g][c * per + j] = fma_row(splat_row(pw[g * len + t]), cj,
+                                                  acc[g][c * per + j]);
+            }
+        }
+    }
+    for (int g = 0; g < n; g++)
+        for (int c = 0; c < chunks; c++)
+            for (int j = 0; j < per; j++)
+                for (int l = 0; l < TILE; l++)
+                    w->acc[g][d0 + (c * TILE + l) * per + j] = acc[g][c * per + j][l] + zsum[g];
+}
+
+/* the pages' tokens a .. e - 1 weighed into acc (which they set), 64 dimensions at a time
+ * (value_block), weights e^(s - max) * s_v in pw (n * (e - a)), the zeros' sums apart */
 static inline __attribute__((always_inline)) void page_values(
     const int n, struct quant_part *w, const struct quant_pages *pg, int vbits, int64_t h,
     int64_t D, int64_t kv_heads, int64_t a, int64_t e, float *pw) {
-    const int64_t per = 8 / vbits, bytes = D / per, len = e - a;
-    const int mask = (1 << vbits) - 1;
+    const int64_t len = e - a, bytes = D * vbits / 8;
     float zsum[MAX_G];
     for (int g = 0; g < n; g++)
         zsum[g] = 0.0f;
@@ -160,19 +225,11 @@ static inline __attribute__((always_inline)) void page_values(
         }
     }
     const uint8_t *codes = pg->v_codes + h * bytes;
-    for (int64_t j = 0; j < per; j++)
-        for (int64_t i = 0; i < bytes; i += TILE) {
-            vrow sum[MAX_G];
-            for (int g = 0; g < n; g++)
-                sum[g] = splat_row(0.0f);
-            for (int64_t t = a; t < e; t++) {
-                const vrow c = plane_row(codes + t * kv_heads * bytes + i, (int)(j * vbits), mask);
-                for (int g = 0; g < n; g++)
-                    sum[g] = fma_row(splat_row(pw[g * len + t - a]), c, sum[g]);
-            }
-            for (int g = 0; g < n; g++)
-                for (int l = 0; l < TILE; l++)
-                    w->acc[g][(i + l) * per + j] = sum[g][l] + zsum[g];
+    for (int64_t d0 = 0; d0 < D; d0 += BLOCK_TOKENS)
+        switch (vbits) {                                     /* a constant count each case */
+        case 2: value_block(n, 4, w, codes, kv_heads * bytes, d0, a, e, pw, zsum); break;
+        case 4: value_block(n, 2, w, codes, kv_heads * bytes, d0, a, e, pw, zsum); break;
+        default: value_block(n, 1, w, codes, kv_heads * bytes, d0, a, e, pw, zsum);
         }
 }
 
@@ -247,8 +304,8 @@ static inline __attribute__((always_inline)) void quant_part_n(
 /* Every request of the step one query row (q: [rows, q_token_stride], request r's row r), its
  * dense keys in the paged cache k_cache / v_cache (float32, or bfloat16 bits where bf16) as
  * paged_attention_short reads them (requests: [r] = first row, 1, dense keys; tables), its
- * pages pages[r] (NULL: none) -> out [rows, out_token_stride]. Requires head_dim * bits a
- * multiple of 128 (the Python side checks). Returns 0, or -1 where scratch memory failed. */
+ * pages pages[r] (NULL: none) -> out [rows, out_token_stride]. Requires head_dim a
+ * multiple of 64 (the Python side checks). Returns 0, or -1 where scratch memory failed. */
 int quant_draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
                           const void *v_cache, int bf16, float *out, int64_t out_token_stride,
                           const int64_t *requests, const int64_t *tables, int64_t table_width,

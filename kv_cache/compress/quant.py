@@ -2,7 +2,8 @@
 
 Within one page of P tokens and one kv head:
 - keys   [P, D]: one (scale, zero) pair per channel, shared by the page's P tokens (keys have
-  per-channel outliers, so channels get their own range);
+  per-channel outliers, so channels get their own range); their codes stored channel by channel,
+  packed along the page's tokens (the C drafter scores a page's tokens in vector lanes);
 - values [P, D]: one (scale, zero) pair per token.
 Asymmetric min/max quantization, codes in [0, 2^bits - 1], scale and zero stored as fp16, codes
 bit-packed (bits in {2, 4, 8}). Attention dequantizes the pages and runs dense attention. For a
@@ -73,7 +74,7 @@ FIELDS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero")
 
 @dataclass
 class QuantPage:
-    k_packed: torch.Tensor      # [P, H, D * kbits / 8] uint8
+    k_packed: torch.Tensor      # [H, D, P * kbits / 8] uint8 (channel-major)
     k_scale: torch.Tensor       # [1, H, D] fp16 (per channel)
     k_zero: torch.Tensor
     v_packed: torch.Tensor      # [P, H, D * vbits / 8] uint8
@@ -126,17 +127,15 @@ class QuantCompressor(Compressor):
         self.name = f"int{key_bits}k-int{value_bits}v"
 
     def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> QuantPage:
-        kc, ks, kz = quantize(k, self.key_bits, dim=0)
-        vc, vs, vz = quantize(v, self.value_bits, dim=2)
-        return QuantPage(pack_bits(kc, self.key_bits), ks, kz, pack_bits(vc, self.value_bits), vs,
-                         vz)
+        return self._compress_pages(layer, k[None], v[None])[0]
 
     def _compress_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[QuantPage]:
         """All the pages at once (each page's codes and ranges are its own tokens' alone, as
         `_compress_page` computes them): a long prompt's pages in a few tensor ops a layer."""
         kc, ks, kz = quantize(k, self.key_bits, dim=1)
         vc, vs, vz = quantize(v, self.value_bits, dim=3)
-        kp, vp = pack_bits(kc, self.key_bits), pack_bits(vc, self.value_bits)
+        kp = pack_bits(kc.permute(0, 2, 3, 1), self.key_bits)      # channel-major: [n, H, D, P']
+        vp = pack_bits(vc, self.value_bits)
         return [QuantPage(*fields) for fields in zip(kp, ks, kz, vp, vs, vz)]
 
     def _after_new_pages(self, layer: int, ls: LayerState) -> None:
@@ -146,15 +145,12 @@ class QuantCompressor(Compressor):
             ls.arena.add(ls.pages)
 
     def kernel_bits(self) -> tuple[int, int] | None:
-        """The C drafter reads a token's codes 16 bytes at a time: head_dim * bits a multiple of
-        128 for keys and values."""
-        d = self.config.head_dim
-        if (d * self.key_bits) % 128 or (d * self.value_bits) % 128:
-            return None
-        return self.key_bits, self.value_bits
+        """The C drafter weighs values 64 dimensions at a time: head_dim a multiple of 64."""
+        return None if self.config.head_dim % 64 else (self.key_bits, self.value_bits)
 
     def _decode_page(self, page: QuantPage) -> tuple[torch.Tensor, torch.Tensor]:
-        k = dequantize(unpack_bits(page.k_packed, self.key_bits), page.k_scale, page.k_zero)
+        k_codes = unpack_bits(page.k_packed, self.key_bits).permute(2, 0, 1)         # [P, H, D]
+        k = dequantize(k_codes, page.k_scale, page.k_zero)
         v = dequantize(unpack_bits(page.v_packed, self.value_bits), page.v_scale, page.v_zero)
         return k, v
 
@@ -195,13 +191,14 @@ class QuantPagesBatch(PagesBatch):
         proto = next(ls.pages[0] for ls in states if ls.pages)
         self.stacked = {}
         for name in FIELDS:
-            like = getattr(proto, name)                                     # [P or 1, H, last]
-            rows, heads, last = like.shape
-            buf = like.new_zeros((len(states), heads, most, rows, last))
-            for i, ls in enumerate(states):
-                if ls.pages:                  # the arena's [NP, P, H, last] -> [H, NP, P, last]
-                    buf[i, :, :len(ls.pages)] = ls.arena.tensors[name][:len(ls.pages)].permute(
-                        2, 0, 1, 3)
+            order = (1, 0, 2, 3) if name == "k_packed" else (2, 0, 1, 3)  # arena's -> [H, NP, ..]
+            views = [ls.arena.tensors[name][:len(ls.pages)].permute(*order) if ls.pages else None
+                     for ls in states]
+            like = next(v for v in views if v is not None)
+            buf = like.new_zeros((len(states), like.shape[0], most, *like.shape[2:]))
+            for i, view in enumerate(views):
+                if view is not None:
+                    buf[i, :, :view.shape[1]] = view
             self.stacked[name] = buf
         counts = torch.tensor(num_pages, device=proto.k_packed.device)
         # [B, T]
@@ -212,13 +209,13 @@ class QuantPagesBatch(PagesBatch):
         and channel) and into the probabilities (values: per token), so only the codes are widened:
             logit = (q * s_k) . c_k + q . z_k,     out = (p * s_v) @ c_v + p @ z_v."""
         c, st = self.comp, {name: t[:num_rows] for name, t in self.stacked.items()}
-        rows, heads, most, page = st["k_packed"].shape[:4]
+        rows, heads, most = st["k_packed"].shape[:3]
         num_heads, d = q.shape[1:]
-        group, t = num_heads // heads, most * page
+        group, t = num_heads // heads, most * c.config.page_size
         qg = q.float().reshape(rows, heads, 1, group, d)
-        k_codes = unpack_bits(st["k_packed"], c.key_bits).float()                # [R, H, NP, P, D]
+        k_codes = unpack_bits(st["k_packed"], c.key_bits).float()                # [R, H, NP, D, P]
         k_scale, k_zero = st["k_scale"].float(), st["k_zero"].float()            # [R, H, NP, 1, D]
-        logits = torch.matmul(qg * k_scale, k_codes.transpose(-1, -2))           # [R, H, NP, g, P]
+        logits = torch.matmul(qg * k_scale, k_codes)                             # [R, H, NP, g, P]
         logits = logits + torch.matmul(qg, k_zero.transpose(-1, -2))             # + q . z per page
         logits = logits.transpose(2, 3).reshape(rows, heads, group, t) * c.sm_scale
         logits = logits.masked_fill(~self.valid[:num_rows, None, None, :], -math.inf)

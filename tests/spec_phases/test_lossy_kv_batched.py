@@ -217,8 +217,9 @@ def test_dense_states_draft_on_the_one_call_c_decoder(name, dense):
     assert modules.stats()["num_c_rounds"] == 0
 
 
-@pytest.mark.parametrize("bits", [(4, 4), (8, 2), (2, 8)])
-def test_quant_pages_draft_on_the_one_call_c_decoder(bits):
+@pytest.mark.parametrize("bits,page", [((4, 4), 8), ((8, 2), 8), ((2, 8), 8), ((4, 4), 64),
+                                       ((2, 4), 64), ((8, 8), 64)])
+def test_quant_pages_draft_on_the_one_call_c_decoder(bits, page):
     """States holding `quant` pages draft on the C decoder too, attending the pages straight
     from their codes (`quant_draft_attention.c`): every draft step's hidden states those of the
     modules' batched path within float32 rounding, so the same drafts."""
@@ -239,7 +240,7 @@ def test_quant_pages_draft_on_the_one_call_c_decoder(bits):
         tokens = [(11 * j + 7 * i) % 500 + 3 for j in range(n + 1)]
         reqs.append(DraftRequest(f"r{i}", tuple(tokens), n, tuple(blocks)))
     max_lens = [5, 2, 5]
-    settings = {**SMALL_PAGES, "key_bits": bits[0], "value_bits": bits[1]}
+    settings = {**SMALL_PAGES, "page_size": page, "key_bits": bits[0], "value_bits": bits[1]}
 
     def pool():
         return DraftPool(build_compressor("quant", model, dict(settings)), storage, "cpu")
@@ -253,7 +254,7 @@ def test_quant_pages_draft_on_the_one_call_c_decoder(bits):
         finally:
             model.compute_logits = logits
         hidden[name + " drafts"] = drafts
-    assert all(len(s.layers[0].pages) >= 8 for s in fast.pool.states.values())
+    assert all(len(s.layers[0].pages) >= 64 // page for s in fast.pool.states.values())
     assert fast.stats()["num_c_rounds"] == 1 and modules.stats()["num_c_rounds"] == 0
     assert len(hidden["fast"]) == len(hidden["modules"]) == 5
     for got, want in zip(hidden["fast"], hidden["modules"]):
