@@ -34,9 +34,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.shape[-1]
     if n % per_byte:
         raise ValueError(f"last dim {n} must be a multiple of {per_byte}")
-    grouped = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per_byte, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
+    grouped = codes.reshape(*codes.shape[:-1], n // per_byte, per_byte)
+    packed = grouped[..., 0].clone()
+    for i in range(1, per_byte):                           # disjoint bits: an or is the sum
+        packed |= grouped[..., i] << (i * bits)
+    return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -104,16 +106,18 @@ class QuantArena:
                             for name in FIELDS}
             for name, t in old.items():
                 self.tensors[name][:self.count] = t[:self.count]
-            for i in range(self.count):                 # the pages moved with their tensors
-                pages[i] = self.page(i)
-        for i in range(self.count, len(pages)):
-            for name in FIELDS:
-                self.tensors[name][i] = getattr(pages[i], name)
-            pages[i] = self.page(i)
+            self._point(pages, 0, self.count)           # the pages moved with their tensors
+        new = pages[self.count:]
+        for name in FIELDS:
+            self.tensors[name][self.count:len(pages)] = torch.stack([getattr(p, name)
+                                                                      for p in new])
+        self._point(pages, self.count, len(pages))
         self.count = len(pages)
 
-    def page(self, i: int) -> QuantPage:
-        return QuantPage(*(self.tensors[name][i] for name in FIELDS))
+    def _point(self, pages: list[QuantPage], first: int, end: int) -> None:
+        """pages[first:end] as views of their rows."""
+        rows = [self.tensors[name][first:end].unbind(0) for name in FIELDS]
+        pages[first:end] = [QuantPage(*fields) for fields in zip(*rows)]
 
 
 class QuantCompressor(Compressor):
