@@ -26,7 +26,7 @@ from specserve.scheduler.scheduler import Scheduler
 from specserve.scheduler.structured_output import GrammarManager
 from specserve.scheduler.validation import validate
 from specserve.spec_phases.paths import TINY_RANDOM, resolve_model_path
-from specserve.spec_phases.plan import StepPlan, StepResult, WorkerFacts
+from specserve.spec_phases.plan import DrafterTiming, StepPlan, StepResult, WorkerFacts
 from specserve.spec_phases.sampling_params import Constraint, SamplingParams
 from specserve.spec_phases.worker import Worker
 
@@ -47,7 +47,7 @@ class StepWorker(Protocol):
     def check_integrity(self, live_ids: set[str], releasing: set[str],
                         reserved_bytes: int | None) -> None: ...
 
-    def calibrate_drafter(self) -> list[tuple[int, float, int]]: ...
+    def calibrate_drafter(self) -> DrafterTiming: ...
 
 
 @dataclass(frozen=True)
@@ -220,14 +220,16 @@ class EngineCore:
             self.step()
         if self.scheduler.controller is not None:  # FASER: the drafter's passes priced up front
             timed = time.perf_counter()
-            passes = self.worker.calibrate_drafter()
-            if passes:
+            timing = self.worker.calibrate_drafter()
+            if timing.passes:
                 cost = self.scheduler.cost
-                cost.calibrate(passes)
+                cost.calibrate(timing.passes, timing.state_per_token)
                 logger.info("FASER: %d draft passes timed over contexts up to %d tokens in "
-                            "%.2f s: a pass %.2f ms + %.2f us a context key", len(passes),
-                            max(k for _, _, k in passes), time.perf_counter() - timed,
-                            cost.prices.draft_pass * 1e3, cost.prices.pass_key * 1e6)
+                            "%.2f s: a pass %.2f ms + %.2f us a context key; a request's "
+                            "drafting state %.2f us a context token", len(timing.passes),
+                            max(k for _, _, k in timing.passes), time.perf_counter() - timed,
+                            cost.prices.draft_pass * 1e3, cost.prices.pass_key * 1e6,
+                            cost.state_price * 1e6)
         return tokens / elapsed if elapsed > 0 and tokens else 0.0
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:

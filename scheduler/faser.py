@@ -203,6 +203,9 @@ class CostModel:
         drafted have been observed (`DraftLengthController` drafts one a request till then)."""
         self.prices = Prices(*prices, **named)
         self.unpriced_drafting_steps = unpriced_drafting_steps
+        # seconds a context token adds to a request's first drafting round: the drafter builds
+        # its state then (lossy_kv's compressed cache); not a step term, priced by the controller
+        self.state_price = 0.0
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)   # TERMS' counts, seconds
         self.passes: deque[DraftPass] = deque(maxlen=window)
         self.unfitted = 0                           # samples observed since the last fit
@@ -274,10 +277,12 @@ class CostModel:
         self.samples.clear()
         self.unfitted, self.unfitted_s = 0, 0.0
 
-    def calibrate(self, passes: list[tuple[int, float, int]]) -> None:
+    def calibrate(self, passes: list[tuple[int, float, int]], state_price: float = 0.0) -> None:
         """Draft passes timed before any request drafted (`Proposer.calibrate`: (rows, seconds,
         keys) each): the pass prices fitted from them, and the drafts priced from the first
-        drafting step on (no exploring at one draft a request)."""
+        drafting step on (no exploring at one draft a request). state_price: what building a
+        request's drafting state costs a context token (`DrafterTiming.state_per_token`)."""
+        self.state_price = state_price
         self.passes.extend(DraftPass(*p) for p in passes)
         if self._fit_passes():
             self.unpriced_drafting_steps = 0
@@ -387,11 +392,17 @@ class DraftLengthController:
 
     def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
                swap_bytes: int = 0, prefill_tokens: int = 0, row_keys: int = 0,
-               contexts: list[int] | None = None) -> list[int]:
+               contexts: list[int] | None = None, unstarted: list[int] | None = None,
+               remaining: list[int] | None = None) -> list[int]:
         """Draft length per request (see the module docstring). caps[i] bounds request i;
         num_other_tokens: the one token every decoding request computes anyway; prefill_tokens:
         the rows of the step's prompt chunks; row_keys: the context keys of those decoding rows;
         contexts[i]: request i's computed tokens, the keys its draft rows read (`pass_key`).
+        unstarted[i]: the context tokens request i's first draft round would build the drafter's
+        state of (0 once it has drafted), remaining[i]: the tokens it may still generate. That
+        one-time cost (`CostModel.state_price` a token) is shared out over the steps left, at
+        most one a token: its share rides on the request's first draft of a step; such a
+        request is never probed (a probe would pay it all).
         A request held at k = 0 for its probe interval (`probe_interval`) drafts one token: without
         it an estimate that fell low would never be observed again, and a request whose text
         turned repetitive would never be drafted for. Probes are grouped into as few draft passes
@@ -399,10 +410,14 @@ class DraftLengthController:
         request brings along every request idle for at least half its interval, so the batch's
         probes fall into step."""
         prices = [self.cost.draft_price(c) for c in contexts] if contexts else None
+        starts = None
+        if unstarted and self.cost.state_price and any(unstarted):
+            starts = [self.cost.state_price * u / max(left, 1)
+                      for u, left in zip(unstarted, remaining or [1] * len(unstarted))]
         if self.cost.unpriced_drafting_steps:          # one draft a request until priced
             caps = [min(c, 1) for c in caps]
         ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, prefill_tokens,
-                            row_keys=row_keys, prices=prices)
+                            row_keys=row_keys, prices=prices, starts=starts)
         idle = []
         for i, r in enumerate(request_ids):
             if ks[i] or min(caps[i], self.k_max) < 1:
@@ -411,6 +426,8 @@ class DraftLengthController:
                 self.idle[r] = self.idle.get(r, 0) + 1
                 idle.append(i)
         waited = {i: self.idle[request_ids[i]] / self.probe_interval(request_ids[i]) for i in idle}
+        # no probe builds a drafting state: a request not started has only the prior to keep live
+        idle = [i for i in idle if not (starts and starts[i])]
         due = [i for i in idle if waited[i] >= 1]
         if due and not any(ks):
             due = [i for i in idle if 2 * waited[i] >= 1]
@@ -419,7 +436,7 @@ class DraftLengthController:
             certain = np.stack([self.probs(r) for r in request_ids])
             certain[due] = 1.0
             hopeful = self._allocate(request_ids, caps, num_other_tokens, swap_bytes,
-                                     prefill_tokens, certain, row_keys, prices)
+                                     prefill_tokens, certain, row_keys, prices, starts)
             due = [i for i in due if hopeful[i] > 0]
         for i in due:
             ks[i], self.idle[request_ids[i]] = 1, 0
@@ -429,9 +446,11 @@ class DraftLengthController:
     def _allocate(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
                   swap_bytes: int = 0, prefill_tokens: int = 0,
                   probs: np.ndarray | None = None, row_keys: int = 0,
-                  prices: list[float] | None = None) -> list[int]:
+                  prices: list[float] | None = None,
+                  starts: list[float] | None = None) -> list[int]:
         """The drafts of the best goodput (`_search`), against a bar of no draft raised by the
-        margin. prices[i]: what each draft of request i adds (default: `draft_price()` for all).
+        margin. prices[i]: what each draft of request i adds (default: `draft_price()` for all);
+        starts[i]: what its first draft adds besides (its share of building its state).
         It runs on every step's critical path: what decides that nothing pays comes first, from
         one number per request.
 
@@ -453,7 +472,9 @@ class DraftLengthController:
                                   row_keys=row_keys)
         if prices is None:
             prices = [self.cost.draft_price()] * n
-        firsts = [(self.first_prob(r) if probs is None else float(probs[i, 0]), prices[i])
+        starts = starts or [0.0] * n
+        firsts = [(self.first_prob(r) if probs is None else float(probs[i, 0]),
+                   prices[i] + starts[i])
                   for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0]
         step, per_pass = self.cost.step_price(), self.cost.prices.draft_pass
         bar = (1.0 + self.margin) * n
@@ -463,10 +484,11 @@ class DraftLengthController:
         if all((n + d * total) * base0 <= bar * (base0 + step + per_pass * d) for d in (1, most)):
             return [0] * n
         return self._search(request_ids, limits, probs, base0 + step, per_pass, prices,
-                            bar / base0)
+                            bar / base0, starts)
 
     def _search(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
-                base: float, per_pass: float, prices: list[float], best: float) -> list[int]:
+                base: float, per_pass: float, prices: list[float], best: float,
+                starts: list[float]) -> list[int]:
         """The candidate drafts in order of value over price (then position, then request; with
         one price for all, of value), and for each depth d a greedy over those at positions < d
         on a step of base + per_pass * d: take the next while goodput rises (a draft raises it
@@ -480,29 +502,32 @@ class DraftLengthController:
         deepest depth's candidates hold every other's, and its greedy alone decides."""
         n = len(request_ids)
         # one price for all: order by value alone (no division, the ties as before)
-        per_price = [1.0] * n if min(prices) == max(prices) else [1.0 / max(p, 1e-30)
-                                                                  for p in prices]
+        same = min(prices) == max(prices) and not any(starts)
         candidates = []
         for i, (r, k) in enumerate(zip(request_ids, limits)):
-            chain = 1.0
+            chain, ratio = 1.0, math.inf
             for j, p in enumerate((self.probs(r) if probs is None else probs[i])[:k].tolist()):
                 chain *= p
                 if not chain > 0:
                     break
-                candidates.append((-chain * per_price[i], j, i, chain))
+                price = prices[i] + (starts[i] if j == 0 else 0.0)
+                # a request's drafts stay in position order (a dearer first draft ranks its
+                # later ones no higher than itself)
+                ratio = min(ratio, chain / max(price, 1e-30))
+                candidates.append((-chain if same else -ratio, j, i, chain, price))
         candidates.sort()
         most = max(limits)
         chosen = [0] * n
         for d in (range(1, most + 1) if per_pass else (most,)):
             step = base + per_pass * d
             ks, value, goodput, taken, reached = [0] * n, float(n), n / step, 0, not per_pass
-            for _, j, i, gain in candidates:
+            for _, j, i, gain, price in candidates:
                 if j >= d:
                     continue
-                better = (value + gain) / (step + prices[i])
+                better = (value + gain) / (step + price)
                 if not better > goodput:
                     break
-                value, goodput, step, taken = value + gain, better, step + prices[i], taken + 1
+                value, goodput, step, taken = value + gain, better, step + price, taken + 1
                 ks[i] += 1
                 reached = reached or j == d - 1
             if taken and reached and goodput > best:

@@ -39,6 +39,9 @@ class Request:
         self.num_cached_tokens = -1
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        # a draft slot was planned since the last (re)start: the drafter has built this
+        # request's state (lossy_kv's compressed cache), so drafting costs no start-up any more
+        self.drafted = False
         self.prompt_logprobs: list = []                    # gathered over prefill chunks
         # speculative decoding counters (vLLM's definitions)
         self.num_drafts = 0

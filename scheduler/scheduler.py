@@ -232,11 +232,18 @@ class Scheduler:
             return caps
         ids = list(caps)
         context = {r.request_id: r.num_computed_tokens for r in decoding}
+        reqs = [self.requests[i] for i in ids]
         # the last step's swap bytes: contexts move slowly
         ks = self.controller.choose(ids, [caps[i] for i in ids], len(decoding),
                                     swap_bytes=self.last_swap_h2d, prefill_tokens=prefill,
                                     row_keys=sum(context.values()),
-                                    contexts=[context[i] for i in ids])
+                                    contexts=[context[i] for i in ids],
+                                    unstarted=[0 if r.drafted else r.num_computed_tokens
+                                               for r in reqs],
+                                    remaining=[r.params.max_tokens - r.num_output_tokens
+                                               for r in reqs])
+        for req, k in zip(reqs, ks):
+            req.drafted = req.drafted or k > 0
         return dict(zip(ids, ks))
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, allowance: float,
@@ -279,6 +286,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.drafted = False                                   # the worker drops its state
         if req.num_output_tokens == 0:
             req.prompt_logprobs = []                           # recomputed with the prompt
         self._stats.num_preemptions += 1

@@ -6,7 +6,8 @@ Two crossings per step, both plain snapshots (tuples, ints, text, typed `Samplin
 pickle, so the worker can run in another process (tests/scheduler/test_worker_process.py runs it
 so). Nothing else crosses: the plan names the requests whose device-side state the worker drops
 and carries each constrained request's compiled grammar once, the result carries the swap bytes and
-draft-pass timings. Before the first step the worker sends its `WorkerFacts`, once.
+draft-pass timings. Before the first step the worker sends its `WorkerFacts`, once; with FASER's
+controller the engine's warm-up asks it for its drafter's `DrafterTiming`, once.
 
 Every forward pass is a verify phase: a prefill chunk is a verify over prompt tokens with nothing
 to sample until the chunk reaches the end; a decode is a verify with zero drafts.
@@ -136,3 +137,12 @@ class WorkerFacts:
     draft_capacity_bytes: int | None = None
     draft_bytes_at: tuple[int, ...] = ()
     draft_kv_bytes_per_token: float | None = None   # lossy_kv: compressed pages, all layers
+
+
+@dataclass(frozen=True)
+class DrafterTiming:
+    """A drafter timed at start-up (`Proposer.calibrate`), plain data for the engine."""
+    passes: list[tuple[int, float, int]]      # draft passes: (rows, seconds, context keys) each
+    # seconds a context token adds to building a request's drafting state (its first draft
+    # round; 0: the drafter keeps none)
+    state_per_token: float

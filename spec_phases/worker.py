@@ -19,7 +19,8 @@ from specserve.spec_phases.frontiers import FrontierVerifier
 from specserve.spec_phases.grammar import GrammarMatchers
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.overlap import DraftAhead
-from specserve.spec_phases.plan import ScheduledRequest, StepPlan, StepResult, WorkerFacts
+from specserve.spec_phases.plan import (DrafterTiming, ScheduledRequest, StepPlan, StepResult,
+                                        WorkerFacts)
 from specserve.spec_phases.proposers.base import DraftRequest, Proposer
 from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer, default_skip_layers
 from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
@@ -333,12 +334,12 @@ class Worker:
                 storage.bytes_d2h - d2h)
 
     # -- what the engine asks at start-up and in integrity checks ----------------------------
-    def calibrate_drafter(self, steps: int = 2) -> list[tuple[int, float, int]]:
+    def calibrate_drafter(self, steps: int = 2) -> DrafterTiming:
         """The drafter's passes, `steps` a round, measured over synthetic contexts of
         CALIBRATION_CONTEXT tokens (or what max_model_len leaves) and a quarter of that:
         `Proposer.calibrate`."""
         if self.proposer is None:
-            return []
+            return DrafterTiming([], 0.0)
         longest = max(min(CALIBRATION_CONTEXT, self.max_model_len - steps - 1), 4)
         return self.proposer.calibrate([longest // 4, longest], steps)
 

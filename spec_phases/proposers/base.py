@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.spec_phases.plan import DrafterTiming
+
 
 @dataclass(frozen=True, slots=True)
 class DraftRequest:
@@ -45,11 +47,12 @@ class Proposer:
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
         raise NotImplementedError
 
-    def calibrate(self, contexts: list[int], steps: int) -> list[tuple[int, float, int]]:
-        """Draft passes measured at these context lengths before any request drafts, (rows,
-        seconds, keys) each (`CostModel.calibrate`). A drafter that runs no model, or whose
-        passes cost what a decode row costs, measures none: its drafts are priced as they come."""
-        return []
+    def calibrate(self, contexts: list[int], steps: int) -> DrafterTiming:
+        """Draft passes measured at these context lengths before any request drafts, and what
+        building a request's drafting state costs (`CostModel.calibrate`). A drafter that runs no
+        model, or whose passes cost what a decode row costs, measures none: its drafts are
+        priced as they come."""
+        return DrafterTiming([], 0.0)
 
     def observe(self, input_token_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Raw logits [rows, vocab] of verified rows and the token each row consumed."""

@@ -35,6 +35,7 @@ from specserve.kv_cache.compress.quant import FIELDS as QUANT_FIELDS
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.cpu_decoder import CpuDecoder
+from specserve.spec_phases.plan import DrafterTiming
 from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 from specserve.spec_phases.runner import ModelRunner
 
@@ -195,23 +196,27 @@ class LossyKVProposer(Proposer):
         return Drafts(drafts, passes)
 
     @torch.inference_mode()
-    def calibrate(self, contexts: list[int], steps: int) -> list[tuple[int, float, int]]:
+    def calibrate(self, contexts: list[int], steps: int) -> DrafterTiming:
         """Rounds of `steps` draft passes over one synthetic state of each context length (random
-        K/V encoded by the compressor): what a pass costs there, (rows, seconds, keys) each,
-        measured before any request drafts. FASER prices drafting with them
-        (`CostModel.calibrate`), so it never explores a drafter whose pass over compressed pages
-        at a long context costs more than drafting could win."""
+        K/V encoded by the compressor): what a pass costs there, (rows, seconds, keys) each, and
+        what encoding a context costs a token (a request's first draft round encodes all of it;
+        the encode alone is timed, not the read of the full cache), measured before any request
+        drafts. FASER prices drafting with them (`CostModel.calibrate`), so it never explores a
+        drafter whose pass over compressed pages at a long context costs more than drafting could
+        win, nor starts one whose state costs more than its drafts could win back."""
         comp, gen = self.pool.comp, torch.Generator().manual_seed(0)
-        c, out = comp.config, []
+        c, out, encode_s = comp.config, [], 0.0
         for n in contexts:
             state = comp.new_state(self.pool.state_dtype, str(self.pool.device))
             for layer in range(c.num_layers):
-                k = torch.randn(n, c.num_kv_heads, c.head_dim, generator=gen)
-                comp.encode(state, layer, k.to(self.pool.device),
-                            torch.randn(k.shape, generator=gen).to(self.pool.device))
+                k, v = torch.randn(2, n, c.num_kv_heads, c.head_dim, generator=gen).to(
+                    self.pool.device)
+                start = time.perf_counter()
+                comp.encode(state, layer, k, v)
+                encode_s += time.perf_counter() - start
             _, passes, _ = self._draft([state], [1], [n], [steps], refresh_mass=False)
             out += [(rows, seconds, n + j) for j, (rows, seconds) in enumerate(passes)]
-        return out
+        return DrafterTiming(out, encode_s / max(sum(contexts), 1))
 
     def _draft(self, states: list[SequenceState], last_tokens: list[int], starts: list[int],
                max_lens: list[int], refresh_mass: bool

@@ -589,6 +589,35 @@ def test_a_drafter_timed_up_front_is_priced_before_any_request_drafts():
     assert few.unpriced_drafting_steps == 4 and few.prices.pass_key == 0.0
 
 
+def test_a_request_starts_drafting_only_where_its_drafts_win_back_its_state():
+    """A drafter that builds a request's state on its first draft round (lossy_kv encodes the
+    whole context) prices that once (`CostModel.state_price` a context token), shared out over
+    the tokens the request may still generate: where drafting wins ~7% a step, a 2.8K context
+    with 10 tokens left does not start (a one-token probe neither), with 4000 left it does, and
+    a request already started drafts as before."""
+    cost = CostModel(step=0.015, row=0.002, draft_row=0.002)
+    cost.calibrate([(1, 0.008, 64), (1, 0.008, 65), (1, 0.008, 256), (1, 0.008, 257)],
+                   state_price=40e-6)                        # 2.8K tokens: 112 ms once
+    ctl = DraftLengthController(8, cost=cost)
+    ctl.accept["r"] = np.full(8, 0.9)
+    started = ctl.choose(["r"], [8], 1, row_keys=2800, contexts=[2800], unstarted=[0],
+                         remaining=[10])
+    assert started[0] >= 2
+    for _ in range(40):                                      # past any probe interval
+        assert ctl.choose(["r"], [8], 1, row_keys=2800, contexts=[2800], unstarted=[2800],
+                          remaining=[10]) == [0]
+    assert ctl.choose(["r"], [8], 1, row_keys=2800, contexts=[2800], unstarted=[2800],
+                      remaining=[4000]) == started
+    # a batch: two started requests share the pass; an unstarted one is left out
+    ctl.accept["a"] = ctl.accept["b"] = np.full(8, 0.9)
+    both = ctl.choose(["a", "b"], [8, 8], 2, row_keys=5600, contexts=[2800, 2800],
+                      unstarted=[0, 0], remaining=[10, 10])
+    assert min(both) >= 2
+    mixed = ctl.choose(["a", "b"], [8, 8], 2, row_keys=5600, contexts=[2800, 2800],
+                       unstarted=[2800, 0], remaining=[10, 10])
+    assert mixed[0] == 0
+
+
 def test_a_negative_intercept_is_refitted_not_floored():
     """Steps whose seconds grow faster than their rows (a free intercept fits -1 ms) are priced
     by a non-negative intercept fitted with the rest: flooring the negative one would add its

@@ -13,7 +13,7 @@ import jsonschema
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
-from specserve.spec_phases.plan import StepPlan, StepResult, WorkerFacts
+from specserve.spec_phases.plan import DrafterTiming, StepPlan, StepResult, WorkerFacts
 from specserve.spec_phases.sampling_params import Constraint, SamplingParams
 from specserve.spec_phases.tokenizer import load_tokenizer
 
@@ -94,7 +94,7 @@ class ProcessWorker:
         self.conn.send(("check", live_ids, releasing, reserved_bytes))
         self._reply()
 
-    def calibrate_drafter(self) -> list[tuple[int, float, int]]:
+    def calibrate_drafter(self) -> DrafterTiming:
         self.conn.send(("calibrate",))
         return self._reply()
 

@@ -80,6 +80,7 @@ def test_warm_up_times_the_drafter_for_faser_without_counting_it_as_drafting(mak
     assert len(cost.passes) == 4 and keys == [63, 64, 253, 254]      # 256 - 3 and a quarter
     assert all(p.rows == 1 and p.seconds > 0 for p in cost.passes)
     assert cost.prices.draft_pass + cost.prices.pass_key > 0
+    assert cost.state_price > 0                       # a request's first round encodes it all
     proposer = core.worker.proposer
     assert proposer.num_rounds == proposer.num_draft_steps == 0
     assert not core.worker.draft_pool.states
