@@ -225,10 +225,11 @@ class EngineCore:
                 cost = self.scheduler.cost
                 cost.calibrate(timing.passes, timing.state_per_token)
                 logger.info("FASER: %d draft passes timed over contexts up to %d tokens in "
-                            "%.2f s: a pass %.2f ms + %.2f us a context key; a request's "
-                            "drafting state %.2f us a context token", len(timing.passes),
-                            max(k for _, _, k in timing.passes), time.perf_counter() - timed,
-                            cost.prices.draft_pass * 1e3, cost.prices.pass_key * 1e6,
+                            "%.2f s: a pass %.2f ms + %.2f us a context key, a round's set-up "
+                            "%.2f ms; a request's drafting state %.2f us a context token",
+                            len(timing.passes), max(p[2] for p in timing.passes),
+                            time.perf_counter() - timed, cost.prices.draft_pass * 1e3,
+                            cost.prices.pass_key * 1e6, cost.round_price * 1e3,
                             cost.state_price * 1e6)
         return tokens / elapsed if elapsed > 0 and tokens else 0.0
 

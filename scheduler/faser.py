@@ -122,10 +122,13 @@ def prefill_keys(start: int, rows: int) -> int:
 
 
 class DraftPass(NamedTuple):
-    """One draft forward as the worker timed it; keys: its rows' context keys (`pass_key`)."""
+    """One draft forward as the worker timed it; keys: its rows' context keys (`pass_key`);
+    first: 1 for a round's first pass, whose seconds also hold the round's set-up (syncing the
+    states with the verified tokens, building the attention's view of them)."""
     rows: int
     seconds: float
     keys: int = 0
+    first: int = 0
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -206,6 +209,9 @@ class CostModel:
         # seconds a context token adds to a request's first drafting round: the drafter builds
         # its state then (lossy_kv's compressed cache); not a step term, priced by the controller
         self.state_price = 0.0
+        # what a draft round's set-up adds to its first pass (`DraftPass.first`): once a
+        # drafting step, with `drafting_step`
+        self.round_price = 0.0
         self.samples: deque[tuple[float, ...]] = deque(maxlen=window)   # TERMS' counts, seconds
         self.passes: deque[DraftPass] = deque(maxlen=window)
         self.unfitted = 0                           # samples observed since the last fit
@@ -240,7 +246,7 @@ class CostModel:
 
     def step_price(self) -> float:
         """What a step verifying any draft pays once, besides its drafts and passes."""
-        return self.prices.drafting_step
+        return self.prices.drafting_step + self.round_price
 
     def observe(self, num_tokens: int, max_draft_len: int, seconds: float, swap_bytes: int = 0,
                 draft_tokens: int = 0, draft_passes: list[DraftPass] | None = None,
@@ -277,9 +283,9 @@ class CostModel:
         self.samples.clear()
         self.unfitted, self.unfitted_s = 0, 0.0
 
-    def calibrate(self, passes: list[tuple[int, float, int]], state_price: float = 0.0) -> None:
-        """Draft passes timed before any request drafted (`Proposer.calibrate`: (rows, seconds,
-        keys) each): the pass prices fitted from them, and the drafts priced from the first
+    def calibrate(self, passes: list[tuple], state_price: float = 0.0) -> None:
+        """Draft passes timed before any request drafted (`Proposer.calibrate`: `DraftPass`'s
+        fields each): the pass prices fitted from them, and the drafts priced from the first
         drafting step on (no exploring at one draft a request). state_price: what building a
         request's drafting state costs a context token (`DrafterTiming.state_per_token`)."""
         self.state_price = state_price
@@ -288,18 +294,20 @@ class CostModel:
             self.unpriced_drafting_steps = 0
 
     def _fit_passes(self) -> bool:
-        """draft_pass + pass_row x rows + pass_key x keys over the recent draft passes, all >= 0.
-        A count that did not vary across the passes is not priced apart (passes that all had the
-        same rows and keys price the pass alone). False: too few passes to fit yet."""
+        """draft_pass + pass_row x rows + pass_key x keys + round_price x first over the recent
+        draft passes, all >= 0. A count that did not vary across the passes is not priced apart
+        (passes that all had the same rows and keys price the pass alone). False: too few
+        passes to fit yet."""
         if len(self.passes) < 4:
             return False
-        rows, secs, keys = np.array(self.passes, dtype=float).T
-        x = np.stack([np.ones_like(rows), rows, keys], 1)
+        rows, secs, keys, first = np.array(self.passes, dtype=float).T
+        x = np.stack([np.ones_like(rows), rows, keys, first], 1)
         varied = np.ptp(x, axis=0) > 0
         varied[0] = True
-        prices = np.zeros(3)
+        prices = np.zeros(4)
         prices[varied] = nonneg_least_squares(x[:, varied], secs, free_intercept=False)
-        self.prices.draft_pass, self.prices.pass_row, self.prices.pass_key = prices.tolist()
+        (self.prices.draft_pass, self.prices.pass_row, self.prices.pass_key,
+         self.round_price) = prices.tolist()
         return True
 
     def fit(self) -> None:

@@ -380,11 +380,13 @@ class Scheduler:
         # longest drafts first), each reading its context and the drafts before
         longest = sorted(((s.num_drafted, context[rid]) for rid, s in result.sampled.items()
                           if s.num_drafted), reverse=True)
-        passes = [DraftPass(rows, seconds, sum(c + j for _, c in longest[:rows]))
+        passes = [DraftPass(rows, seconds, sum(c + j for _, c in longest[:rows]), int(j == 0))
                   for j, (rows, seconds) in enumerate(result.draft_passes)]
         self._settle_prefill_credit(plan, result.step_time_s)
+        # building first-time requests' drafting states is priced apart, once (`state_price`)
         self.cost.observe(plan.num_tokens - prefill + sum(drafted), max(drafted, default=0),
-                          result.step_time_s, swap_bytes=result.swap_bytes[0],
+                          max(result.step_time_s - result.draft_state_s, 0.0),
+                          swap_bytes=result.swap_bytes[0],
                           draft_tokens=sum(drafted), draft_passes=passes, prefill_tokens=prefill,
                           row_keys=sum(r.num_computed_tokens for r in plan.requests
                                        if r.num_new_tokens == 1),

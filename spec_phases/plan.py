@@ -112,6 +112,7 @@ class StepResult:
     num_frontiers: int = 1                      # forward passes the verify phase ran
     draft_passes: list[tuple[int, float]] = field(default_factory=list)   # (rows, seconds) per
                                                 # forward of a model-running drafter this step
+    draft_state_s: float = 0.0                  # the drafter building first-time requests' state
     swap_bytes: tuple[int, int] = (0, 0)        # full-cache bytes (host->device, device->host)
                                                 # moved this step (VeriCache with a host pool)
     num_drafted_ahead: int = 0                  # requests whose drafts came from the overlap thread
@@ -142,7 +143,8 @@ class WorkerFacts:
 @dataclass(frozen=True)
 class DrafterTiming:
     """A drafter timed at start-up (`Proposer.calibrate`), plain data for the engine."""
-    passes: list[tuple[int, float, int]]      # draft passes: (rows, seconds, context keys) each
+    # draft passes: (rows, seconds, context keys, 1 for a round's first pass) each
+    passes: list[tuple[int, float, int, int]]
     # seconds a context token adds to building a request's drafting state (its first draft
     # round; 0: the drafter keeps none)
     state_per_token: float

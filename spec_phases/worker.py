@@ -260,7 +260,7 @@ class Worker:
             self.grammars.start(g.request_id, g.grammar)
         if not plan.requests:
             return StepResult()
-        drafts, passes, ahead = self._draft(plan.requests)            # draft phase
+        drafts, passes, state_s, ahead = self._draft(plan.requests)   # draft phase
         drafts, masks, masked = self._constrain(plan.requests, drafts)
         if plan.frontier_size:                                        # verify phase
             on_decided = self.draft_ahead.submit if self.draft_ahead is not None else None
@@ -277,19 +277,21 @@ class Worker:
             if r.request_id in masks:
                 self.grammars.advance(r.request_id, result.sampled[r.request_id].token_ids)
         result.draft_passes, result.num_drafted_ahead = passes, ahead
+        result.draft_state_s = state_s
         result.swap_bytes = self._swap_delta()
         result.step_time_s = time.perf_counter() - start
         return result
 
     def _draft(self, reqs: tuple[ScheduledRequest, ...]
-               ) -> tuple[list[list[int]], list[tuple[int, float]], int]:
-        """Drafts per request (at most its num_draft_tokens), the drafter's passes, and how many
-        requests took drafts made ahead by the overlap thread."""
+               ) -> tuple[list[list[int]], list[tuple[int, float]], float, int]:
+        """Drafts per request (at most its num_draft_tokens), the drafter's passes, the seconds
+        it spent building first-time requests' states, and how many requests took drafts made
+        ahead by the overlap thread."""
         drafts: list[list[int]] = [[] for _ in reqs]
         early = self.draft_ahead.take() if self.draft_ahead is not None else {}
         wanted = [i for i, r in enumerate(reqs) if r.sample and r.num_draft_tokens > 0]
         if self.proposer is None or not wanted:
-            return drafts, [], 0
+            return drafts, [], 0.0, 0
         rest = []
         for i in wanted:
             made_for, draft = early.get(reqs[i].request_id, (-1, []))
@@ -298,13 +300,13 @@ class Worker:
             else:
                 rest.append(i)
         if not rest:
-            return drafts, [], len(wanted)
+            return drafts, [], 0.0, len(wanted)
         asks = [DraftRequest(reqs[i].request_id, reqs[i].history, reqs[i].num_computed_tokens,
                              reqs[i].block_ids) for i in rest]
         out = self.proposer.propose(asks, [reqs[i].num_draft_tokens for i in rest])
         for i, d in zip(rest, out.token_ids):
             drafts[i] = d[:reqs[i].num_draft_tokens]
-        return drafts, out.passes, len(wanted) - len(rest)
+        return drafts, out.passes, out.state_s, len(wanted) - len(rest)
 
     def _constrain(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]]
                    ) -> tuple[list[list[int]], dict, dict[str, int]]:

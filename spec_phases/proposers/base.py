@@ -30,6 +30,8 @@ class Drafts:
     token_ids: list[list[int]]                   # per request, at most its max_len tokens
     passes: list[tuple[int, float]] = field(default_factory=list)   # (rows, seconds) per draft
                                                  # forward of a model-running drafter (FASER prices)
+    state_s: float = 0.0                         # building the states of requests drafting for
+                                                 # the first time (priced once: `state_price`)
 
 
 class Proposer:

@@ -182,18 +182,23 @@ class LossyKVProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
+        new = [r for r in requests if r.request_id not in self.pool.states]
+        t0 = time.perf_counter()
+        for r in new:                                 # first rounds: their whole context
+            self.pool.sync(r.request_id, r.num_computed_tokens, r.block_ids)
+        t1 = time.perf_counter()
+        state_s = t1 - t0 if new else 0.0
         states = [self.pool.sync(r.request_id, r.num_computed_tokens, r.block_ids)
                   for r in requests]
-        t1 = time.perf_counter()
         refresh = self.num_rounds % MASS_REFRESH_ROUNDS == 0
         drafts, passes, on_c = self._draft(states, [r.token_ids[-1] for r in requests],
                                            [r.num_computed_tokens for r in requests], max_lens,
-                                           refresh)
+                                           refresh, since=t1)
         self.num_rounds += 1
         self.num_c_rounds += on_c
         self.num_draft_steps += len(passes)
         self.draft_s += time.perf_counter() - t1
-        return Drafts(drafts, passes)
+        return Drafts(drafts, passes, state_s)
 
     @torch.inference_mode()
     def calibrate(self, contexts: list[int], steps: int) -> DrafterTiming:
@@ -214,16 +219,18 @@ class LossyKVProposer(Proposer):
                 start = time.perf_counter()
                 comp.encode(state, layer, k, v)
                 encode_s += time.perf_counter() - start
-            _, passes, _ = self._draft([state], [1], [n], [steps], refresh_mass=False)
-            out += [(rows, seconds, n + j) for j, (rows, seconds) in enumerate(passes)]
+            _, passes, _ = self._draft([state], [1], [n], [steps], refresh_mass=False,
+                                       since=time.perf_counter())
+            out += [(rows, seconds, n + j, int(j == 0)) for j, (rows, seconds) in enumerate(passes)]
         return DrafterTiming(out, encode_s / max(sum(contexts), 1))
 
     def _draft(self, states: list[SequenceState], last_tokens: list[int], starts: list[int],
-               max_lens: list[int], refresh_mass: bool
+               max_lens: list[int], refresh_mass: bool, since: float
                ) -> tuple[list[list[int]], list[tuple[int, float]], bool]:
         """Greedy drafts over the states (request i: its newest token last_tokens[i] at position
         starts[i], at most max_lens[i] drafts), each pass's (rows, seconds), and whether the C
-        decoder ran them. refresh_mass: feed the retention the round's attention mass."""
+        decoder ran them. refresh_mass: feed the retention the round's attention mass. The first
+        pass is timed from `since` (the round's set-up with it: `DraftPass.first`)."""
         drafts: list[list[int]] = [[] for _ in states]
         passes = []
         order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
@@ -241,7 +248,7 @@ class LossyKVProposer(Proposer):
         current = torch.tensor([last_tokens[i] for i in order], device=dev)
         start = torch.tensor([starts[i] for i in order], device=dev)
         for step in range(num_steps):
-            t = time.perf_counter()
+            t = since if step == 0 else time.perf_counter()
             rows = sum(1 for i in order if max_lens[i] > step)    # a prefix: sorted by length
             if fast is not None:
                 meta, slots = self.dense.step(rows, step)

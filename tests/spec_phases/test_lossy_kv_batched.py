@@ -261,3 +261,23 @@ def test_quant_pages_draft_on_the_one_call_c_decoder(bits, page):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert hidden["fast drafts"] == hidden["modules drafts"]
     assert [len(d) for d in hidden["fast drafts"]] == max_lens
+
+
+def test_a_request_s_first_round_reports_building_its_state_apart():
+    """`Drafts.state_s`: the seconds a round spent encoding the whole context of requests
+    drafting for the first time (FASER prices that once, not as every drafting step's cost);
+    a later round, which encodes only the newly verified tokens, reports none."""
+    torch.manual_seed(0)
+    model = model_for("quant")
+    cfg = model.config
+    storage = KVStorage(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    storage.k.normal_()
+    storage.v.normal_()
+    pool = DraftPool(build_compressor("quant", model, dict(COMPRESSORS["quant"][1])), storage,
+                     "cpu")
+    proposer = LossyKVProposer(model, pool)
+    tokens = tuple((11 * j) % 500 + 3 for j in range(140))
+    first = proposer.propose([DraftRequest("r", tokens[:121], 120, tuple(range(9)))], [2])
+    assert first.state_s > 0 and pool.states["r"].num_tokens == 120
+    later = proposer.propose([DraftRequest("r", tokens[:124], 123, tuple(range(9)))], [2])
+    assert later.state_s == 0.0 and pool.states["r"].num_tokens == 123

@@ -131,7 +131,8 @@ def test_model_drafters_report_their_passes_to_the_cost_model(make_engine, metho
     out, drafted = generate(core, params)
     assert out == plain and drafted > 0
     cost = core.scheduler.controller.cost
-    assert len(cost.passes) > 0 and all(rows >= 1 and secs > 0 for rows, secs, _ in cost.passes)
+    assert len(cost.passes) > 0 and all(p.rows >= 1 and p.seconds > 0 for p in cost.passes)
+    assert any(p.first for p in cost.passes)              # each round's first pass marked
     assert cost.prices.draft_pass + cost.prices.pass_row + cost.prices.pass_key > 0
 
 
