@@ -618,6 +618,19 @@ def test_a_request_starts_drafting_only_where_its_drafts_win_back_its_state():
     assert mixed[0] == 0
 
 
+def test_a_round_s_set_up_is_priced_once_a_drafting_step_not_per_pass():
+    """A round's first pass also holds its set-up (`DraftPass.first`): the pass fit prices that
+    apart (`round_price`, paid once a drafting step with `drafting_step`), so a deep round is not
+    priced as if every pass paid it."""
+    cost = CostModel()
+    passes = [DraftPass(1, 0.006 + 0.003 * (j == 0), 1000, int(j == 0))
+              for depth in (1, 2, 8) for j in range(depth)]
+    cost.calibrate(passes)
+    assert cost.prices.draft_pass == pytest.approx(0.006, rel=1e-6)
+    assert cost.round_price == pytest.approx(0.003, rel=1e-6)
+    assert cost.step_price() == pytest.approx(cost.prices.drafting_step + 0.003)
+
+
 def test_a_negative_intercept_is_refitted_not_floored():
     """Steps whose seconds grow faster than their rows (a free intercept fits -1 ms) are priced
     by a non-negative intercept fitted with the rest: flooring the negative one would add its
