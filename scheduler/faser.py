@@ -29,6 +29,10 @@
                 A drafter that runs the model is timed at start-up instead (`CostModel.calibrate`
                 from the engine's warm-up): its passes are priced before any request drafts, so
                 where a pass costs more than drafting could win, no request ever drafts.
+    starting    a drafter that builds a state per request on its first round (lossy_kv encodes
+                the whole context) prices that once (`state_price` a context token): until a
+                request has drafted, its first draft of a step also pays its share of that
+                build over the tokens it may still generate, and it is never probed.
 Under load the rows' price dominates, every extra draft lowers goodput and k falls to 0 by itself:
 no batch-size threshold, so no cliff.
 """
