@@ -181,29 +181,35 @@ def test_draft_rounds_feed_attention_mass_that_changes_spherical_tier_choices():
     assert sum(t != DROP for t in kept) == sum(t != DROP for t in unweighted)   # same budget
 
 
-@pytest.mark.parametrize("name,dense", [("window", True), ("quant", False)])
-def test_dense_states_draft_on_the_one_call_c_decoder(name, dense):
-    """Where no state holds pages (the window compressor) each draft step is one call of the C
-    decoder over the states' dense tokens: the same drafts as the modules' batched path (within
-    float rounding of the attention, which the tiny model's margins absorb); states with pages
-    keep the modules' path."""
+def c_decoder_case(model):
+    """The model packed for the C decoder, its runner over a random full cache, and three
+    requests (150, 97 and 131 tokens computed) to draft for."""
     from specserve.spec_phases.runner import ModelRunner
-    torch.manual_seed(0)
-    model = model_for(name)
     assert model.pack_for_cpu()
     cfg = model.config
     bs = 16
     storage = KVStorage(cfg.num_layers, 64, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     storage.k.normal_()
     storage.v.normal_()
-    runner = ModelRunner(model, storage)
-    assert runner.cpu_decoder is not None
-    sizes, reqs, first = [150, 97, 131], [], 0
-    for i, n in enumerate(sizes):
+    reqs, first = [], 0
+    for i, n in enumerate([150, 97, 131]):
         blocks = list(range(first, first + -(-(n + 8) // bs)))
         first += len(blocks)
         tokens = [(11 * j + 7 * i) % 500 + 3 for j in range(n + 1)]
         reqs.append(DraftRequest(f"r{i}", tuple(tokens), n, tuple(blocks)))
+    return ModelRunner(model, storage), storage, reqs
+
+
+@pytest.mark.parametrize("name,dense", [("window", True), ("quant", False)])
+def test_dense_states_draft_on_the_one_call_c_decoder(name, dense):
+    """Where no state holds pages (the window compressor) each draft step is one call of the C
+    decoder over the states' dense tokens: the same drafts as the modules' batched path (within
+    float rounding of the attention, which the tiny model's margins absorb); states with pages
+    keep the modules' path."""
+    torch.manual_seed(0)
+    model = model_for(name)
+    runner, storage, reqs = c_decoder_case(model)
+    assert runner.cpu_decoder is not None
     max_lens = [5, 2, 5]
     settings = COMPRESSORS[name][1]
 
@@ -223,22 +229,9 @@ def test_quant_pages_draft_on_the_one_call_c_decoder(bits, page):
     """States holding `quant` pages draft on the C decoder too, attending the pages straight
     from their codes (`quant_draft_attention.c`): every draft step's hidden states those of the
     modules' batched path within float32 rounding, so the same drafts."""
-    from specserve.spec_phases.runner import ModelRunner
     torch.manual_seed(0)
     model = model_for("mustafar")                                   # head_dim 64
-    assert model.pack_for_cpu()
-    cfg = model.config
-    bs = 16
-    storage = KVStorage(cfg.num_layers, 64, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-    storage.k.normal_()
-    storage.v.normal_()
-    runner = ModelRunner(model, storage)
-    sizes, reqs, first = [150, 97, 131], [], 0
-    for i, n in enumerate(sizes):
-        blocks = list(range(first, first + -(-(n + 8) // bs)))
-        first += len(blocks)
-        tokens = [(11 * j + 7 * i) % 500 + 3 for j in range(n + 1)]
-        reqs.append(DraftRequest(f"r{i}", tuple(tokens), n, tuple(blocks)))
+    runner, storage, reqs = c_decoder_case(model)
     max_lens = [5, 2, 5]
     settings = {**SMALL_PAGES, "page_size": page, "key_bits": bits[0], "value_bits": bits[1]}
 
