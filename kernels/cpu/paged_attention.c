@@ -457,9 +457,9 @@ static inline v8f tree8_pairs(const vrow x[4]) {
 #endif
 
 /* a row's scores (keys first..end-1, in place) -> e^(s - max) over lo..hi, 0 elsewhere; returns
- * 1 / their sum */
+ * 1 / their sum (and the max at *max_out, where not NULL) */
 static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, int64_t hi,
-                         float softcap) {
+                         float softcap, float *max_out) {
     if (softcap > 0.0f)
         for (int64_t j = lo; j <= hi; j++)
             scores[j] = tanhf(scores[j] / softcap) * softcap;
@@ -479,6 +479,8 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
     float m = most[0];
     for (int l = 1; l < 8; l++)
         m = most[l] > m ? most[l] : m;
+    if (max_out)
+        *max_out = m;
     v8f sum = splat8(0.0f);                               /* summed by lane: key index mod 8 */
     int64_t j0 = first;
 #if TILE == 16

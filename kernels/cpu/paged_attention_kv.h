@@ -222,7 +222,8 @@ static void KV_(attend_request)(const float *q, int64_t q_token_stride, const KV
     }
     for (int64_t r = 0; r < rows; r++)
         inv[r] = softmax_row(sr[r], lo[r] & ~(int64_t)(KEYS - 1),
-                             (hi[r] + KEYS) & ~(int64_t)(KEYS - 1), lo[r], hi[r], softcap);
+                             (hi[r] + KEYS) & ~(int64_t)(KEYS - 1), lo[r], hi[r], softcap,
+                             NULL);
     memset(acc, 0, sizeof(float) * rows * head_dim);
     struct KV_(ahead) va = {(const char *)(v_cache + kv_lo * head_dim), off, lo_any, seq_len,
                             span};

@@ -19,7 +19,7 @@
  * Tasks: (request, kv head, part of its keys), the parts merged by their maxima and sums, so that
  * one request's three kv heads still keep two threads busy.
  *
- * Included by `decoder.c` after `paged_attention.c` (key_offsets, tree8, widen8_bf16).
+ * Included by `decoder.c` after `paged_attention.c` (key_offsets, softmax_row, tree8, widen8_bf16).
  */
 #include <math.h>
 #include <stdint.h>
@@ -259,31 +259,8 @@ static inline __attribute__((always_inline)) void quant_part_n(
             w->s[g][t - a] = tree8(dot[g]) * scale;
     }
     const int64_t stride = (len + 7) & ~(int64_t)7;
-    for (int g = 0; g < n; g++) {                 /* e^(s - max) in place, the max and the sum */
-        float *s = w->s[g];
-        if (softcap > 0.0f)
-            for (int64_t i = 0; i < len; i++)
-                s[i] = tanhf(s[i] / softcap) * softcap;
-        for (int64_t i = len; i < stride; i++)
-            s[i] = s[0];
-        v8f most = *(const v8f *)s;
-        for (int64_t i = 8; i < stride; i += 8) {
-            const v8f x = *(const v8f *)(s + i);
-            most = (v8f)(((v8i)x & (x > most)) | ((v8i)most & ~(x > most)));
-        }
-        float m = most[0];
-        for (int l = 1; l < 8; l++)
-            m = most[l] > m ? most[l] : m;
-        v8f total = splat8(0.0f);
-        for (int64_t i = 0; i < stride; i += 8) {
-            const v8i real = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)i < (int32_t)len;
-            const v8f kept = (v8f)((v8i)exp8(*(const v8f *)(s + i) - m) & real);
-            *(v8f *)(s + i) = kept;
-            total += kept;
-        }
-        w->max[g] = m;
-        w->sum[g] = tree8(total);
-    }
+    for (int g = 0; g < n; g++)                   /* e^(s - max) in place, the max and the sum */
+        w->sum[g] = 1.0f / softmax_row(w->s[g], 0, stride, 0, len - 1, softcap, &w->max[g]);
     if (a < e)
         page_values(n, w, pg, vbits, h, D, kv_heads, a, e, pw);
     else
