@@ -337,9 +337,9 @@ class Worker:
 
     # -- what the engine asks at start-up and in integrity checks ----------------------------
     def calibrate_drafter(self, steps: int = 2) -> DrafterTiming:
-        """The drafter's passes, `steps` a round, measured over synthetic contexts of
-        CALIBRATION_CONTEXT tokens (or what max_model_len leaves) and a quarter of that:
-        `Proposer.calibrate`."""
+        """The drafter timed over synthetic contexts of CALIBRATION_CONTEXT tokens (or what
+        max_model_len leaves) and a quarter of that: its passes, `steps` a round, and its state's
+        encode a token (`Proposer.calibrate`)."""
         if self.proposer is None:
             return DrafterTiming([], 0.0)
         longest = max(min(CALIBRATION_CONTEXT, self.max_model_len - steps - 1), 4)

@@ -198,3 +198,32 @@ def test_the_cost_model_sees_prompt_rows_apart_and_each_decode_row_once(monkeypa
     # step 1 chose before b was admitted; step 2 while b's prompt had 30 - chunks[0] rows left,
     # of which the token budget less the two decode rows
     assert seen == [(["a"], 2, 0), (["a"], 2, min(30 - chunks[0], 16 - 2))]
+
+
+def test_a_request_s_first_draft_marks_it_started_and_its_state_build_is_no_step_cost():
+    """The scheduler tells FASER which requests have no drafting state yet (`unstarted`, their
+    context) until one drafts, again after a preemption (the worker drops the state); the
+    seconds the worker spent building first-time states (`StepResult.draft_state_s`) are taken
+    off the step's cost sample (priced once, `CostModel.state_price`)."""
+    kv = KVCacheManager([BlockPool(64, BS, False, name="full")])
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096,
+                                          max_model_len=256, eos_token_ids=(2,),
+                                          num_speculative_tokens=4, adaptive=True))
+    sched.cost.unpriced_drafting_steps = 0                         # the priors as prices
+    add(sched, "a", 6)
+    prefill(sched, {"a": 40})
+    seen = []
+    choose = sched.controller.choose
+    sched.controller.choose = lambda ids, caps, rows, **kw: (
+        seen.append(kw["unstarted"]) or choose(ids, caps, rows, **kw))
+    plan = sched.schedule()
+    k = plan.requests[0].num_draft_tokens
+    assert k >= 1 and seen[-1] == [plan.requests[0].num_computed_tokens]
+    assert sched.requests["a"].drafted
+    sched.commit(plan, StepResult(sampled={"a": SampledTokens([41], num_drafted=k)},
+                                  step_time_s=0.05, draft_state_s=0.03))
+    assert abs(sched.controller.cost.samples[-1][-1] - 0.02) < 1e-12
+    sched.schedule()
+    assert seen[-1] == [0]                                         # started: no build to price
+    sched._preempt(sched.requests["a"])
+    assert not sched.requests["a"].drafted
