@@ -22,9 +22,10 @@ from specserve.scheduler.messages import EngineRequest
 from specserve.server.tokenizer import load_tokenizer
 
 
-def cell(spec: SpeculativeConfig | None, prompt: list[int], new_tokens: int) -> tuple:
+def cell(spec: SpeculativeConfig | None, prompt: list[int], new_tokens: int,
+         device: str = "auto") -> tuple:
     core = EngineCore(EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=4096,
-                                   speculative=spec))
+                                   speculative=spec, device=device))
     core.warm_up()
     core.add_request(EngineRequest("a", prompt, greedy(new_tokens)))
     times, drafts, out = [], [], []
@@ -46,15 +47,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2800)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--device", default="auto", help="auto: cuda where present, else cpu")
     args = ap.parse_args()
     prompt = long_prompts(load_tokenizer(None), 1, args.context)[0]
-    plain, tpot, _, _ = cell(None, prompt, args.new_tokens)
+    plain, tpot, _, _ = cell(None, prompt, args.new_tokens, args.device)
     print(f"plain: TPOT {tpot * 1e3:.1f} ms", flush=True)
     for comp in args.compressors.split(","):
         for adaptive in (False, True):
             spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k,
                                      kv_compressor=comp, adaptive=adaptive)
-            out, tpot, k, p = cell(spec, prompt, args.new_tokens)
+            out, tpot, k, p = cell(spec, prompt, args.new_tokens, args.device)
             assert out == plain, comp
             print(f"{comp} {'adaptive' if adaptive else f'k={args.k}'}: TPOT {tpot * 1e3:.1f} ms, "
                   f"mean drafts a step {k:.2f}; a draft pass {p.draft_pass * 1e3:.2f} ms + "

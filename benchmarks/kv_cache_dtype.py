@@ -150,6 +150,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (no kernel split there)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "bfloat16", "fp8"])
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=2800)
@@ -164,11 +165,12 @@ def main() -> None:
     cores = {}
     for kv in args.kv_cache_dtype:
         cores[kv] = EngineCore(EngineConfig(
-            model=args.model, dtype=args.dtype, device="cpu", kv_cache_dtype=kv,
+            model=args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=kv,
             kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.concurrency,
             enable_prefix_caching=False))
         run(cores[kv], f"warm-{kv}", args.concurrency, 64, 8, seed=999)     # builds the kernels
-    env = {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+    env = {"device": (torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
+           "cpu": cpu_model(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "dtype": args.dtype, "model": args.model or "embedded",
            "prompt_len": args.prompt_len, "output_len": args.output_len,
            "concurrency": args.concurrency,

@@ -43,8 +43,8 @@ def tiny_d64(vocab_size: int = 49152, max_position: int = 4096) -> ModelConfig:
 def core(make_engine, monkeypatch):
     monkeypatch.setattr(loader, "tiny_config", tiny_d64)
 
-    def make(**kwargs):
-        return make_engine(device="cpu", dtype="float32", num_threads=1, block_size=8,
+    def make(device="cpu", **kwargs):
+        return make_engine(device=device, dtype="float32", num_threads=1, block_size=8,
                            max_num_batched_tokens=48, **kwargs)
     return make
 
@@ -67,6 +67,8 @@ def generate(core) -> tuple[list[list[int]], int]:
 
 # --kv-cache-dtype -> (the cache's torch dtype, the bytes of a float32 cache's element it takes)
 NARROW = {"bfloat16": (torch.bfloat16, 2), "fp8": (torch.float8_e4m3fn, 4)}
+# the lossless check also runs on CUDA (Triton kernels, graphs) where a GPU is present
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("kv", list(NARROW))
@@ -115,14 +117,15 @@ def test_the_one_call_rounds_to_fp8_as_torch_does():
                        x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv", list(NARROW))
 @pytest.mark.parametrize("method", list(SPECS))
-def test_speculation_is_lossless_on_a_narrow_cache(core, method, kv):
+def test_speculation_is_lossless_on_a_narrow_cache(core, method, kv, device):
     """Greedy output with speculation equals greedy output without it, both over a bf16 / fp8
     cache, with prompt chunks, decodes and verify rows sharing steps."""
     dtype = NARROW[kv][0]
-    plain, _ = generate(core(kv_cache_dtype=kv))
-    spec_core = core(kv_cache_dtype=kv, speculative=SPECS[method])
+    plain, _ = generate(core(kv_cache_dtype=kv, device=device))
+    spec_core = core(kv_cache_dtype=kv, speculative=SPECS[method], device=device)
     out, drafted = generate(spec_core)
     assert drafted > 0
     assert out == plain
