@@ -81,10 +81,10 @@ class EngineConfig:
             if not self.host_kv_cache_memory_gb > 0:
                 raise ValueError(f"host_kv_cache_memory_gb must be positive, got "
                                  f"{self.host_kv_cache_memory_gb}")
-            if spec is None or spec.method != "lossy_kv" or spec.full_kv_in_host is False:
+            if spec is None or spec.method != "lossy_kv" or not spec.full_kv_in_host:
                 raise ValueError("host_kv_cache_memory_gb sizes the full-KV host pool of lossy_kv "
-                                 "(--speculative-config '{\"method\": \"lossy_kv\"}', "
-                                 "full_kv_in_host not false)")
+                                 "(--speculative-config '{\"method\": \"lossy_kv\", "
+                                 "\"full_kv_in_host\": true}')")
 
     @property
     def waiting_bound(self) -> int:

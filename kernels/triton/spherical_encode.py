@@ -41,6 +41,12 @@ def _encode_kernel(k_ptr, cb_ptr, theta_ptr, radius_ptr, scale_ptr, T, NUM_PAGES
     tl.store(scale_ptr + (head * NUM_PAGES + page) * G + j, s)
 
 
+def supports(k: torch.Tensor, codebook: torch.Tensor, page_size: int) -> bool:
+    """Pages and codebook groups of at least 16 (tl.dot's smallest tile); smaller ones, as tests
+    configure, go to the reference."""
+    return page_size >= 16 and codebook.shape[-1] >= 16
+
+
 def spherical_encode(k: torch.Tensor, codebook: torch.Tensor, page_size: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k: [H, T, D]; codebook: [H, G, K, g] -> theta, radius [H, T, G] uint8; scale [H, T/page, G]

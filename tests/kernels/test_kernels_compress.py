@@ -49,6 +49,12 @@ def case_spherical_encode():
         assert torch.equal(a[0], b[0]), "theta differs"
         assert (a[1].int() - b[1].int()).abs().max() <= 1 and (a[1] != b[1]).float().mean() < 0.01
         torch.testing.assert_close(a[2], b[2], rtol=1e-6, atol=1e-6)
+    from specserve.kernels import dispatch           # pages under 16 tokens: the reference serves
+    op = dispatch.get_op("spherical_encode", "cpu")
+    cb = torch.nn.functional.normalize(torch.randn(3, 8, 16, 16), dim=-1)
+    keys = torch.randn(3, 16, 128)
+    assert op.supports(keys, cb, 16) and not op.supports(keys, cb, 8)
+    assert all(torch.equal(a, b) for a, b in zip(op(keys, cb, 8), ref(keys, cb, 8)))
 
 
 def case_spherical_attention():

@@ -257,6 +257,7 @@ def test_the_host_budget_sizes_the_full_pool_and_the_device_budget_the_compresse
     {"host_kv_cache_memory_gb": 1.0,
      "speculative": SpeculativeConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=4)},
     {"host_kv_cache_memory_gb": 1.0, "speculative": replace(SPEC, full_kv_in_host=False)},
+    {"host_kv_cache_memory_gb": 1.0, "speculative": replace(SPEC, full_kv_in_host=None)},
     {"host_kv_cache_memory_gb": 0.0, "speculative": SPEC},
 ])
 def test_a_host_budget_without_the_host_pool_is_refused(kwargs):
@@ -264,10 +265,11 @@ def test_a_host_budget_without_the_host_pool_is_refused(kwargs):
         EngineConfig(model="tiny-random", **kwargs)
 
 
-def test_a_host_budget_with_the_device_resident_default_on_cpu_is_refused(make_engine):
-    with pytest.raises(ValueError, match="full_kv_in_host"):
-        make_engine(speculative=replace(SPEC, full_kv_in_host=None), host_kv_cache_memory_gb=0.01,
-                    device="cpu")
+def test_the_full_cache_stays_on_the_device_unless_asked(make_engine):
+    """The host pool is opt-in on every device (unset: the resident cache)."""
+    from specserve.kv_cache.host_pool import HostKVPool
+    core = make_engine(speculative=replace(SPEC, full_kv_in_host=None), num_threads=1)
+    assert not isinstance(core.worker.storage, HostKVPool)
 
 
 def test_the_cli_flag_maps_onto_the_config():
