@@ -23,7 +23,11 @@ from specserve.kernels.metadata import PagedAttentionMetadata, StaticBatchMetada
 from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
 from specserve.kernels.triton.splits import merge_splits, plan_splits
 
-BN = 64
+BN = 64                 # keys a program scores at a time
+NUM_WARPS, NUM_STAGES = 4, 3
+# dots in tf32 over 16-bit and fp8 caches (their keys and the query are exact in tf32; the
+# probabilities lose bits past tf32's 10, as FlashAttention's bf16 P does); float32 caches: "ieee"
+NARROW_DOT = "ieee"
 FAILURES = (CompilationError, OutOfResources)   # the kernel cannot run here: the reference serves
 
 
@@ -32,7 +36,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
                   tables_ptr,
                   table_width, NUM_HEADS, GROUP, SPLIT, sm_scale, q_stride, kv_stride, WINDOW,
                   SOFTCAP, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                  QB: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                  QB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     i = tl.program_id(0)                        # i-th short-query request
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,7 +67,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
         # bandwidth-bound, and Triton's interpreter (CI) has no bf16 dot
         k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale               # [QB, BN]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT) * sm_scale                  # [QB, BN]
         if HAS_SOFTCAP:                       # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
             s = SOFTCAP * (2 * tl.sigmoid(2 * s / SOFTCAP) - 1)
         seen = (t[None, :] <= qpos[:, None]) & valid[None, :]
@@ -74,7 +78,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
         alpha = tl.exp(m - m_use)
         p = tl.exp(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
         m = m_new
     has = l > 0                                 # a split past a row's context holds nothing for it
     out = acc / tl.where(has, l, 1.0)[:, None]
@@ -183,5 +187,6 @@ def _short_query_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         tables.shape[1],
         num_heads, num_heads // num_kv_heads, split, scale, qc.stride(0), k_cache.stride(0),
         window, float(softcap), D=head_dim, BS=block_size, BN=BN, QB=SHORT_QUERY,
-        HAS_SOFTCAP=bool(softcap))
+        HAS_SOFTCAP=bool(softcap), DOT="ieee" if k_cache.dtype == torch.float32 else NARROW_DOT,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return part_out, part_lse
