@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Device call 5 (H200, a fresh machine): carries .whl. The Triton paged attention's settings.
+. benchmarks/results/h200/2026-11-27-b/setup.sh
+timeout 220 python3 benchmarks/paged_attention_sweep.py --json $OUT/paged-attention-sweep.json \
+    2>&1 | tee $OUT/paged-attention-sweep.log | tail -3
