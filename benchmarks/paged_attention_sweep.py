@@ -1,7 +1,7 @@
 """The Triton paged attention's launch settings on a GPU (a benchmark, not a test): each variant
-changes one module constant of `kernels/triton/paged_attention.py` or `kernels/triton/splits.py`
-(tf32 dots over the bf16 cache, keys a program scores at a time, warps, pipeline stages, the
-splits' floor and target), is checked against the reference, and timed with
+changes module constants of `kernels/triton/paged_attention.py` (the dots' precision over the
+bf16 cache, keys a program scores at a time, warps, pipeline stages, the splits' length), is
+checked against the reference, and timed with
 `triton.testing.do_bench` (median ms, one layer: the kernel, its merge and the host launches).
 
     python3 benchmarks/paged_attention_sweep.py --json out.json
@@ -20,31 +20,23 @@ from kernels import paged_inputs, rel_err
 
 from specserve.kernels import dispatch
 from specserve.kernels.triton import paged_attention as pa
-from specserve.kernels.triton import splits
 
 # name -> {module constant: value}, applied on top of the defaults
 VARIANTS = {
     "default": {},
-    "tf32": {"NARROW_DOT": "tf32"},
-    "bn32": {"BN": 32},
+    "ieee": {"NARROW_DOT": "ieee"},
+    "split256": {"SPLIT_TOKENS": 256},
+    "split1024": {"SPLIT_TOKENS": 1024},
+    "split2048": {"SPLIT_TOKENS": 2048},
     "bn128": {"BN": 128},
-    "warps2": {"NUM_WARPS": 2},
     "warps8": {"NUM_WARPS": 8},
     "stages2": {"NUM_STAGES": 2},
-    "stages4": {"NUM_STAGES": 4},
-    "split256": {"MIN_SPLIT_TOKENS": 256},
-    "split128": {"MIN_SPLIT_TOKENS": 128},
-    "target4096": {"TARGET_PROGRAMS": 4096},
-    "tf32+split256+target4096": {"NARROW_DOT": "tf32", "MIN_SPLIT_TOKENS": 256,
-                                 "TARGET_PROGRAMS": 4096},
-    "tf32+split128+target4096+bn32": {"NARROW_DOT": "tf32", "MIN_SPLIT_TOKENS": 128,
-                                      "TARGET_PROGRAMS": 4096, "BN": 32},
 }
 
 
 def apply(settings: dict, defaults: dict) -> None:
     for name, value in {**defaults, **settings}.items():
-        setattr(pa if hasattr(pa, name) else splits, name, value)
+        setattr(pa, name, value)
 
 
 def main() -> None:
@@ -59,7 +51,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     names = {n for v in VARIANTS.values() for n in v}
-    defaults = {n: getattr(pa if hasattr(pa, n) else splits, n) for n in names}
+    defaults = {n: getattr(pa, n) for n in names}
     dev = args.device
     print(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "torch": torch.__version__,
                       "triton": triton.__version__, "defaults": defaults}), flush=True)
@@ -69,6 +61,13 @@ def main() -> None:
         for q in args.queries:
             query, kc, vc, meta = paged_inputs(batch, q, t, 9, 3, 64, dev, torch.bfloat16)
             want = ref(query, kc, vc, meta(), 0.125)
+            if dev == "cuda":
+                m = meta()
+                ms = triton.testing.do_bench(lambda: ref(query, kc, vc, m, 0.125), warmup=25,
+                                             rep=100, return_mode="median")
+                rows.append({"requests": batch, "T": t, "Q": q, "variant": "reference",
+                             "ms": round(float(ms), 4), "rel_err": 0.0})
+                print(json.dumps(rows[-1]), flush=True)
             for name in args.variants:
                 apply(VARIANTS[name], defaults)
                 m = meta()

@@ -38,25 +38,32 @@ def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 @triton.jit
-def _merge_kernel(out_ptr, lse_ptr, dst_ptr, S, D: tl.constexpr, BS: tl.constexpr):
+def _merge_kernel(out_ptr, lse_ptr, dst_ptr, S, D: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)        # one (row, head) pair
-    s = tl.arange(0, BS)
     d = tl.arange(0, D)
-    lse = tl.load(lse_ptr + pair * S + s, mask=s < S, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))     # an empty split weighs 0
-    parts = tl.load(out_ptr + (pair * S + s)[:, None] * D + d[None, :], mask=(s < S)[:, None],
-                    other=0.0)
-    merged = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
-    tl.store(dst_ptr + pair * D + d, merged.to(dst_ptr.dtype.element_ty))
+    one = tl.arange(0, 1)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s in range(0, S):                       # in order: an empty split (lse -inf, output 0)
+        lse = tl.load(lse_ptr + pair * S + s + one)            # adds exact zeros
+        part = tl.load(out_ptr + (pair * S + s) * D + d)
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        w = tl.exp(lse - m_use)
+        total = total * alpha + w
+        acc = acc * alpha + w * part
+        m = m_new
+    tl.store(dst_ptr + pair * D + d, (acc / total).to(dst_ptr.dtype.element_ty))
 
 
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """out [..., S, D] float32, lse [..., S] (contiguous) -> the merged out [..., D] in `dtype`:
-    `combine_splits`'s output in one launch (exactly the one split's output where the others are
-    empty). D a power of two."""
+    `combine_splits`'s output in one launch, the splits taken in order by an online softmax, so
+    empty splits after a row's last one (lse -inf, output 0) leave its result bit for bit as it
+    was: a row merges the same whatever the longest context beside it. D a power of two."""
     *lead, num_splits, head_dim = out.shape
     dst = torch.empty(*lead, head_dim, dtype=dtype, device=out.device)
-    _merge_kernel[(lse.numel() // num_splits,)](out, lse, dst, num_splits, D=head_dim,
-                                                BS=triton.next_power_of_2(num_splits))
+    _merge_kernel[(lse.numel() // num_splits,)](out, lse, dst, num_splits, D=head_dim)
     return dst

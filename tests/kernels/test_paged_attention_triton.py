@@ -7,7 +7,7 @@ import torch
 from specserve.kernels import dispatch
 from specserve.kernels.metadata import PagedAttentionMetadata
 
-from specserve.kernels.triton import splits
+from specserve.kernels.triton import paged_attention as pa
 
 op, ref = dispatch.get_op("paged_attention", "cpu"), dispatch.reference("paged_attention")
 fast = op.kernel                                 # the kernel itself, never its fallback
@@ -19,7 +19,7 @@ cases = [
         (16, 3, 3, 64, [(200, 5), (33, 33), (90, 1)], torch.bfloat16)]
 several = False
 for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for m in (1024, 64) for c in cases]:
-    splits.MIN_SPLIT_TOKENS = min_split          # one split at these sizes, then several merged
+    pa.SPLIT_TOKENS = min_split                  # one split at these sizes, then several merged
     torch.manual_seed(block_size + dim)
     num_blocks = sum(-(-n // block_size) for n, _ in shapes) + 3
     k_cache = torch.randn(num_blocks * block_size, kv_heads, dim).to(dtype)
@@ -33,7 +33,7 @@ for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for 
         query_start.append(query_start[-1] + num_q)
     q = torch.randn(query_start[-1], heads + kv_heads, dim).to(dtype)[:, :heads]   # a strided view, as in the model
     lens = [s[0] for s in shapes]
-    several |= splits.plan_splits(max(lens), len(shapes) * heads, 64)[0] > 1
+    several |= max(lens) > pa.SPLIT_TOKENS
     # plain; a sliding window (Mistral, Gemma) with a soft-cap (Gemma 2), applied to the scores
     for window, softcap in [(0, 0.0), (7, 0.0), (20, 1.5)] if min_split == 64 else [(0, 0.0)]:
         meta = lambda: PagedAttentionMetadata(query_start, lens, tables, block_size)  # noqa: E731
@@ -52,6 +52,45 @@ print("ok paged")
 
 def test_triton_paged_attention_matches_reference(triton_interpreted):
     triton_interpreted(CHILD, "ok paged")
+
+
+INVARIANT = r'''
+import torch
+from specserve.kernels import dispatch
+from specserve.kernels.metadata import PagedAttentionMetadata
+from specserve.kernels.triton import paged_attention as pa
+
+fast = dispatch.get_op("paged_attention", "cpu").kernel
+assert fast.__module__ == "specserve.kernels.triton.paged_attention", fast.__module__
+torch.manual_seed(0)
+bs, heads, kv_heads, dim = 16, 6, 2, 32
+k = torch.randn(420 * bs, kv_heads, dim).to(torch.bfloat16)
+v = torch.randn(420 * bs, kv_heads, dim).to(torch.bfloat16)
+q = torch.randn(16, heads, dim).to(torch.bfloat16)
+mine = list(range(0, 170))                       # the row's request: 2500 tokens of context
+other = list(range(170, 420))                    # a longer one beside it: 4000 tokens
+
+
+def run(query_start, lens, tables):
+    return fast(q[:query_start[-1]], k, v,
+                PagedAttentionMetadata(query_start, lens, tables, bs), dim ** -0.5)
+
+
+alone = run([0, 1], [2500], [mine])[0]           # a decode, alone in its step
+# the same row beside a longer request (more splits in the launch), then as the first row of a
+# verify pass (drafts after it: a longer context of its own, masked for this row)
+beside = run([0, 1, 2], [2500, 4000], [mine, other])[0]
+drafts = run([0, 5, 6], [2504, 4000], [mine, other])[0]
+assert torch.equal(alone, beside) and torch.equal(alone, drafts)
+print("ok invariant")
+'''
+
+
+def test_a_rows_attention_does_not_depend_on_its_step(triton_interpreted):
+    """A decode row's output is bit for bit the same alone, beside a longer request, and as the
+    first row of a verify pass: the splits are fixed in length and merged in order, so neither
+    the batch nor the drafts after a row change its sums (lossless speculation on the GPU)."""
+    triton_interpreted(INVARIANT, "ok invariant")
 
 
 def _mixed_batch(head_dim: int):

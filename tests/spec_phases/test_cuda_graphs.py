@@ -15,13 +15,13 @@ CHILD = r'''
 import sys
 from dataclasses import replace
 import torch
-from specserve.kernels.triton import splits
+from specserve.kernels.triton import paged_attention as pa
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.cuda_graphs import StepGraphs
 from specserve.spec_phases.loader import build_random_model, tiny_config
 from specserve.spec_phases.runner import ModelRunner
 
-splits.MIN_SPLIT_TOKENS = int(sys.argv[1])      # 1024: one split everywhere; 64: several
+pa.SPLIT_TOKENS = int(sys.argv[1])              # 1024: one split everywhere; 64: several
 model = build_random_model(tiny_config(vocab_size=300, max_position=512), seed=5)
 assert model.pack_for_cpu()          # the C kernel's rows do not depend on the batch's rows
 cfg, blocks, bs = model.config, 130, 4
