@@ -28,9 +28,10 @@ from specserve.kernels.triton.splits import merge_splits
 BN = 64                 # keys a program scores at a time
 SPLIT_TOKENS = 512      # keys a program walks (a multiple of BN), the same for every batch
 NUM_WARPS, NUM_STAGES = 4, 3
-# dots in tf32 over 16-bit and fp8 caches (their keys and the query are exact in tf32; the
-# probabilities lose bits past tf32's 10, as FlashAttention's bf16 P does); float32 caches: "ieee"
-NARROW_DOT = "tf32"      # H200, 64K x 16 requests: 0.67 ms against 4.58 in "ieee"
+# the dots' precision for a 16-bit query over a 16-bit or fp8 cache: both are exact in tf32 and
+# only the probabilities lose bits past tf32's 10 (FlashAttention's bf16 P loses more); H200, 64K
+# x 16 requests: 0.67 ms against 4.58 in "ieee". A float32 query or cache: "ieee".
+NARROW_DOT = "tf32"
 FAILURES = (CompilationError, OutOfResources)   # the kernel cannot run here: the reference serves
 
 
@@ -186,11 +187,11 @@ def _short_query_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                            device=q.device)
     part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
                            device=q.device)
+    dot = "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else NARROW_DOT
     _paged_kernel[(reqs.shape[0], num_heads, num_splits)](
         qc, k_cache, v_cache, part_out, part_lse, reqs, firsts, qlens, lens, tables,
         tables.shape[1],
         num_heads, num_heads // num_kv_heads, split, scale, qc.stride(0), k_cache.stride(0),
         window, float(softcap), D=head_dim, BS=block_size, BN=BN, QB=SHORT_QUERY,
-        HAS_SOFTCAP=bool(softcap), DOT="ieee" if k_cache.dtype == torch.float32 else NARROW_DOT,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HAS_SOFTCAP=bool(softcap), DOT=dot, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return part_out, part_lse
