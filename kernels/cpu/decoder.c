@@ -18,7 +18,7 @@
 #include "activation.c"
 #include "linear.c"
 #include "paged_attention.c"
-#include "quant_draft_attention.c"
+#include "draft_attention.c"
 #include "rms_norm.c"
 #include "rope.c"
 
@@ -73,10 +73,10 @@ struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
 
-#define DECODER_ABI_VERSION 7          /* bumped whenever an exported signature or struct changes */
+#define DECODER_ABI_VERSION 8          /* bumped whenever an exported signature or struct changes */
 
-/* out[0]: DECODER_ABI_VERSION; out[1..6]: the sizes of struct decoder_linear, decoder_layer,
- * decoder_model, decoder_buffers, quant_pages and draft_pages */
+/* out[0]: DECODER_ABI_VERSION; out[1..7]: the sizes of struct decoder_linear, decoder_layer,
+ * decoder_model, decoder_buffers, quant_pages, mustafar_pages and draft_pages */
 void decoder_abi(int64_t *out) {
     out[0] = DECODER_ABI_VERSION;
     out[1] = (int64_t)sizeof(struct decoder_linear);
@@ -84,7 +84,8 @@ void decoder_abi(int64_t *out) {
     out[3] = (int64_t)sizeof(struct decoder_model);
     out[4] = (int64_t)sizeof(struct decoder_buffers);
     out[5] = (int64_t)sizeof(struct quant_pages);
-    out[6] = (int64_t)sizeof(struct draft_pages);
+    out[6] = (int64_t)sizeof(struct mustafar_pages);
+    out[7] = (int64_t)sizeof(struct draft_pages);
 }
 
 /* float32 -> bfloat16 as torch rounds (to nearest, ties to even; a NaN stays a NaN) */
@@ -152,7 +153,7 @@ void decoder_round_fp8(const float *x, uint8_t *out, int64_t n) {
  * slots[rows] where each row's K/V go; cos, sin: [RoPE tables, rows, head_dim] (a layer reads
  * table `rope`); requests, tables: as paged_attention_short takes them (every query of the step
  * among them); draft: NULL, or a draft step's compressed pages (VeriCache's drafter: one query
- * row a request, attending its pages and its keys in the cache, `quant_draft_attention`; a
+ * row a request, attending its pages and its keys in the cache, `draft_attention`; a
  * sliding-window layer attends its keys in the cache only); seconds: NULL, or [3] to which the
  * time in the linear layers, in attention (with the K/V write) and in the elementwise kernels is
  * added (profiling). Returns 0, or -1 where a kernel could not get scratch memory. */
@@ -206,13 +207,10 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
          m->softcap, num_threads)
         const int failed =
             draft && !l->window
-                ? quant_draft_attention(b->qk, heads * D, k_layer, v_layer,
-                                        kv_dtype == KV_BFLOAT16, b->attn, q_size, requests, tables,
-                                        table_width, num_reqs,
-                                        draft->pages + run[i] * draft->row_stride,
-                                        draft->page_size, draft->key_bits, draft->value_bits,
-                                        m->num_heads, m->num_kv_heads, D, m->block_size,
-                                        m->scale, m->softcap, num_threads)
+                ? draft_attention(b->qk, heads * D, k_layer, v_layer, kv_dtype == KV_BFLOAT16,
+                                  b->attn, q_size, requests, tables, table_width, num_reqs, draft,
+                                  run[i] * draft->row_stride, m->num_heads, m->num_kv_heads, D,
+                                  m->block_size, m->scale, m->softcap, num_threads)
             : kv_dtype == KV_FP8      ? ATTEND(paged_attention_short_fp8)
             : kv_dtype == KV_BFLOAT16 ? ATTEND(paged_attention_short_bf16)
                                       : ATTEND(paged_attention_short);

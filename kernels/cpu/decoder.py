@@ -42,24 +42,36 @@ class Buffers(ctypes.Structure):
 
 
 class QuantPages(ctypes.Structure):
-    """One request's `quant` pages of one layer (`quant_draft_attention.c`): its `QuantArena`'s
+    """One request's `quant` pages of one layer (`draft_attention.c`): its `QuantArena`'s
     tensors, page-major, and how many pages they hold."""
     _fields_ = [(name, _ptr) for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
                                           "v_zero")] + [("num_pages", _i64)]
 
 
+class MustafarPages(ctypes.Structure):
+    """One request's Mustafar pages of one layer (`draft_attention.c`), as
+    `MustafarCompressor.joined` joins them: 64 * num_blocks tokens."""
+    _fields_ = [(name, _ptr) for name in ("k_bitmaps", "k_offsets", "k_values", "v_bitmaps",
+                                          "v_offsets", "v_values")] + [("num_blocks", _i64)]
+
+
+# DraftPages.kind: the page format of its table
+DRAFT_KINDS = {"quant": (0, QuantPages), "mustafar": (1, MustafarPages)}
+
+
 class DraftPages(ctypes.Structure):
-    """A draft step's pages: layer l's of request r at pages[l * row_stride + r]."""
+    """A draft step's pages: layer l's of request r at pages[l * row_stride + r], QuantPages or
+    MustafarPages as kind says (DRAFT_KINDS)."""
     _fields_ = [("pages", _ptr), ("row_stride", _i64), ("page_size", _i64), ("key_bits", _i64),
-                ("value_bits", _i64)]
+                ("value_bits", _i64), ("kind", _i64)]
 
 
-ABI_VERSION = 7                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+ABI_VERSION = 8                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
     """decoder.c's version and structure sizes against the mirrors above (BuildError if not)."""
-    structs = (Linear, Layer, Model, Buffers, QuantPages, DraftPages)     # read at each check
+    structs = (Linear, Layer, Model, Buffers, QuantPages, MustafarPages, DraftPages)
     got = (ctypes.c_int64 * (1 + len(structs)))()
     lib.decoder_abi.restype, lib.decoder_abi.argtypes = None, [_ptr]
     lib.decoder_abi(got)
@@ -108,9 +120,9 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
     [rows, width] (`decoder.c`); cos, sin: float32 [RoPE tables, rows, head_dim] (a layer reads
     its `rope`'s). k_cache, v_cache: float32, bfloat16 or fp8 e4m3 [layers, slots,
     kv heads, head_dim] (CACHE_DTYPES), written at `slots` (int64 [rows]); requests, tables:
-    `paged_attention.short_requests`'s (every query of the step). draft: a draft step's `quant`
-    pages (one query row a request; a float32 or bfloat16 cache), attended with the cache's keys
-    (`quant_draft_attention.c`), or None. seconds:
+    `paged_attention.short_requests`'s (every query of the step). draft: a draft step's
+    compressed pages (one query row a request; a float32 or bfloat16 cache), attended with the
+    cache's keys (`draft_attention.c`), or None. seconds:
     None, or float64 [3] to which the call adds its time in the linear layers, in attention (with
     the K/V write) and in the elementwise kernels (`benchmarks/profile_step.py`)."""
     rows = buffers["x"].shape[0]

@@ -163,10 +163,10 @@ class Compressor(ABC):
         """Steady-state bytes of one compressed token, one layer, all kv heads, K + V."""
         raise NotImplementedError
 
-    def kernel_bits(self) -> tuple[int, int] | None:
-        """(key bits, value bits) where the C drafter attends this compressor's pages straight
-        from their codes (`kernels/cpu/quant_draft_attention.c`, reading `LayerState.arena`);
-        None: drafts over its pages run through the modules."""
+    def draft_kernel(self) -> str | None:
+        """The page format the C drafter attends straight from (`kernels/cpu/draft_attention.c`):
+        "quant" (reading `LayerState.arena`) or "mustafar" (`MustafarCompressor.joined`); None:
+        drafts over this compressor's pages run through the modules."""
         return None
 
     # ---- protocol ----------------------------------------------------------------------------

@@ -79,9 +79,15 @@ class MustafarCompressor(Compressor):
     def _attend_pages(self, layer: int, q: torch.Tensor, state: LayerState):
         return self._attend_prepared(layer, q, self._prepare_pages(layer, state))
 
+    def draft_kernel(self) -> str | None:
+        return "mustafar"                     # head_dim is a multiple of 64 (the constructor's)
+
     def _prepare_pages(self, layer: int, state: LayerState) -> dict[str, torch.Tensor]:
-        """All pages of a layer as one bitmap-sparse cache (offsets rebased): once per draft
-        round."""
+        return self.joined(state)
+
+    def joined(self, state: LayerState) -> dict[str, torch.Tensor]:
+        """All pages of a layer as one bitmap-sparse cache (offsets rebased; every tensor
+        contiguous): once per draft round, for the modules and for the C drafter alike."""
         k_shift, v_shift, parts = 0, 0, {name: [] for name in ("kb", "ko", "kv", "vb", "vo", "vv")}
         for pg in state.pages:
             parts["kb"].append(pg.k_bitmaps)

@@ -87,7 +87,7 @@ class QuantPage:
 class QuantArena:
     """One layer's pages of one sequence in six contiguous page-major tensors, [capacity, *the
     field's page shape] each, the capacity doubled as pages arrive: every `QuantPage`'s fields are
-    views of them, so a page is held once and the C drafter (`quant_draft_attention.c`) reads a
+    views of them, so a page is held once and the C drafter (`draft_attention.c`) reads a
     layer from six pointers. Quant pages are only ever appended (a rebuilt state starts anew)."""
 
     def __init__(self):
@@ -148,9 +148,9 @@ class QuantCompressor(Compressor):
                 ls.arena = QuantArena()
             ls.arena.add(ls.pages)
 
-    def kernel_bits(self) -> tuple[int, int] | None:
+    def draft_kernel(self) -> str | None:
         """The C drafter weighs values 64 dimensions at a time: head_dim a multiple of 64."""
-        return None if self.config.head_dim % 64 else (self.key_bits, self.value_bits)
+        return None if self.config.head_dim % 64 else "quant"
 
     def _decode_page(self, page: QuantPage) -> tuple[torch.Tensor, torch.Tensor]:
         k_codes = unpack_bits(page.k_packed, self.key_bits).permute(2, 0, 1)         # [P, H, D]

@@ -11,9 +11,10 @@ Drafting is batched across requests: one model forward per draft position for ev
 drafting. Where no state holds compressed pages (the `window` compressor keeps none; every
 compressor's state is dense until the context outgrows its window), each draft step is one call of
 the C decoder over a small paged cache of the states' dense tokens (`DenseDraftCache`), as a plain
-decode step is; so is a step over states holding `quant` pages, which the C kernel
-`quant_draft_attention.c` attends straight from their codes (`Compressor.kernel_bits`, the pages'
-`QuantArena`). Otherwise the modules run it, with per layer two attention calls for all requests:
+decode step is; so is a step over states holding `quant` or Mustafar pages, which the C kernel
+`draft_attention.c` attends as they are stored (`Compressor.draft_kernel`: quant's codes in their
+`QuantArena`, Mustafar's bitmap-sparse tiles joined a layer at a time). Otherwise (Spherical-KV)
+the modules run it, with per layer two attention calls for all requests:
 the compressor's `PagesBatch` over the compressed pages, and one padded dense attention over each
 request's sinks + dense tail + scratch, merged exactly by log-sum-exp (the same math as
 `compressor.attend(state)` merged with the scratch).
@@ -145,20 +146,31 @@ class DenseDraftCache:
         return meta, slots
 
 
-def draft_pages(states: list[SequenceState], page_size: int, bits: tuple[int, int]
-                ) -> fused.DraftPages:
-    """The round's pages as `quant_draft_attention.c` reads them: layer l of state r at
-    [l * len(states) + r], pointers into each layer's `QuantArena` (kept alive by the states,
-    which do not change during the round)."""
-    table = (fused.QuantPages * (len(states[0].layers) * len(states)))()
+def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPages:
+    """The round's pages as `draft_attention.c` reads them (`comp.draft_kernel()`'s format):
+    layer l of state r at [l * len(states) + r]. quant: pointers into each layer's `QuantArena`
+    (kept alive by the states, which do not change during the round); Mustafar: each layer's
+    pages joined (`MustafarCompressor.joined`, kept alive by the struct)."""
+    kind, struct = fused.DRAFT_KINDS[comp.draft_kernel()]
+    table = (struct * (len(states[0].layers) * len(states)))()
+    keep = []
     for r, state in enumerate(states):
         for layer, ls in enumerate(state.layers):
-            if ls.pages:
+            if not ls.pages:
+                continue
+            if struct is fused.QuantPages:
                 t = ls.arena.tensors
-                table[layer * len(states) + r] = fused.QuantPages(
-                    *(t[name].data_ptr() for name in QUANT_FIELDS), len(ls.pages))
-    pages = fused.DraftPages(ctypes.cast(table, ctypes.c_void_p), len(states), page_size, *bits)
-    pages.table = table                                     # alive as long as the struct
+                row = struct(*(t[name].data_ptr() for name in QUANT_FIELDS), len(ls.pages))
+            else:
+                j = comp.joined(ls)
+                keep.append(j)
+                row = struct(*(j[name].data_ptr() for name in ("kb", "ko", "kv", "vb", "vo",
+                                                                "vv")), j["kb"].shape[1])
+            table[layer * len(states) + r] = row
+    bits = (comp.key_bits, comp.value_bits) if struct is fused.QuantPages else (0, 0)
+    pages = fused.DraftPages(ctypes.cast(table, ctypes.c_void_p), len(states),
+                             comp.config.page_size, *bits, kind)
+    pages.table, pages.keep = table, keep                   # alive as long as the struct
     return pages
 
 
@@ -268,16 +280,16 @@ class LossyKVProposer(Proposer):
                    ) -> tuple[CpuDecoder | None, fused.DraftPages | None]:
         """The runner's one-call C decoder where it serves and either no state holds pages (a
         dropped page, the window compressor's, holds nothing) or the compressor's pages have a C
-        form (`Compressor.kernel_bits`: quant), with the round's pages as the kernel reads them."""
+        form (`Compressor.draft_kernel`: quant, Mustafar), with the round's pages as the kernel
+        reads them."""
         fast = self.runner.cpu_decoder if self.runner is not None else None
         if fast is None or not fast.enabled():
             return None, None
         if not any(p is not None for state in states for ls in state.layers for p in ls.pages):
             return fast, None
-        bits = self.pool.comp.kernel_bits()
-        if bits is None:
+        if self.pool.comp.draft_kernel() is None:
             return None, None
-        return fast, draft_pages(states, self.pool.comp.config.page_size, bits)
+        return fast, draft_pages(states, self.pool.comp)
 
     def stats(self) -> dict[str, float]:
         pool = self.pool

@@ -223,20 +223,28 @@ def test_dense_states_draft_on_the_one_call_c_decoder(name, dense):
     assert modules.stats()["num_c_rounds"] == 0
 
 
-@pytest.mark.parametrize("bits,page", [((4, 4), 8), ((8, 2), 8), ((2, 8), 8), ((4, 4), 64),
-                                       ((2, 4), 64), ((8, 8), 64)])
-def test_quant_pages_draft_on_the_one_call_c_decoder(bits, page):
-    """States holding `quant` pages draft on the C decoder too, attending the pages straight
-    from their codes (`quant_draft_attention.c`): every draft step's hidden states those of the
-    modules' batched path within float32 rounding, so the same drafts."""
+PAGE_CASES = [("quant", {**SMALL_PAGES, "page_size": page, "key_bits": k, "value_bits": v})
+              for (k, v), page in [((4, 4), 8), ((8, 2), 8), ((2, 8), 8), ((4, 4), 64),
+                                   ((2, 4), 64), ((8, 8), 64)]]
+PAGE_CASES += [("mustafar", {"num_sink": 4, "window": 8, "page_size": 64, **sparsity})
+               for sparsity in ({"sparsity": 0.7}, {"key_sparsity": 0.2, "value_sparsity": 0.9},
+                                {"key_sparsity": 0.95, "value_sparsity": 0.0})]
+
+
+@pytest.mark.parametrize("name,settings", PAGE_CASES)
+def test_compressed_pages_draft_on_the_one_call_c_decoder(name, settings):
+    """States holding `quant` or Mustafar pages draft on the C decoder too, attending the pages
+    as they are stored (`draft_attention.c`: quant's codes, Mustafar's bitmap-sparse tiles):
+    every draft step's hidden states those of the modules' batched path within float32
+    rounding, so the same drafts."""
     torch.manual_seed(0)
     model = model_for("mustafar")                                   # head_dim 64
     runner, storage, reqs = c_decoder_case(model)
     max_lens = [5, 2, 5]
-    settings = {**SMALL_PAGES, "page_size": page, "key_bits": bits[0], "value_bits": bits[1]}
+    page = settings["page_size"]
 
     def pool():
-        return DraftPool(build_compressor("quant", model, dict(settings)), storage, "cpu")
+        return DraftPool(build_compressor(name, model, dict(settings)), storage, "cpu")
     fast, modules = LossyKVProposer(model, pool(), runner), LossyKVProposer(model, pool())
     hidden = {"fast": [], "modules": []}
     logits = model.compute_logits

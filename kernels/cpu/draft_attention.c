@@ -1,9 +1,10 @@
-/* VeriCache's drafter on the C decoder over the `quant` compressor's pages (KIVI-style codes,
- * `kv_cache/compress/quant.py`): the attention of draft rows, one row a request, over the
+/* VeriCache's drafter on the C decoder: the attention of draft rows, one row a request, over the
  * request's compressed pages and its dense keys (sinks, the recent tail and the round's drafts,
- * in a small paged cache), with one softmax over both. Attention straight from the codes: the
- * scales and zeros fold into the query and into the probabilities, only the codes are widened,
- * never dequantized into a cache:
+ * in a small paged cache), with one softmax over both. Two page formats, read as they are stored
+ * (`struct draft_pages`'s kind), never decoded into a cache:
+ *
+ * `quant` (KIVI-style codes, `kv_cache/compress/quant.py`): the scales and zeros fold into the
+ * query and into the probabilities, only the codes are widened:
  *     logit = (q * s_k) . c_k + q . z_k    (keys: a scale and zero per page, head and channel)
  *     out   = (p * s_v) @ c_v + p @ z_v    (values: a scale and zero per token and head)
  * Codes are packed little end first, 8 / bits to a byte: keys channel by channel along a
@@ -11,10 +12,16 @@
  * dimensions (a token's codes weighed into the sums of its dimensions). A vector of codes is one
  * plane of TILE bytes (plane j: code j of every byte).
  *
+ * Mustafar (bitmap-sparse tiles, `kv_cache/compress/mustafar.py`, layout in
+ * `kernels/reference/mustafar_attention.py`): a tile's kept float16 values are expanded by its
+ * bitmap into 64 lanes (AVX-512 VBMI2's expanding load, else bit by bit): a key tile is one
+ * channel of 64 tokens (scored in lanes, the channel's query value broadcast), a value tile 64
+ * dimensions of one token (weighed by its probability).
+ *
  * A draft's output feeds only the draft: the verify pass reads the full cache, so outputs stay
  * those of plain decoding whatever this computes. It is the module path's math
  * (`QuantPagesBatch.attend` merged with the dense part) in another summation order: tests hold
- * it to float32 tolerance, not bits.
+ * it to float32 tolerance, not bits (Mustafar: `MustafarCompressor._attend_prepared`).
  *
  * Tasks: (request, kv head, part of its keys), the parts merged by their maxima and sums, so that
  * one request's three kv heads still keep two threads busy.
@@ -38,11 +45,31 @@ struct quant_pages {
     int64_t num_pages;
 };
 
-/* a draft step's pages: layer l's of the step's request r at pages[l * row_stride + r] */
-struct draft_pages {
-    const struct quant_pages *pages;
-    int64_t row_stride, page_size, key_bits, value_bits;
+/* one request's Mustafar pages of one layer, as `MustafarCompressor._prepare_pages` joins them:
+ * tokens 64 * num_blocks */
+struct mustafar_pages {
+    const int64_t *k_bitmaps, *k_offsets;   /* [kv_heads, num_blocks, head_dim] */
+    const uint16_t *k_values;               /* float16, every key tile's kept values */
+    const int64_t *v_bitmaps, *v_offsets;   /* [kv_heads, num_blocks * 64, head_dim / 64] */
+    const uint16_t *v_values;
+    int64_t num_blocks;
 };
+
+enum { DRAFT_QUANT = 0, DRAFT_MUSTAFAR = 1 };
+
+/* a draft step's pages: layer l's of the step's request r at pages[l * row_stride + r], a
+ * struct quant_pages or mustafar_pages as kind says (key_bits, value_bits: quant's) */
+struct draft_pages {
+    const void *pages;
+    int64_t row_stride, page_size, key_bits, value_bits, kind;
+};
+
+/* request r's page tokens in the row of tables that starts at first */
+static inline int64_t draft_page_tokens(const struct draft_pages *d, int64_t first, int64_t r) {
+    if (d->kind == DRAFT_MUSTAFAR)
+        return ((const struct mustafar_pages *)d->pages)[first + r].num_blocks * 64;
+    return ((const struct quant_pages *)d->pages)[first + r].num_pages * d->page_size;
+}
 
 #define MAX_G 8                  /* query heads of a kv head taken together, at most */
 
@@ -69,7 +96,7 @@ static inline v8f dense8(const void *cache, int64_t at, int bf16) {
 }
 
 /* what one part of the keys of one request's kv head h gives n <= MAX_G of its query heads */
-struct quant_part {
+struct draft_part {
     const float *q[MAX_G];              /* the heads' queries */
     float *s[MAX_G];                    /* scores, then e^(s - max), at [t - a] */
     float *acc[MAX_G];                  /* the probabilities' unnormalized sums of values */
@@ -105,7 +132,7 @@ static inline vrowi bytes_row(const uint8_t *b, int64_t n) {
  * byte: every count a constant where it is inlined, so the sums stay in registers. Lane l of
  * chunk c, plane j holds token b0 + (c * TILE + l) * per + j. */
 static inline __attribute__((always_inline)) void score_block(
-    const int n, const int per, struct quant_part *w, const uint8_t *codes, int64_t pbytes,
+    const int n, const int per, struct draft_part *w, const uint8_t *codes, int64_t pbytes,
     int64_t b0, int64_t lo, int64_t hi, int64_t base, int64_t a, int64_t D, const float *qp,
     const float *qz, float scale) {
     const int kbits = 8 / per, mask = (1 << kbits) - 1, chunks = BLOCK_VECS / per;
@@ -141,7 +168,7 @@ static inline __attribute__((always_inline)) void score_block(
  * (`quant.py`), so BLOCK_TOKENS tokens are scored in vector lanes, one channel after the other
  * (q * s_k of the channel broadcast): no sum across lanes. */
 static inline __attribute__((always_inline)) void page_scores(
-    const int n, struct quant_part *w, const struct quant_pages *pg, int64_t page_size, int kbits,
+    const int n, struct draft_part *w, const struct quant_pages *pg, int64_t page_size, int kbits,
     int64_t h, int64_t D, int64_t kv_heads, float scale, int64_t a, int64_t e, float *qp) {
     const int64_t pbytes = page_size * kbits / 8;             /* a channel's bytes in a page */
     for (int64_t p = a / page_size; p * page_size < e; p++) {
@@ -179,7 +206,7 @@ static inline __attribute__((always_inline)) void page_scores(
  * by pw[g * len + t - a] into sums held in registers; lane l of chunk c, plane j is dimension
  * d0 + (c * TILE + l) * per + j. */
 static inline __attribute__((always_inline)) void value_block(
-    const int n, const int per, struct quant_part *w, const uint8_t *codes, int64_t stride,
+    const int n, const int per, struct draft_part *w, const uint8_t *codes, int64_t stride,
     int64_t d0, int64_t a, int64_t e, const float *pw, const float *zsum) {
     const int vbits = 8 / per, mask = (1 << vbits) - 1, chunks = BLOCK_VECS / per;
     const int64_t len = e - a;
@@ -210,7 +237,7 @@ static inline __attribute__((always_inline)) void value_block(
 /* the pages' tokens a .. e - 1 weighed into acc (which they set), 64 dimensions at a time
  * (value_block), weights e^(s - max) * s_v in pw (n * (e - a)), the zeros' sums apart */
 static inline __attribute__((always_inline)) void page_values(
-    const int n, struct quant_part *w, const struct quant_pages *pg, int vbits, int64_t h,
+    const int n, struct draft_part *w, const struct quant_pages *pg, int vbits, int64_t h,
     int64_t D, int64_t kv_heads, int64_t a, int64_t e, float *pw) {
     const int64_t len = e - a, bytes = D * vbits / 8;
     float zsum[MAX_G];
@@ -233,19 +260,12 @@ static inline __attribute__((always_inline)) void page_values(
         }
 }
 
-/* One task: n of kv head h's query heads over keys [a, b) of a request's sequence: its pages'
- * tokens first (t < page_tokens), then its dense keys (dense key j's slot at off[j]). Sets
- * w->max, w->sum and w->acc. Scratch: qp (MAX_G * D), pw (MAX_G * (b - a)). */
-static inline __attribute__((always_inline)) void quant_part_n(
-    const int n, struct quant_part *w, const struct quant_pages *pg, int64_t page_size,
-    int kbits, int vbits, const void *k_cache, const void *v_cache, int bf16, const int64_t *off,
-    int64_t h, int64_t D, int64_t kv_heads, float scale, float softcap, int64_t a, int64_t b,
-    float *qp, float *pw) {
-    const int64_t page_tokens = pg ? pg->num_pages * page_size : 0, len = b - a;
-    const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
-    if (a < e)
-        page_scores(n, w, pg, page_size, kbits, h, D, kv_heads, scale, a, e, qp);
-    for (int64_t t = dense_from; t < b; t++) {                       /* the dense keys' scores */
+/* scores of the dense keys t = from .. b - 1 of n query heads (dense key j's slot at off[j],
+ * the pages' tokens before them) */
+static inline __attribute__((always_inline)) void dense_scores(
+    const int n, struct draft_part *w, const void *k_cache, int bf16, const int64_t *off,
+    int64_t page_tokens, int64_t h, int64_t D, float scale, int64_t a, int64_t from, int64_t b) {
+    for (int64_t t = from; t < b; t++) {
         const int64_t at = off[t - page_tokens] + h * D;
         v8f dot[MAX_G];
         for (int g = 0; g < n; g++)
@@ -258,15 +278,13 @@ static inline __attribute__((always_inline)) void quant_part_n(
         for (int g = 0; g < n; g++)
             w->s[g][t - a] = tree8(dot[g]) * scale;
     }
-    const int64_t stride = (len + 7) & ~(int64_t)7;
-    for (int g = 0; g < n; g++)                   /* e^(s - max) in place, the max and the sum */
-        w->sum[g] = 1.0f / softmax_row(w->s[g], 0, stride, 0, len - 1, softcap, &w->max[g]);
-    if (a < e)
-        page_values(n, w, pg, vbits, h, D, kv_heads, a, e, pw);
-    else
-        for (int g = 0; g < n; g++)
-            memset(w->acc[g], 0, sizeof(float) * D);
-    for (int64_t t = dense_from; t < b; t++) {                       /* the dense keys' values */
+}
+
+/* the dense keys' values weighed into acc by their probabilities */
+static inline __attribute__((always_inline)) void dense_values(
+    const int n, struct draft_part *w, const void *v_cache, int bf16, const int64_t *off,
+    int64_t page_tokens, int64_t h, int64_t D, int64_t a, int64_t from, int64_t b) {
+    for (int64_t t = from; t < b; t++) {
         const int64_t at = off[t - page_tokens] + h * D;
         for (int64_t d = 0; d < D; d += 8) {
             const v8f v = dense8(v_cache, at + d, bf16);
@@ -278,22 +296,153 @@ static inline __attribute__((always_inline)) void quant_part_n(
     }
 }
 
+/* e^(s - max) of keys a .. b - 1 in place, each head's max and 1 / sum */
+static inline void part_softmax(const int n, struct draft_part *w, int64_t len, float softcap) {
+    const int64_t stride = (len + 7) & ~(int64_t)7;
+    for (int g = 0; g < n; g++)
+        w->sum[g] = 1.0f / softmax_row(w->s[g], 0, stride, 0, len - 1, softcap, &w->max[g]);
+}
+
+/* One task: n of kv head h's query heads over keys [a, b) of a request's sequence: its pages'
+ * tokens first (t < page_tokens), then its dense keys (dense key j's slot at off[j]). Sets
+ * w->max, w->sum and w->acc. Scratch: qp (MAX_G * D), pw (MAX_G * (b - a)). */
+static inline __attribute__((always_inline)) void quant_part_n(
+    const int n, struct draft_part *w, const struct quant_pages *pg, int64_t page_size,
+    int kbits, int vbits, const void *k_cache, const void *v_cache, int bf16, const int64_t *off,
+    int64_t h, int64_t D, int64_t kv_heads, float scale, float softcap, int64_t a, int64_t b,
+    float *qp, float *pw) {
+    const int64_t page_tokens = pg ? pg->num_pages * page_size : 0;
+    const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
+    if (a < e)
+        page_scores(n, w, pg, page_size, kbits, h, D, kv_heads, scale, a, e, qp);
+    dense_scores(n, w, k_cache, bf16, off, page_tokens, h, D, scale, a, dense_from, b);
+    part_softmax(n, w, b - a, softcap);
+    if (a < e)
+        page_values(n, w, pg, vbits, h, D, kv_heads, a, e, pw);
+    else
+        for (int g = 0; g < n; g++)
+            memset(w->acc[g], 0, sizeof(float) * D);
+    dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
+}
+
+/* x with its bits in reverse order (a Mustafar bitmap holds element e at bit 63 - e) */
+static inline uint64_t reverse64(uint64_t x) {
+    x = (x >> 32) | (x << 32);
+    x = ((x >> 16) & 0x0000ffff0000ffffull) | ((x & 0x0000ffff0000ffffull) << 16);
+    x = ((x >> 8) & 0x00ff00ff00ff00ffull) | ((x & 0x00ff00ff00ff00ffull) << 8);
+    x = ((x >> 4) & 0x0f0f0f0f0f0f0f0full) | ((x & 0x0f0f0f0f0f0f0f0full) << 4);
+    x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
+    return ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
+}
+
+/* a tile's 64 elements as floats: element e (bit e of bits) the next kept value, else 0 */
+static inline void expand64(uint64_t bits, const uint16_t *kept, float *out) {
+#if defined(__AVX512VBMI2__) && defined(__AVX512BW__)
+    const __m512i lo = _mm512_maskz_expandloadu_epi16((__mmask32)bits, kept);
+    const __m512i hi = _mm512_maskz_expandloadu_epi16(
+        (__mmask32)(bits >> 32), kept + __builtin_popcount((uint32_t)bits));
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_castsi512_si256(lo)));
+    _mm512_storeu_ps(out + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1)));
+    _mm512_storeu_ps(out + 32, _mm512_cvtph_ps(_mm512_castsi512_si256(hi)));
+    _mm512_storeu_ps(out + 48, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)));
+#else
+    memset(out, 0, sizeof(float) * 64);
+    for (int k = 0; bits; bits &= bits - 1, k++)
+        out[__builtin_ctzll(bits)] = half_to_float(kept[k]);
+#endif
+}
+
+/* the Mustafar pages' scores of tokens a .. e - 1: each 64-token block's key tiles, one channel
+ * after another, scored in lanes */
+static void mustafar_scores(const int n, struct draft_part *w, const struct mustafar_pages *pg,
+                            int64_t h, int64_t D, float scale, int64_t a, int64_t e) {
+    float tile[64] __attribute__((aligned(64)));
+    for (int64_t block = a / 64; block * 64 < e; block++) {
+        v8f acc[MAX_G][8];
+        for (int g = 0; g < n; g++)
+            for (int v = 0; v < 8; v++)
+                acc[g][v] = splat8(0.0f);
+        const int64_t at = (h * pg->num_blocks + block) * D;
+        for (int64_t c = 0; c < D; c++) {
+            const uint64_t bits = (uint64_t)pg->k_bitmaps[at + c];
+            if (!bits)
+                continue;
+            expand64(reverse64(bits), pg->k_values + pg->k_offsets[at + c], tile);
+            for (int g = 0; g < n; g++) {
+                const v8f qc = splat8(w->q[g][c]);
+                for (int v = 0; v < 8; v++)
+                    acc[g][v] = fma8(qc, *(const v8f *)(tile + 8 * v), acc[g][v]);
+            }
+        }
+        const int64_t lo = a > block * 64 ? a : block * 64;
+        const int64_t hi = e < block * 64 + 64 ? e : block * 64 + 64;
+        for (int g = 0; g < n; g++)
+            for (int64_t t = lo; t < hi; t++)
+                w->s[g][t - a] = acc[g][(t - block * 64) / 8][(t - block * 64) % 8] * scale;
+    }
+}
+
+/* the Mustafar pages' tokens a .. e - 1 weighed into acc (which they set): each token's value
+ * tiles, 64 dimensions each */
+static void mustafar_values(const int n, struct draft_part *w, const struct mustafar_pages *pg,
+                            int64_t h, int64_t D, int64_t a, int64_t e) {
+    float tile[64] __attribute__((aligned(64)));
+    const int64_t tiles = D / 64, tokens = pg->num_blocks * 64;
+    for (int g = 0; g < n; g++)
+        memset(w->acc[g], 0, sizeof(float) * D);
+    for (int64_t t = a; t < e; t++)
+        for (int64_t j = 0; j < tiles; j++) {
+            const int64_t at = (h * tokens + t) * tiles + j;
+            const uint64_t bits = (uint64_t)pg->v_bitmaps[at];
+            if (!bits)
+                continue;
+            expand64(reverse64(bits), pg->v_values + pg->v_offsets[at], tile);
+            for (int g = 0; g < n; g++) {
+                const v8f p = splat8(w->s[g][t - a]);
+                v8f *o = (v8f *)(w->acc[g] + 64 * j);
+                for (int v = 0; v < 8; v++)
+                    o[v] = fma8(p, *(const v8f *)(tile + 8 * v), o[v]);
+            }
+        }
+}
+
+/* quant_part_n's task over Mustafar pages (pg NULL: none) */
+static void mustafar_part(const int n, struct draft_part *w, const struct mustafar_pages *pg,
+                          const void *k_cache, const void *v_cache, int bf16, const int64_t *off,
+                          int64_t h, int64_t D, float scale, float softcap, int64_t a,
+                          int64_t b) {
+    const int64_t page_tokens = pg ? pg->num_blocks * 64 : 0;
+    const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
+    if (a < e)
+        mustafar_scores(n, w, pg, h, D, scale, a, e);
+    dense_scores(n, w, k_cache, bf16, off, page_tokens, h, D, scale, a, dense_from, b);
+    part_softmax(n, w, b - a, softcap);
+    if (a < e)
+        mustafar_values(n, w, pg, h, D, a, e);
+    else
+        for (int g = 0; g < n; g++)
+            memset(w->acc[g], 0, sizeof(float) * D);
+    dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
+}
+
 /* Every request of the step one query row (q: [rows, q_token_stride], request r's row r), its
  * dense keys in the paged cache k_cache / v_cache (float32, or bfloat16 bits where bf16) as
  * paged_attention_short reads them (requests: [r] = first row, 1, dense keys; tables), its
- * pages pages[r] (NULL: none) -> out [rows, out_token_stride]. Requires head_dim a
- * multiple of 64 (the Python side checks). Returns 0, or -1 where scratch memory failed. */
-int quant_draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
-                          const void *v_cache, int bf16, float *out, int64_t out_token_stride,
-                          const int64_t *requests, const int64_t *tables, int64_t table_width,
-                          int64_t num_reqs, const struct quant_pages *pages, int64_t page_size,
-                          int64_t key_bits, int64_t value_bits, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          float softcap, int num_threads) {
+ * pages those of draft's row that starts at first (request r's at first + r; no pages: none)
+ * -> out [rows, out_token_stride]. Requires head_dim a multiple of 64 (the Python side checks).
+ * Returns 0, or -1 where scratch memory failed. */
+int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
+                    const void *v_cache, int bf16, float *out, int64_t out_token_stride,
+                    const int64_t *requests, const int64_t *tables, int64_t table_width,
+                    int64_t num_reqs, const struct draft_pages *draft, int64_t first,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                    float scale, float softcap, int num_threads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, slot = num_kv_heads * D;
+    const int64_t page_size = draft->page_size;
+    const int kbits = (int)draft->key_bits, vbits = (int)draft->value_bits;
     int64_t longest = 1;
     for (int64_t r = 0; r < num_reqs; r++) {
-        const int64_t n = requests[r * 3 + 2] + pages[r].num_pages * page_size;
+        const int64_t n = requests[r * 3 + 2] + draft_page_tokens(draft, first, r);
         longest = n > longest ? n : longest;
     }
     const int64_t heads = num_reqs * num_kv_heads;
@@ -320,8 +469,14 @@ int quant_draft_attention(const float *q, int64_t q_token_stride, const void *k_
                 continue;
             const int64_t r = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
             const int64_t part = task % parts, dense = requests[r * 3 + 2];
-            const struct quant_pages *pg = pages[r].num_pages ? pages + r : NULL;
-            const int64_t total = dense + (pg ? pg->num_pages * page_size : 0);
+            const int64_t page_tokens = draft_page_tokens(draft, first, r);
+            const struct quant_pages *qpg = NULL;
+            const struct mustafar_pages *mpg = NULL;
+            if (page_tokens && draft->kind == DRAFT_MUSTAFAR)
+                mpg = (const struct mustafar_pages *)draft->pages + first + r;
+            else if (page_tokens)
+                qpg = (const struct quant_pages *)draft->pages + first + r;
+            const int64_t total = dense + page_tokens;
             const int64_t a = total * part / parts, b = total * (part + 1) / parts;
             float *res = parts_out + task * per_part;       /* max [G], sum [G], acc [G, D] */
             if (a == b) {
@@ -333,7 +488,7 @@ int quant_draft_attention(const float *q, int64_t q_token_stride, const void *k_
             const float *qr = q + requests[r * 3] * q_token_stride + h * G * D;
             for (int64_t g0 = 0; g0 < G; g0 += MAX_G) {
                 const int n = (int)(G - g0 < MAX_G ? G - g0 : MAX_G);
-                struct quant_part w;
+                struct draft_part w;
                 for (int g = 0; g < n; g++) {
                     w.q[g] = qr + (g0 + g) * D;
                     w.s[g] = scores + g * most;
@@ -341,12 +496,16 @@ int quant_draft_attention(const float *q, int64_t q_token_stride, const void *k_
                 }
 #define PART(N)                                                                                 \
     case N:                                                                                     \
-        quant_part_n(N, &w, pg, page_size, (int)key_bits, (int)value_bits, k_cache, v_cache,    \
-                     bf16, off, h, D, num_kv_heads, scale, softcap, a, b, qp, pw);              \
+        quant_part_n(N, &w, qpg, page_size, kbits, vbits, k_cache, v_cache, bf16, off, h, D,    \
+                     num_kv_heads, scale, softcap, a, b, qp, pw);                               \
         break;
-                switch (n) {                                  /* a constant count each case */
-                    PART(1) PART(2) PART(3) PART(4) PART(5) PART(6) PART(7) PART(8)
-                }
+                if (draft->kind == DRAFT_MUSTAFAR)
+                    mustafar_part(n, &w, mpg, k_cache, v_cache, bf16, off, h, D, scale, softcap,
+                                  a, b);
+                else
+                    switch (n) {                              /* a constant count each case */
+                        PART(1) PART(2) PART(3) PART(4) PART(5) PART(6) PART(7) PART(8)
+                    }
 #undef PART
                 for (int g = 0; g < n; g++)
                     res[g0 + g] = w.max[g], res[G + g0 + g] = w.sum[g];
