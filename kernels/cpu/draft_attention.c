@@ -325,6 +325,8 @@ static inline __attribute__((always_inline)) void quant_part_n(
     dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
 }
 
+#define TILE_VECS (64 / TILE)            /* vectors of a Mustafar tile's 64 elements */
+
 /* x with its bits in reverse order (a Mustafar bitmap holds element e at bit 63 - e) */
 static inline uint64_t reverse64(uint64_t x) {
     x = (x >> 32) | (x << 32);
@@ -358,10 +360,10 @@ static void mustafar_scores(const int n, struct draft_part *w, const struct must
                             int64_t h, int64_t D, float scale, int64_t a, int64_t e) {
     float tile[64] __attribute__((aligned(64)));
     for (int64_t block = a / 64; block * 64 < e; block++) {
-        v8f acc[MAX_G][8];
+        vrow acc[MAX_G][TILE_VECS];
         for (int g = 0; g < n; g++)
-            for (int v = 0; v < 8; v++)
-                acc[g][v] = splat8(0.0f);
+            for (int v = 0; v < TILE_VECS; v++)
+                acc[g][v] = splat_row(0.0f);
         const int64_t at = (h * pg->num_blocks + block) * D;
         for (int64_t c = 0; c < D; c++) {
             const uint64_t bits = (uint64_t)pg->k_bitmaps[at + c];
@@ -369,16 +371,16 @@ static void mustafar_scores(const int n, struct draft_part *w, const struct must
                 continue;
             expand64(reverse64(bits), pg->k_values + pg->k_offsets[at + c], tile);
             for (int g = 0; g < n; g++) {
-                const v8f qc = splat8(w->q[g][c]);
-                for (int v = 0; v < 8; v++)
-                    acc[g][v] = fma8(qc, *(const v8f *)(tile + 8 * v), acc[g][v]);
+                const vrow qc = splat_row(w->q[g][c]);
+                for (int v = 0; v < TILE_VECS; v++)
+                    acc[g][v] = fma_row(qc, *(const vrow *)(tile + TILE * v), acc[g][v]);
             }
         }
         const int64_t lo = a > block * 64 ? a : block * 64;
         const int64_t hi = e < block * 64 + 64 ? e : block * 64 + 64;
         for (int g = 0; g < n; g++)
             for (int64_t t = lo; t < hi; t++)
-                w->s[g][t - a] = acc[g][(t - block * 64) / 8][(t - block * 64) % 8] * scale;
+                w->s[g][t - a] = acc[g][(t - block * 64) / TILE][(t - block * 64) % TILE] * scale;
     }
 }
 
@@ -398,10 +400,10 @@ static void mustafar_values(const int n, struct draft_part *w, const struct must
                 continue;
             expand64(reverse64(bits), pg->v_values + pg->v_offsets[at], tile);
             for (int g = 0; g < n; g++) {
-                const v8f p = splat8(w->s[g][t - a]);
-                v8f *o = (v8f *)(w->acc[g] + 64 * j);
-                for (int v = 0; v < 8; v++)
-                    o[v] = fma8(p, *(const v8f *)(tile + 8 * v), o[v]);
+                const vrow p = splat_row(w->s[g][t - a]);
+                vrow *o = (vrow *)(w->acc[g] + 64 * j);
+                for (int v = 0; v < TILE_VECS; v++)
+                    o[v] = fma_row(p, *(const vrow *)(tile + TILE * v), o[v]);
             }
         }
 }

@@ -74,7 +74,7 @@ class LayerState:
     page_starts: list[int] = field(default_factory=list)
     attn_mass: list[float] = field(default_factory=list)   # per page, EMA (retention hint)
     mass_seen: list[bool] = field(default_factory=list)    # per page: observed at least once
-    arena: Any = None             # the compressor's contiguous store of the pages (quant), or None
+    arena: Any = None             # the compressor's contiguous store of its pages (quant, Mustafar)
 
     @property
     def num_tokens(self) -> int:

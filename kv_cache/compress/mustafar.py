@@ -87,19 +87,30 @@ class MustafarCompressor(Compressor):
 
     def joined(self, state: LayerState) -> dict[str, torch.Tensor]:
         """All pages of a layer as one bitmap-sparse cache (offsets rebased; every tensor
-        contiguous): once per draft round, for the modules and for the C drafter alike."""
-        k_shift, v_shift, parts = 0, 0, {name: [] for name in ("kb", "ko", "kv", "vb", "vo", "vv")}
-        for pg in state.pages:
-            parts["kb"].append(pg.k_bitmaps)
-            parts["ko"].append(pg.k_offsets + k_shift)
-            parts["kv"].append(pg.k_values)
-            parts["vb"].append(pg.v_bitmaps)
-            parts["vo"].append(pg.v_offsets + v_shift)
-            parts["vv"].append(pg.v_values)
+        contiguous), for the modules and for the C drafter alike. Kept in `state.arena` with the
+        number of pages it joins, and extended by the pages compressed since (pages are only
+        appended): a draft round joins only its new pages. (The join holds a second copy of
+        the pages' bytes, not counted in `page_bytes`.)"""
+        done, parts = state.arena if state.arena is not None else (0, None)
+        if done == len(state.pages):
+            return parts
+        names = ("kb", "ko", "kv", "vb", "vo", "vv")
+        lists = {name: [] if parts is None else [parts[name]] for name in names}
+        k_shift = 0 if parts is None else parts["kv"].numel()
+        v_shift = 0 if parts is None else parts["vv"].numel()
+        for pg in state.pages[done:]:
+            lists["kb"].append(pg.k_bitmaps)
+            lists["ko"].append(pg.k_offsets + k_shift)
+            lists["kv"].append(pg.k_values)
+            lists["vb"].append(pg.v_bitmaps)
+            lists["vo"].append(pg.v_offsets + v_shift)
+            lists["vv"].append(pg.v_values)
             k_shift += pg.k_values.numel()
             v_shift += pg.v_values.numel()
-        return {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1) for name,
-                ts in parts.items()}
+        parts = {name: torch.cat(ts, dim=0 if name in ("kv", "vv") else 1)
+                 for name, ts in lists.items()}
+        state.arena = (len(state.pages), parts)
+        return parts
 
     def _attend_prepared(self, layer: int, q: torch.Tensor, cat: dict[str, torch.Tensor]):
         attend = get_op("mustafar_attention", str(q.device))

@@ -83,6 +83,25 @@ def test_sparse_attention_equals_dense_attention_over_pruned_cache():
     assert torch.equal(decoded[0].half(), kp[:64]) and torch.equal(decoded[1].half(), vp[:64])
 
 
+def test_the_join_grows_with_the_pages_and_equals_one_made_at_once():
+    """`joined` (the pages as one cache, kept in the state's arena) extended page by page as
+    tokens arrive equals the join of all pages made at once; the same object while no page
+    came."""
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_sink=4, window=16,
+                           page_size=64)
+    comp = MustafarCompressor(cfg, 0.7, 0.5)
+    k, v = _kv(300)
+    grown, whole = comp.new_state(), comp.new_state()
+    for a, b in ((0, 100), (100, 101), (101, 230), (230, 300)):
+        comp.encode(grown, 0, k[a:b], v[a:b])
+        j = comp.joined(grown.layers[0])
+        assert comp.joined(grown.layers[0]) is j
+    comp.encode(whole, 0, k, v)
+    assert len(grown.layers[0].pages) == len(whole.layers[0].pages) == 4
+    once = comp.joined(whole.layers[0])
+    assert all(torch.equal(j[name], once[name]) for name in once)
+
+
 @settings(max_examples=20, deadline=None)
 @given(ks=st.sampled_from([0.0, 0.5, 0.7, 0.9]), vs=st.sampled_from([0.0, 0.5, 0.7]),
        h=st.integers(1, 3),
