@@ -58,16 +58,33 @@ class MustafarCompressor(Compressor):
         self.name = f"mustafar-k{key_sparsity:g}-v{value_sparsity:g}"
 
     def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> MustafarPage:
-        p, h, d = k.shape
+        return self._compress_pages(layer, k[None], v[None])[0]
+
+    def _compress_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor
+                        ) -> list[MustafarPage]:
+        """k, v [n, P, H, D]: every page's tiles encoded at once (pruning is per token and a
+        tile's bitmap its own, so a page is what it would be alone), then cut into pages, each
+        page's offsets rebased to its own values."""
+        n, p, h, d = k.shape
         encode = get_op("mustafar_encode", str(k.device))
-        kp = magnitude_prune(k.half(), self.key_sparsity).transpose(0, 1)        # [H, P, D]
-        vp = magnitude_prune(v.half(), self.value_sparsity).transpose(0, 1)
-        # (h, b, c) rows
-        k_tiles = kp.reshape(h, p // TILE, TILE, d).transpose(2, 3).reshape(-1, TILE)
+        kp = magnitude_prune(k.half(), self.key_sparsity).transpose(1, 2)        # [n, H, P, D]
+        vp = magnitude_prune(v.half(), self.value_sparsity).transpose(1, 2)
+        # (page, h, b, c) rows
+        k_tiles = kp.reshape(n, h, p // TILE, TILE, d).transpose(3, 4).reshape(-1, TILE)
         kb, ko, kv = encode(k_tiles.contiguous())
-        vb, vo, vv = encode(vp.reshape(-1, TILE).contiguous())                   # (h, t, j) rows
-        return MustafarPage(kb.view(h, p // TILE, d), ko.view(h, p // TILE, d), kv,
-                            vb.view(h, p, d // TILE), vo.view(h, p, d // TILE), vv)
+        vb, vo, vv = encode(vp.reshape(-1, TILE).contiguous())           # (page, h, t, j) rows
+        k_per, v_per = h * (p // TILE) * d, h * p * (d // TILE)         # tiles a page
+        k_ends = torch.cat([ko[k_per::k_per], ko.new_tensor([kv.numel()])]).tolist()
+        v_ends = torch.cat([vo[v_per::v_per], vo.new_tensor([vv.numel()])]).tolist()
+        pages = []
+        for i in range(n):
+            ka, va = int(ko[i * k_per]), int(vo[i * v_per])
+            kt, vt = slice(i * k_per, (i + 1) * k_per), slice(i * v_per, (i + 1) * v_per)
+            pages.append(MustafarPage(
+                kb[kt].view(h, p // TILE, d), (ko[kt] - ka).view(h, p // TILE, d),
+                kv[ka:k_ends[i]], vb[vt].view(h, p, d // TILE), (vo[vt] - va).view(h, p, d // TILE),
+                vv[va:v_ends[i]]))
+        return pages
 
     def _decode_page(self, page: MustafarPage) -> tuple[torch.Tensor, torch.Tensor]:
         # [H, P, D]

@@ -102,6 +102,22 @@ def test_the_join_grows_with_the_pages_and_equals_one_made_at_once():
     assert all(torch.equal(j[name], once[name]) for name in once)
 
 
+def test_pages_compressed_at_once_equal_pages_compressed_one_by_one():
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=3, head_dim=128, num_sink=4, window=16,
+                           page_size=128)
+    comp = MustafarCompressor(cfg, 0.6, 0.8)
+    k, v = _kv(512, h=3, d=128)
+    k, v = k.reshape(4, 128, 3, 128), v.reshape(4, 128, 3, 128)
+    together = comp._compress_pages(0, k, v)
+    for i, page in enumerate(together):
+        alone = comp._compress_pages(0, k[i:i + 1], v[i:i + 1])[0]
+        for name in ("k_bitmaps", "k_offsets", "k_values", "v_bitmaps", "v_offsets", "v_values"):
+            assert torch.equal(getattr(page, name), getattr(alone, name)), (i, name)
+        dk, dv = comp._decode_page(page)
+        assert torch.equal(dk.half(), magnitude_prune(k[i].half(), 0.6))
+        assert torch.equal(dv.half(), magnitude_prune(v[i].half(), 0.8))
+
+
 @settings(max_examples=20, deadline=None)
 @given(ks=st.sampled_from([0.0, 0.5, 0.7, 0.9]), vs=st.sampled_from([0.0, 0.5, 0.7]),
        h=st.integers(1, 3),
