@@ -37,6 +37,7 @@ OPS = {
     "merge_attention": "attention",
     "mustafar_encode": "mustafar_encode",
     "mustafar_decode": "mustafar_encode",
+    "magnitude_prune": "mustafar_encode",
     "mustafar_attention": "mustafar_attention",
     "mustafar_keys": "mustafar_attention",
     "mustafar_values": "mustafar_attention",

@@ -30,6 +30,17 @@ def mustafar_encode(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return bitmaps, offsets.to(torch.int64), tiles[nonzero].half()
 
 
+def magnitude_prune(x: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Zero all but the top `D - int(sparsity * D)` entries by |x| along the last dim (ties:
+    the lowest index: a stable sort of the magnitudes)."""
+    d = x.shape[-1]
+    keep = d - int(sparsity * d)
+    if keep >= d:
+        return x.clone()
+    top = x.abs().float().sort(dim=-1, descending=True, stable=True).indices[..., :keep]
+    return torch.zeros_like(x).scatter(-1, top, x.gather(-1, top))
+
+
 def mustafar_decode(bitmaps: torch.Tensor, offsets: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
     """Inverse: (bitmaps [...], offsets [...], values) -> tiles [..., 64] float32."""

@@ -1,8 +1,9 @@
 """Mustafar: per-token magnitude pruning of post-RoPE keys and values, stored as bitmap-sparse
 tiles.
 
-Each token keeps its `head_dim - int(sparsity * head_dim)` largest-magnitude channels (per kv head),
-separately for K and V; the newest tokens (the dense window) and the sinks are never pruned. Pages
+Each token keeps its `head_dim - int(sparsity * head_dim)` largest-magnitude channels (per kv
+head, `magnitude_prune`), separately for K and V; the newest tokens (the dense window) and the
+sinks are never pruned. Pages
 (a multiple of 64 tokens) are packed with `mustafar_encode`: keys in column tiles (one channel × 64
 tokens), values in row tiles (one token × 64 channels); layout in
 kernels/reference/mustafar_attention.py.
@@ -21,17 +22,6 @@ from specserve.kv_cache.compress.base import Compressor, CompressorConfig, Layer
 
 TILE = 64
 TILE_META_BYTES = 8 + 4
-
-
-def magnitude_prune(x: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Zero all but the top `D - int(sparsity * D)` entries by |x| along the last dim (ties: lowest
-    index)."""
-    d = x.shape[-1]
-    keep = d - int(sparsity * d)
-    if keep >= d:
-        return x.clone()
-    top = x.abs().topk(keep, dim=-1).indices
-    return torch.zeros_like(x).scatter(-1, top, x.gather(-1, top))
 
 
 @dataclass
@@ -67,8 +57,9 @@ class MustafarCompressor(Compressor):
         page's offsets rebased to its own values."""
         n, p, h, d = k.shape
         encode = get_op("mustafar_encode", str(k.device))
-        kp = magnitude_prune(k.half(), self.key_sparsity).transpose(1, 2)        # [n, H, P, D]
-        vp = magnitude_prune(v.half(), self.value_sparsity).transpose(1, 2)
+        prune = get_op("magnitude_prune", str(k.device))
+        kp = prune(k.half(), self.key_sparsity).transpose(1, 2)                  # [n, H, P, D]
+        vp = prune(v.half(), self.value_sparsity).transpose(1, 2)
         # (page, h, b, c) rows
         k_tiles = kp.reshape(n, h, p // TILE, TILE, d).transpose(3, 4).reshape(-1, TILE)
         kb, ko, kv = encode(k_tiles.contiguous())
