@@ -73,10 +73,10 @@ struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
 
-#define DECODER_ABI_VERSION 8          /* bumped whenever an exported signature or struct changes */
+#define DECODER_ABI_VERSION 9          /* bumped whenever an exported signature or struct changes */
 
-/* out[0]: DECODER_ABI_VERSION; out[1..7]: the sizes of struct decoder_linear, decoder_layer,
- * decoder_model, decoder_buffers, quant_pages, mustafar_pages and draft_pages */
+/* out[0]: DECODER_ABI_VERSION; out[1..8]: the sizes of struct decoder_linear, decoder_layer,
+ * decoder_model, decoder_buffers, quant_pages, mustafar_pages, spherical_pages and draft_pages */
 void decoder_abi(int64_t *out) {
     out[0] = DECODER_ABI_VERSION;
     out[1] = (int64_t)sizeof(struct decoder_linear);
@@ -85,7 +85,8 @@ void decoder_abi(int64_t *out) {
     out[4] = (int64_t)sizeof(struct decoder_buffers);
     out[5] = (int64_t)sizeof(struct quant_pages);
     out[6] = (int64_t)sizeof(struct mustafar_pages);
-    out[7] = (int64_t)sizeof(struct draft_pages);
+    out[7] = (int64_t)sizeof(struct spherical_pages);
+    out[8] = (int64_t)sizeof(struct draft_pages);
 }
 
 /* float32 -> bfloat16 as torch rounds (to nearest, ties to even; a NaN stays a NaN) */

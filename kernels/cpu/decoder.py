@@ -55,8 +55,16 @@ class MustafarPages(ctypes.Structure):
                                           "v_offsets", "v_values")] + [("num_blocks", _i64)]
 
 
+class SphericalPages(ctypes.Structure):
+    """One request's Spherical-KV pages of one layer (`draft_attention.c`), all of one tier,
+    as `SphericalCompressor.joined` joins them, with the layer's codebook of that tier."""
+    _fields_ = [(name, _ptr) for name in ("theta", "radius", "scale", "codebook", "values")] + [
+        (name, _i64) for name in ("tokens", "group", "codes")]
+
+
 # DraftPages.kind: the page format of its table
-DRAFT_KINDS = {"quant": (0, QuantPages), "mustafar": (1, MustafarPages)}
+DRAFT_KINDS = {"quant": (0, QuantPages), "mustafar": (1, MustafarPages),
+               "spherical": (2, SphericalPages)}
 
 
 class DraftPages(ctypes.Structure):
@@ -66,12 +74,13 @@ class DraftPages(ctypes.Structure):
                 ("value_bits", _i64), ("kind", _i64)]
 
 
-ABI_VERSION = 8                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+ABI_VERSION = 9                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
     """decoder.c's version and structure sizes against the mirrors above (BuildError if not)."""
-    structs = (Linear, Layer, Model, Buffers, QuantPages, MustafarPages, DraftPages)
+    structs = (Linear, Layer, Model, Buffers, QuantPages, MustafarPages, SphericalPages,
+               DraftPages)
     got = (ctypes.c_int64 * (1 + len(structs)))()
     lib.decoder_abi.restype, lib.decoder_abi.argtypes = None, [_ptr]
     lib.decoder_abi(got)

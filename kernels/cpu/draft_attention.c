@@ -12,6 +12,10 @@
  * dimensions (a token's codes weighed into the sums of its dimensions). A vector of codes is one
  * plane of TILE bytes (plane j: code j of every byte).
  *
+ * Spherical-KV (`kv_cache/compress/spherical.py`, one tier, float16 values): per query head a
+ * table of its groups' products with every codeword, then a token's logit is
+ *     sum_j radius[t, j] / 255 * scale[page, j] * table[j, theta[t, j]]   (the Triton form's)
+ *
  * Mustafar (bitmap-sparse tiles, `kv_cache/compress/mustafar.py`, layout in
  * `kernels/reference/mustafar_attention.py`): a tile's kept float16 values are expanded by its
  * bitmap into 64 lanes (AVX-512 VBMI2's expanding load, else bit by bit): a key tile is one
@@ -55,7 +59,16 @@ struct mustafar_pages {
     int64_t num_blocks;
 };
 
-enum { DRAFT_QUANT = 0, DRAFT_MUSTAFAR = 1 };
+/* one request's Spherical-KV pages of one layer, joined along their tokens (all of one tier) */
+struct spherical_pages {
+    const uint8_t *theta, *radius;          /* [kv_heads, tokens, groups] */
+    const float *scale;                     /* [kv_heads, tokens / page_size, groups] */
+    const float *codebook;                  /* [kv_heads, groups, codes, group] */
+    const uint16_t *values;                 /* float16 [kv_heads, tokens, head_dim] */
+    int64_t tokens, group, codes;
+};
+
+enum { DRAFT_QUANT = 0, DRAFT_MUSTAFAR = 1, DRAFT_SPHERICAL = 2 };
 
 /* a draft step's pages: layer l's of the step's request r at pages[l * row_stride + r], a
  * struct quant_pages or mustafar_pages as kind says (key_bits, value_bits: quant's) */
@@ -68,6 +81,8 @@ struct draft_pages {
 static inline int64_t draft_page_tokens(const struct draft_pages *d, int64_t first, int64_t r) {
     if (d->kind == DRAFT_MUSTAFAR)
         return ((const struct mustafar_pages *)d->pages)[first + r].num_blocks * 64;
+    if (d->kind == DRAFT_SPHERICAL)
+        return ((const struct spherical_pages *)d->pages)[first + r].tokens;
     return ((const struct quant_pages *)d->pages)[first + r].num_pages * d->page_size;
 }
 
@@ -427,6 +442,81 @@ static void mustafar_part(const int n, struct draft_part *w, const struct mustaf
     dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
 }
 
+/* the Spherical-KV pages' scores of tokens a .. e - 1 (table: n * groups * codes scratch) */
+static void spherical_scores(const int n, struct draft_part *w, const struct spherical_pages *pg,
+                             int64_t page_size, int64_t h, int64_t D, float scale, int64_t a,
+                             int64_t e, float *table) {
+    const int64_t gs = pg->group, G = D / gs, K = pg->codes;
+    const float *cb = pg->codebook + h * G * K * gs;
+    for (int g = 0; g < n; g++)                          /* q's groups . every codeword */
+        for (int64_t j = 0; j < G; j++)
+            for (int64_t c = 0; c < K; c++) {
+                const float *word = cb + (j * K + c) * gs, *qj = w->q[g] + j * gs;
+                v8f dot = splat8(0.0f);
+                for (int64_t i = 0; i < gs; i += 8)
+                    dot = fma8(*(const v8f *)(qj + i), *(const v8f *)(word + i), dot);
+                table[(g * G + j) * K + c] = tree8(dot);
+            }
+    const float unit = scale / 255.0f;
+    for (int64_t t = a; t < e; t++) {
+        const uint8_t *th = pg->theta + (h * pg->tokens + t) * G;
+        const uint8_t *rad = pg->radius + (h * pg->tokens + t) * G;
+        const float *sc = pg->scale + (h * (pg->tokens / page_size) + t / page_size) * G;
+        float r[64];                     /* the token's radii (G <= 64: head_dim <= 1024) */
+        for (int64_t j = 0; j < G; j++)
+            r[j] = (float)rad[j] * sc[j];
+        for (int g = 0; g < n; g++) {
+            const float *tg = table + g * G * K;
+            float s = 0.0f;
+            for (int64_t j = 0; j < G; j++)
+                s += r[j] * tg[j * K + th[j]];
+            w->s[g][t - a] = s * unit;
+        }
+    }
+}
+
+/* the Spherical-KV pages' float16 values of tokens a .. e - 1 weighed into acc (which they set) */
+static void spherical_values(const int n, struct draft_part *w, const struct spherical_pages *pg,
+                             int64_t h, int64_t D, int64_t a, int64_t e) {
+    for (int g = 0; g < n; g++)
+        memset(w->acc[g], 0, sizeof(float) * D);
+    for (int64_t t = a; t < e; t++) {
+        const uint16_t *v = pg->values + (h * pg->tokens + t) * D;
+        for (int64_t d = 0; d < D; d += 8) {
+#if defined(__F16C__)
+            const v8f x = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d)));
+#else
+            v8f x;
+            for (int i = 0; i < 8; i++)
+                x[i] = half_to_float(v[d + i]);
+#endif
+            for (int g = 0; g < n; g++) {
+                v8f *o = (v8f *)(w->acc[g] + d);
+                *o = fma8(splat8(w->s[g][t - a]), x, *o);
+            }
+        }
+    }
+}
+
+/* quant_part_n's task over Spherical-KV pages (pg NULL: none) */
+static void spherical_part(const int n, struct draft_part *w, const struct spherical_pages *pg,
+                           int64_t page_size, const void *k_cache, const void *v_cache, int bf16,
+                           const int64_t *off, int64_t h, int64_t D, float scale, float softcap,
+                           int64_t a, int64_t b, float *table) {
+    const int64_t page_tokens = pg ? pg->tokens : 0;
+    const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
+    if (a < e)
+        spherical_scores(n, w, pg, page_size, h, D, scale, a, e, table);
+    dense_scores(n, w, k_cache, bf16, off, page_tokens, h, D, scale, a, dense_from, b);
+    part_softmax(n, w, b - a, softcap);
+    if (a < e)
+        spherical_values(n, w, pg, h, D, a, e);
+    else
+        for (int g = 0; g < n; g++)
+            memset(w->acc[g], 0, sizeof(float) * D);
+    dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
+}
+
 /* Every request of the step one query row (q: [rows, q_token_stride], request r's row r), its
  * dense keys in the paged cache k_cache / v_cache (float32, or bfloat16 bits where bf16) as
  * paged_attention_short reads them (requests: [r] = first row, 1, dense keys; tables), its
@@ -460,8 +550,10 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
         const int64_t n_max = G < MAX_G ? G : MAX_G;
         float *scores = malloc(sizeof(float) * n_max * most);
         float *pw = malloc(sizeof(float) * n_max * most), *qp = malloc(sizeof(float) * MAX_G * D);
+        /* Spherical-KV's tables: groups * codes <= 4 * D (16-dim groups, 64 codewords) */
+        float *table = malloc(sizeof(float) * MAX_G * 4 * D);
         int64_t *off = malloc(sizeof(int64_t) * (longest + 8));
-        if (!scores || !pw || !qp || !off) {
+        if (!scores || !pw || !qp || !table || !off) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -474,8 +566,11 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
             const int64_t page_tokens = draft_page_tokens(draft, first, r);
             const struct quant_pages *qpg = NULL;
             const struct mustafar_pages *mpg = NULL;
+            const struct spherical_pages *spg = NULL;
             if (page_tokens && draft->kind == DRAFT_MUSTAFAR)
                 mpg = (const struct mustafar_pages *)draft->pages + first + r;
+            else if (page_tokens && draft->kind == DRAFT_SPHERICAL)
+                spg = (const struct spherical_pages *)draft->pages + first + r;
             else if (page_tokens)
                 qpg = (const struct quant_pages *)draft->pages + first + r;
             const int64_t total = dense + page_tokens;
@@ -504,6 +599,9 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
                 if (draft->kind == DRAFT_MUSTAFAR)
                     mustafar_part(n, &w, mpg, k_cache, v_cache, bf16, off, h, D, scale, softcap,
                                   a, b);
+                else if (draft->kind == DRAFT_SPHERICAL)
+                    spherical_part(n, &w, spg, page_size, k_cache, v_cache, bf16, off, h, D,
+                                   scale, softcap, a, b, table);
                 else
                     switch (n) {                              /* a constant count each case */
                         PART(1) PART(2) PART(3) PART(4) PART(5) PART(6) PART(7) PART(8)
@@ -516,6 +614,7 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
         free(scores);
         free(pw);
         free(qp);
+        free(table);
         free(off);
     }
     if (!failed)

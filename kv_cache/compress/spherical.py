@@ -142,6 +142,31 @@ class SphericalCompressor(Compressor):
             prepared.append((tier, theta, radius, scale, v))
         return prepared
 
+    def draft_kernel(self) -> str | None:
+        """The C drafter reads one tier's codes and float16 values: no retention budget (whose
+        tiers vary and which feeds on the modules' attention mass) and value_bits 16."""
+        plain = self.budget_bits is None and self.value_bits == 16
+        return "spherical" if plain and self.config.head_dim % 8 == 0 else None
+
+    def joined(self, state: LayerState) -> dict[str, torch.Tensor]:
+        """The layer's pages (all of the compressor's tier: no budget) joined along their tokens,
+        with the tier's codebook for the layer, kept in `state.arena` with the number of pages
+        it joins and extended by the pages compressed since (the C drafter's input). (A second
+        copy of the pages' bytes, not counted in `page_bytes`.)"""
+        done, parts = state.arena if state.arena is not None else (0, None)
+        if done == len(state.pages):
+            return parts
+        new = state.pages[done:]
+        assert all(p.tier == self.tier for p in new), "one tier: no retention budget"
+        fields = {"theta": [p.theta for p in new], "radius": [p.radius for p in new],
+                  "scale": [p.scale for p in new], "values": [p.v for p in new]}
+        parts = {name: torch.cat(([parts[name]] if parts else []) + ts, dim=1).contiguous()
+                 for name, ts in fields.items()} | {
+            "codebook": self.codebooks[self.tier][new[0].layer].float().contiguous()
+            if parts is None else parts["codebook"]}
+        state.arena = (len(state.pages), parts)
+        return parts
+
     def _attend_prepared(self, layer: int, q: torch.Tensor, prepared: list[tuple]):
         attend = get_op("spherical_attention", str(q.device))
         parts = [attend(q, theta, radius, scale, self.codebooks[tier][layer], self._dense_values(v),

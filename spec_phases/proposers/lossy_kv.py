@@ -33,6 +33,7 @@ from specserve.kernels.dispatch import get_op
 from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kv_cache.compress.base import Compressor, SequenceState
 from specserve.kv_cache.compress.quant import FIELDS as QUANT_FIELDS
+from specserve.kv_cache.compress.spherical import TIERS
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.kv_cache.storage import KVStorage
 from specserve.spec_phases.cpu_decoder import CpuDecoder
@@ -149,8 +150,8 @@ class DenseDraftCache:
 def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPages:
     """The round's pages as `draft_attention.c` reads them (`comp.draft_kernel()`'s format):
     layer l of state r at [l * len(states) + r]. quant: pointers into each layer's `QuantArena`
-    (kept alive by the states, which do not change during the round); Mustafar: each layer's
-    pages joined (`MustafarCompressor.joined`, kept alive by the struct)."""
+    (kept alive by the states, which do not change during the round); Mustafar, Spherical-KV:
+    each layer's pages joined (their `joined`, kept alive by the struct)."""
     kind, struct = fused.DRAFT_KINDS[comp.draft_kernel()]
     table = (struct * (len(states[0].layers) * len(states)))()
     keep = []
@@ -161,6 +162,13 @@ def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPag
             if struct is fused.QuantPages:
                 t = ls.arena.tensors
                 row = struct(*(t[name].data_ptr() for name in QUANT_FIELDS), len(ls.pages))
+            elif struct is fused.SphericalPages:
+                j = comp.joined(ls)
+                keep.append(j)
+                tier = TIERS[comp.tier]
+                row = struct(*(j[name].data_ptr() for name in ("theta", "radius", "scale",
+                                                                "codebook", "values")),
+                             j["theta"].shape[1], tier.group, tier.num_codes)
             else:
                 j = comp.joined(ls)
                 keep.append(j)

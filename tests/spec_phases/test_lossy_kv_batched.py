@@ -229,12 +229,15 @@ PAGE_CASES = [("quant", {**SMALL_PAGES, "page_size": page, "key_bits": k, "value
 PAGE_CASES += [("mustafar", {"num_sink": 4, "window": 8, "page_size": 64, **sparsity})
                for sparsity in ({"sparsity": 0.7}, {"key_sparsity": 0.2, "value_sparsity": 0.9},
                                 {"key_sparsity": 0.95, "value_sparsity": 0.0})]
+PAGE_CASES += [("spherical", {"num_sink": 4, "window": 8, "page_size": page, "tier": tier,
+                              "calib_tokens": 128}) for tier, page in ((1, 16), (2, 32), (3, 64))]
 
 
 @pytest.mark.parametrize("name,settings", PAGE_CASES)
 def test_compressed_pages_draft_on_the_one_call_c_decoder(name, settings):
-    """States holding `quant` or Mustafar pages draft on the C decoder too, attending the pages
-    as they are stored (`draft_attention.c`: quant's codes, Mustafar's bitmap-sparse tiles):
+    """States holding `quant`, Mustafar or Spherical-KV pages draft on the C decoder too,
+    attending the pages as they are stored (`draft_attention.c`: quant's codes, Mustafar's
+    bitmap-sparse tiles, Spherical-KV's radii and codeword indices):
     every draft step's hidden states those of the modules' batched path within float32
     rounding, so the same drafts."""
     torch.manual_seed(0)
