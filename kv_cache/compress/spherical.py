@@ -103,15 +103,30 @@ class SphericalCompressor(Compressor):
         return self._dense_values(page.v)
 
     def _compress_page(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> SphericalPage:
-        page = SphericalPage(tier=self.tier, layer=layer)
-        self._encode_keys(layer, k, self.tier, page)
-        vh = v.transpose(0, 1).contiguous()                                  # [H, P, D]
-        if self.value_bits == 16:
-            page.v = vh.half()
-        else:
-            codes, s, z = quantize(vh, self.value_bits, dim=2)
-            page.v = (pack_bits(codes, self.value_bits), s, z)
-        return page
+        return self._compress_pages(layer, k[None], v[None])[0]
+
+    def _compress_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor
+                        ) -> list[SphericalPage]:
+        """k, v [n, P, H, D]: every page's keys encoded in one call (a page's codes, radii and
+        scale are its own tokens' alone, as `_encode_keys` computes them), then cut into pages."""
+        n, p, h, d = k.shape
+        kh = k.float().permute(2, 0, 1, 3).reshape(h, n * p, d).contiguous()      # [H, nP, D]
+        encode = get_op("spherical_encode", str(k.device))
+        theta, radius, scale = encode(kh, self.codebooks[self.tier][layer], p)
+        r = radius.float() / 255 * scale.repeat_interleave(p, dim=1)              # [H, nP, G]
+        mass = r.sum(-1).reshape(h, n, p).transpose(0, 1).reshape(n, -1).mean(-1) / math.sqrt(d)
+        vh = v.permute(0, 2, 1, 3)                                                # [n, H, P, D]
+        pages = []
+        for i, m in enumerate(mass.tolist()):
+            page = SphericalPage(self.tier, theta[:, i * p:(i + 1) * p],
+                                 radius[:, i * p:(i + 1) * p], scale[:, i:i + 1], None, m, layer)
+            if self.value_bits == 16:
+                page.v = vh[i].half().contiguous()
+            else:
+                codes, s, z = quantize(vh[i].contiguous(), self.value_bits, dim=2)
+                page.v = (pack_bits(codes, self.value_bits), s, z)
+            pages.append(page)
+        return pages
 
     def _decode_page(self, page: SphericalPage):
         if page.tier == DROP:

@@ -10,8 +10,8 @@ from specserve.kernels.reference.spherical_encode import spherical_decode, spher
 from specserve.kv_cache.compress import rdr
 from specserve.kernels.reference.attention import dense_attention
 from specserve.kv_cache.compress.base import CompressorConfig
-from specserve.kv_cache.compress.spherical import (DROP, TIERS, SphericalCompressor,
-                                                   key_bits_per_token)
+from specserve.kv_cache.compress.spherical import (
+    DROP, TIERS, SphericalCompressor, SphericalPage, key_bits_per_token)
 from specserve.kv_cache.compress.spherical_calib import calibrate, spherical_kmeans
 
 
@@ -85,6 +85,29 @@ def test_bytes_per_token_matches_stored_pages(tier, vbits, h, page):
     # + one tier byte per page
     assert packed == pytest.approx(stored - unpacked_extra + 2, abs=1e-6)
     assert comp.bytes_per_token() * 2 * page == pytest.approx(packed)
+
+
+@pytest.mark.parametrize("tier,vbits", [(1, 16), (2, 4), (3, 8)])
+def test_pages_encoded_at_once_equal_pages_encoded_one_by_one(tier, vbits):
+    """A prompt's pages encoded in one call (`_compress_pages`) are each what encoding that
+    page alone gives (`_encode_keys` on its keys, its values as `_compress_page` stores them)."""
+    h, page = 3, 16
+    cfg = CompressorConfig(num_layers=1, num_kv_heads=h, head_dim=64, num_sink=0, window=0,
+                           page_size=page)
+    comp = SphericalCompressor(cfg, _codebooks(1, h, 64), tier=tier, value_bits=vbits)
+    k, v = torch.randn(4, page, h, 64) * 3, torch.randn(4, page, h, 64)
+    for i, got in enumerate(comp._compress_pages(0, k, v)):
+        want = SphericalPage(tier=tier, layer=0)
+        comp._encode_keys(0, k[i], tier, want)
+        assert got.tier == tier and got.layer == 0
+        for name in ("theta", "radius", "scale"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (i, name)
+        assert got.radius_mass == pytest.approx(want.radius_mass, rel=1e-5)
+        alone = comp._compress_pages(0, k[i:i + 1], v[i:i + 1])[0]
+        pairs = zip(got.v, alone.v) if vbits < 16 else [(got.v, alone.v)]
+        assert all(torch.equal(a, b) for a, b in pairs)
+        torch.testing.assert_close(comp._values(got), v[i].transpose(0, 1),
+                                   atol={16: 2e-3, 8: 0.02, 4: 0.25}[vbits], rtol=0)
 
 
 def test_compressor_attention_is_close_to_full_with_good_codebooks():
