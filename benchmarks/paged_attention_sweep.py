@@ -53,7 +53,8 @@ def main() -> None:
     names = {n for v in VARIANTS.values() for n in v}
     defaults = {n: getattr(pa, n) for n in names}
     dev = args.device
-    print(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "torch": torch.__version__,
+    print(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev,
+                      "torch": torch.__version__,
                       "triton": triton.__version__, "defaults": defaults}), flush=True)
     ref, rows = dispatch.reference("paged_attention"), []
     for case in args.cases:
