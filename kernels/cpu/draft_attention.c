@@ -61,7 +61,7 @@ struct mustafar_pages {
 
 /* one request's Spherical-KV pages of one layer, joined along their tokens (all of one tier) */
 struct spherical_pages {
-    const uint8_t *theta, *radius;          /* [kv_heads, tokens, groups] */
+    const uint8_t *theta, *radius;          /* group-major: [kv_heads, groups, tokens] */
     const float *scale;                     /* [kv_heads, tokens / page_size, groups] */
     const float *codebook;                  /* [kv_heads, groups, codes, group] */
     const uint16_t *values;                 /* float16 [kv_heads, tokens, head_dim] */
@@ -458,20 +458,44 @@ static void spherical_scores(const int n, struct draft_part *w, const struct sph
                 table[(g * G + j) * K + c] = tree8(dot);
             }
     const float unit = scale / 255.0f;
-    for (int64_t t = a; t < e; t++) {
-        const uint8_t *th = pg->theta + (h * pg->tokens + t) * G;
-        const uint8_t *rad = pg->radius + (h * pg->tokens + t) * G;
-        const float *sc = pg->scale + (h * (pg->tokens / page_size) + t / page_size) * G;
-        float r[64];                     /* the token's radii (G <= 64: head_dim <= 1024) */
-        for (int64_t j = 0; j < G; j++)
-            r[j] = (float)rad[j] * sc[j];
-        for (int g = 0; g < n; g++) {
-            const float *tg = table + g * G * K;
-            float s = 0.0f;
-            for (int64_t j = 0; j < G; j++)
-                s += r[j] * tg[j * K + th[j]];
-            w->s[g][t - a] = s * unit;
+    const int64_t T = pg->tokens;
+    const uint8_t *theta = pg->theta + h * G * T, *radius = pg->radius + h * G * T;
+    for (int64_t t = a; t < e;) {
+        const int64_t page = t / page_size;
+        const int64_t end = e < (page + 1) * page_size ? e : (page + 1) * page_size;
+        const float *sc = pg->scale + (h * (T / page_size) + page) * G;
+#if defined(__AVX2__)
+        for (; t + TILE <= end; t += TILE) {           /* TILE tokens in lanes, tables gathered */
+            vrow acc[MAX_G];
+            for (int g = 0; g < n; g++)
+                acc[g] = splat_row(0.0f);
+            for (int64_t j = 0; j < G; j++) {
+                const vrowi idx = bytes_row(theta + j * T + t, TILE);
+                const vrow r = __builtin_convertvector(bytes_row(radius + j * T + t, TILE), vrow)
+                               * sc[j];
+                for (int g = 0; g < n; g++) {
+                    const float *tg = table + (g * G + j) * K;
+#if TILE == 16
+                    const vrow look = (vrow)_mm512_i32gather_ps((__m512i)idx, tg, 4);
+#else
+                    const vrow look = (vrow)_mm256_i32gather_ps(tg, (__m256i)idx, 4);
+#endif
+                    acc[g] = fma_row(r, look, acc[g]);
+                }
+            }
+            for (int g = 0; g < n; g++)
+                for (int l = 0; l < TILE; l++)
+                    w->s[g][t + l - a] = acc[g][l] * unit;
         }
+#endif
+        for (; t < end; t++)                            /* the rest one token at a time */
+            for (int g = 0; g < n; g++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < G; j++)
+                    s = __builtin_fmaf((float)radius[j * T + t] * sc[j],
+                                       table[(g * G + j) * K + theta[j * T + t]], s);
+                w->s[g][t - a] = s * unit;
+            }
     }
 }
 

@@ -173,9 +173,13 @@ class SphericalCompressor(Compressor):
             return parts
         new = state.pages[done:]
         assert all(p.tier == self.tier for p in new), "one tier: no retention budget"
-        fields = {"theta": [p.theta for p in new], "radius": [p.radius for p in new],
+        # theta and radius group-major ([H, G, T]: a group's codes of consecutive tokens side by
+        # side, read in vector lanes), scale [H, pages, G], values [H, T, D]
+        fields = {"theta": [p.theta.transpose(1, 2) for p in new],
+                  "radius": [p.radius.transpose(1, 2) for p in new],
                   "scale": [p.scale for p in new], "values": [p.v for p in new]}
-        parts = {name: torch.cat(([parts[name]] if parts else []) + ts, dim=1).contiguous()
+        parts = {name: torch.cat(([parts[name]] if parts else []) + ts,
+                                 dim=2 if name in ("theta", "radius") else 1).contiguous()
                  for name, ts in fields.items()} | {
             "codebook": self.codebooks[self.tier][new[0].layer].float().contiguous()
             if parts is None else parts["codebook"]}

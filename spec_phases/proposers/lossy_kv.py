@@ -168,7 +168,7 @@ def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPag
                 tier = TIERS[comp.tier]
                 row = struct(*(j[name].data_ptr() for name in ("theta", "radius", "scale",
                                                                 "codebook", "values")),
-                             j["theta"].shape[1], tier.group, tier.num_codes)
+                             j["theta"].shape[2], tier.group, tier.num_codes)
             else:
                 j = comp.joined(ls)
                 keep.append(j)
