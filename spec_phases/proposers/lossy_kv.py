@@ -11,10 +11,11 @@ Drafting is batched across requests: one model forward per draft position for ev
 drafting. Where no state holds compressed pages (the `window` compressor keeps none; every
 compressor's state is dense until the context outgrows its window), each draft step is one call of
 the C decoder over a small paged cache of the states' dense tokens (`DenseDraftCache`), as a plain
-decode step is; so is a step over states holding `quant` or Mustafar pages, which the C kernel
+decode step is; so is a step over states holding compressed pages, which the C kernel
 `draft_attention.c` attends as they are stored (`Compressor.draft_kernel`: quant's codes in their
-`QuantArena`, Mustafar's bitmap-sparse tiles joined a layer at a time). Otherwise (Spherical-KV)
-the modules run it, with per layer two attention calls for all requests:
+`QuantArena`, Mustafar's bitmap-sparse tiles and Spherical-KV's codes joined a layer at a time).
+Otherwise (Spherical-KV with a retention budget or quantized values, or no C decoder) the modules
+run it, with per layer two attention calls for all requests:
 the compressor's `PagesBatch` over the compressed pages, and one padded dense attention over each
 request's sinks + dense tail + scratch, merged exactly by log-sum-exp (the same math as
 `compressor.attend(state)` merged with the scratch).
