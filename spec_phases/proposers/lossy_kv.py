@@ -185,8 +185,8 @@ def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPag
 
 class LossyKVProposer(Proposer):
     """Drafts greedily with the target model over the drafting pool's compressed states: on the
-    one-call C decoder where every state is dense (`DenseDraftCache`), through the modules with
-    the compressors' attention otherwise."""
+    one-call C decoder where every state is dense (`DenseDraftCache`) or its pages have a C form
+    (`draft_attention.c`), through the modules with the compressors' attention otherwise."""
     name = "lossy_kv"
 
     def __init__(self, model, pool: DraftPool, runner: ModelRunner | None = None):
