@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at c25d7e4.
 # Device call 1 of 2 (H200): carries .whl and .dev/a (the embedded GGUF's first half, kept in
 # /tmp for call 2). The tiny random model only: CUDA tests, then the kernels' timings.
 # From the repository root: bash benchmarks/results/h200/2026-11-27-b/run1.sh

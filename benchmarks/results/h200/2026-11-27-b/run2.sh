@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at c25d7e4.
 # Device call 2 of 2 (H200), right after run1.sh on the same warm machine: carries .whl and .dev/b
 # (the GGUF's second half); the embedded model in bf16. HF parity and spec on == off, the full
 # cache in bf16 (auto) against fp8 at 2.8K context, and lossy_kv per compressor at 2.8K.

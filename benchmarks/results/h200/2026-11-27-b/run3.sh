@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at a5a4f14.
 # Device call 3 (H200, a fresh machine, after the fixes): carries
 # .whl and .dev/a. The CUDA tests that failed in run1 (spherical with 8-token pages).
 cp .dev/a/part00 /tmp/

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at a5a4f14.
 # Device call 4 (H200), right after run3.sh: carries .whl and .dev/b. lossy_kv per compressor at
 # 2.8K with the full cache resident (the default since the host pool became opt-in).
 . benchmarks/results/h200/2026-11-27-b/setup.sh

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at 23e35bf.
 # Device call 6 (H200, a fresh machine): carries .whl. The paged attention with fixed-length splits
 # merged in order (batch-invariant), tf32 dots over the bf16 cache: its settings and the reference.
 . benchmarks/results/h200/2026-11-27-b/setup.sh
