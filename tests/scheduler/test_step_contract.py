@@ -140,17 +140,23 @@ def test_an_aborted_request_is_released_by_the_next_plan():
     assert sched.releasing() == set()
 
 
-def test_drafts_the_grammar_cut_count_as_drafted_and_rejected_but_not_as_computed_rows():
-    """Structured output: a SampledTokens with num_masked drafts (cut before verification). The
-    vLLM counters and FASER's acceptance see them as rejected drafts; the cost model does not
-    price them as verify rows (they were never computed)."""
+def drafting_scheduler() -> Scheduler:
+    """A FASER scheduler (k <= 4, its priors taken as prices) with request "a" decoding."""
     kv = KVCacheManager([BlockPool(64, BS, False, name="full")])
     sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096,
                                           max_model_len=256, eos_token_ids=(2,),
                                           num_speculative_tokens=4, adaptive=True))
-    sched.cost.unpriced_drafting_steps = 0                         # the priors as prices
+    sched.cost.unpriced_drafting_steps = 0
     add(sched, "a", 6)
     prefill(sched, {"a": 40})
+    return sched
+
+
+def test_drafts_the_grammar_cut_count_as_drafted_and_rejected_but_not_as_computed_rows():
+    """Structured output: a SampledTokens with num_masked drafts (cut before verification). The
+    vLLM counters and FASER's acceptance see them as rejected drafts; the cost model does not
+    price them as verify rows (they were never computed)."""
+    sched = drafting_scheduler()
     before = sched.controller.probs("a")[0]
     plan = sched.schedule()
     k = plan.requests[0].num_draft_tokens                          # the controller's choice
@@ -205,13 +211,7 @@ def test_a_request_s_first_draft_marks_it_started_and_its_state_build_is_no_step
     context) until one drafts, again after a preemption (the worker drops the state); the
     seconds the worker spent building first-time states (`StepResult.draft_state_s`) are taken
     off the step's cost sample (priced once, `CostModel.state_price`)."""
-    kv = KVCacheManager([BlockPool(64, BS, False, name="full")])
-    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096,
-                                          max_model_len=256, eos_token_ids=(2,),
-                                          num_speculative_tokens=4, adaptive=True))
-    sched.cost.unpriced_drafting_steps = 0                         # the priors as prices
-    add(sched, "a", 6)
-    prefill(sched, {"a": 40})
+    sched = drafting_scheduler()
     seen = []
     choose = sched.controller.choose
     sched.controller.choose = lambda ids, caps, rows, **kw: (
