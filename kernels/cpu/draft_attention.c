@@ -142,6 +142,20 @@ static inline vrowi bytes_row(const uint8_t *b, int64_t n) {
 #define AHEAD_TOKENS 8                  /* tokens ahead whose value codes are requested early */
 #define BLOCK_VECS (BLOCK_TOKENS / TILE)
 
+/* the code planes of TILE bytes x (per = 8 / bits codes a byte; plane j: code j of every byte)
+ * widened, each weighed by head g's weight[g * stride] into its sums acc[g][c * per + j]: the
+ * inner step of scoring keys (weights: the query) and of weighing values (the probabilities) */
+static inline __attribute__((always_inline)) void weigh_planes(
+    const int n, const int per, vrowi x, const float *weight, int64_t stride,
+    vrow acc[][BLOCK_VECS], int c) {
+    const int bits = 8 / per, mask = (1 << bits) - 1;
+    for (int j = 0; j < per; j++) {
+        const vrow cj = __builtin_convertvector((x >> (j * bits)) & mask, vrow);
+        for (int g = 0; g < n; g++)
+            acc[g][c * per + j] = fma_row(splat_row(weight[g * stride]), cj, acc[g][c * per + j]);
+    }
+}
+
 /* n query heads' scores of tokens b0 .. b0 + BLOCK_TOKENS - 1 of a page (those past its end,
  * or outside lo .. hi - 1, computed over zero codes and not written), per = 8 / kbits codes a
  * byte: every count a constant where it is inlined, so the sums stay in registers. Lane l of
@@ -150,7 +164,7 @@ static inline __attribute__((always_inline)) void score_block(
     const int n, const int per, struct draft_part *w, const uint8_t *codes, int64_t pbytes,
     int64_t b0, int64_t lo, int64_t hi, int64_t base, int64_t a, int64_t D, const float *qp,
     const float *qz, float scale) {
-    const int kbits = 8 / per, mask = (1 << kbits) - 1, chunks = BLOCK_VECS / per;
+    const int chunks = BLOCK_VECS / per;
     const int64_t byte0 = b0 / per, nbytes = pbytes - byte0;
     vrow acc[MAX_G][BLOCK_VECS];
     for (int g = 0; g < n; g++)
@@ -158,15 +172,8 @@ static inline __attribute__((always_inline)) void score_block(
             acc[g][v] = splat_row(0.0f);
     for (int64_t d = 0; d < D; d++) {
         const uint8_t *cd = codes + d * pbytes + byte0;
-        for (int c = 0; c < chunks; c++) {
-            const vrowi x = bytes_row(cd + c * TILE, nbytes - c * TILE);
-            for (int j = 0; j < per; j++) {
-                const vrow cj = __builtin_convertvector((x >> (j * kbits)) & mask, vrow);
-                for (int g = 0; g < n; g++)
-                    acc[g][c * per + j] = fma_row(splat_row(qp[g * D + d]), cj,
-                                                  acc[g][c * per + j]);
-            }
-        }
+        for (int c = 0; c < chunks; c++)
+            weigh_planes(n, per, bytes_row(cd + c * TILE, nbytes - c * TILE), qp + d, D, acc, c);
     }
     for (int g = 0; g < n; g++)
         for (int c = 0; c < chunks; c++)
@@ -223,7 +230,7 @@ static inline __attribute__((always_inline)) void page_scores(
 static inline __attribute__((always_inline)) void value_block(
     const int n, const int per, struct draft_part *w, const uint8_t *codes, int64_t stride,
     int64_t d0, int64_t a, int64_t e, const float *pw, const float *zsum) {
-    const int vbits = 8 / per, mask = (1 << vbits) - 1, chunks = BLOCK_VECS / per;
+    const int chunks = BLOCK_VECS / per;
     const int64_t len = e - a;
     vrow acc[MAX_G][BLOCK_VECS];
     for (int g = 0; g < n; g++)
@@ -232,15 +239,8 @@ static inline __attribute__((always_inline)) void value_block(
     const uint8_t *ct = codes + a * stride + d0 / per;
     for (int64_t t = 0; t < len; t++, ct += stride) {
         __builtin_prefetch(ct + AHEAD_TOKENS * stride, 0, 1);
-        for (int c = 0; c < chunks; c++) {
-            const vrowi x = bytes_row(ct + c * TILE, TILE);
-            for (int j = 0; j < per; j++) {
-                const vrow cj = __builtin_convertvector((x >> (j * vbits)) & mask, vrow);
-                for (int g = 0; g < n; g++)
-                    acc[g][c * per + j] = fma_row(splat_row(pw[g * len + t]), cj,
-                                                  acc[g][c * per + j]);
-            }
-        }
+        for (int c = 0; c < chunks; c++)
+            weigh_planes(n, per, bytes_row(ct + c * TILE, TILE), pw + t, len, acc, c);
     }
     for (int g = 0; g < n; g++)
         for (int c = 0; c < chunks; c++)
