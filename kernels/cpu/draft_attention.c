@@ -77,13 +77,23 @@ struct draft_pages {
     int64_t row_stride, page_size, key_bits, value_bits, kind;
 };
 
-/* request r's page tokens in the row of tables that starts at first */
-static inline int64_t draft_page_tokens(const struct draft_pages *d, int64_t first, int64_t r) {
+/* request r's pages in the row of the table that starts at first */
+static inline const void *draft_row(const struct draft_pages *d, int64_t first, int64_t r) {
     if (d->kind == DRAFT_MUSTAFAR)
-        return ((const struct mustafar_pages *)d->pages)[first + r].num_blocks * 64;
+        return (const struct mustafar_pages *)d->pages + first + r;
     if (d->kind == DRAFT_SPHERICAL)
-        return ((const struct spherical_pages *)d->pages)[first + r].tokens;
-    return ((const struct quant_pages *)d->pages)[first + r].num_pages * d->page_size;
+        return (const struct spherical_pages *)d->pages + first + r;
+    return (const struct quant_pages *)d->pages + first + r;
+}
+
+/* how many tokens those pages hold */
+static inline int64_t draft_page_tokens(const struct draft_pages *d, int64_t first, int64_t r) {
+    const void *row = draft_row(d, first, r);
+    if (d->kind == DRAFT_MUSTAFAR)
+        return ((const struct mustafar_pages *)row)->num_blocks * 64;
+    if (d->kind == DRAFT_SPHERICAL)
+        return ((const struct spherical_pages *)row)->tokens;
+    return ((const struct quant_pages *)row)->num_pages * d->page_size;
 }
 
 #define MAX_G 8                  /* query heads of a kv head taken together, at most */
@@ -318,28 +328,6 @@ static inline void part_softmax(const int n, struct draft_part *w, int64_t len, 
         w->sum[g] = 1.0f / softmax_row(w->s[g], 0, stride, 0, len - 1, softcap, &w->max[g]);
 }
 
-/* One task: n of kv head h's query heads over keys [a, b) of a request's sequence: its pages'
- * tokens first (t < page_tokens), then its dense keys (dense key j's slot at off[j]). Sets
- * w->max, w->sum and w->acc. Scratch: qp (MAX_G * D), pw (MAX_G * (b - a)). */
-static inline __attribute__((always_inline)) void quant_part_n(
-    const int n, struct draft_part *w, const struct quant_pages *pg, int64_t page_size,
-    int kbits, int vbits, const void *k_cache, const void *v_cache, int bf16, const int64_t *off,
-    int64_t h, int64_t D, int64_t kv_heads, float scale, float softcap, int64_t a, int64_t b,
-    float *qp, float *pw) {
-    const int64_t page_tokens = pg ? pg->num_pages * page_size : 0;
-    const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
-    if (a < e)
-        page_scores(n, w, pg, page_size, kbits, h, D, kv_heads, scale, a, e, qp);
-    dense_scores(n, w, k_cache, bf16, off, page_tokens, h, D, scale, a, dense_from, b);
-    part_softmax(n, w, b - a, softcap);
-    if (a < e)
-        page_values(n, w, pg, vbits, h, D, kv_heads, a, e, pw);
-    else
-        for (int g = 0; g < n; g++)
-            memset(w->acc[g], 0, sizeof(float) * D);
-    dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
-}
-
 #define TILE_VECS (64 / TILE)            /* vectors of a Mustafar tile's 64 elements */
 
 /* x with its bits in reverse order (a Mustafar bitmap holds element e at bit 63 - e) */
@@ -423,26 +411,7 @@ static void mustafar_values(const int n, struct draft_part *w, const struct must
         }
 }
 
-/* quant_part_n's task over Mustafar pages (pg NULL: none) */
-static void mustafar_part(const int n, struct draft_part *w, const struct mustafar_pages *pg,
-                          const void *k_cache, const void *v_cache, int bf16, const int64_t *off,
-                          int64_t h, int64_t D, float scale, float softcap, int64_t a,
-                          int64_t b) {
-    const int64_t page_tokens = pg ? pg->num_blocks * 64 : 0;
-    const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
-    if (a < e)
-        mustafar_scores(n, w, pg, h, D, scale, a, e);
-    dense_scores(n, w, k_cache, bf16, off, page_tokens, h, D, scale, a, dense_from, b);
-    part_softmax(n, w, b - a, softcap);
-    if (a < e)
-        mustafar_values(n, w, pg, h, D, a, e);
-    else
-        for (int g = 0; g < n; g++)
-            memset(w->acc[g], 0, sizeof(float) * D);
-    dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
-}
-
-/* the Spherical-KV pages' scores of tokens a .. e - 1 (table: n * groups * codes scratch) */
+/* the Spherical-KV pages' scores of tokens a .. e - 1 (table: n * groups * codes of scratch) */
 static void spherical_scores(const int n, struct draft_part *w, const struct spherical_pages *pg,
                              int64_t page_size, int64_t h, int64_t D, float scale, int64_t a,
                              int64_t e, float *table) {
@@ -522,19 +491,31 @@ static void spherical_values(const int n, struct draft_part *w, const struct sph
     }
 }
 
-/* quant_part_n's task over Spherical-KV pages (pg NULL: none) */
-static void spherical_part(const int n, struct draft_part *w, const struct spherical_pages *pg,
-                           int64_t page_size, const void *k_cache, const void *v_cache, int bf16,
-                           const int64_t *off, int64_t h, int64_t D, float scale, float softcap,
-                           int64_t a, int64_t b, float *table) {
-    const int64_t page_tokens = pg ? pg->tokens : 0;
+/* One task: n of kv head h's query heads over keys [a, b) of a request's sequence: its pages'
+ * tokens first (t < page_tokens; pg: the request's pages in draft's format), then its dense keys
+ * (dense key j's slot at off[j]). Sets w->max, w->sum and w->acc. Scratch: qp (MAX_G * 4 * D:
+ * quant's scaled queries, Spherical-KV's tables), pw (MAX_G * (b - a)). */
+static inline __attribute__((always_inline)) void draft_part_n(
+    const int n, struct draft_part *w, const struct draft_pages *draft, const void *pg,
+    int64_t page_tokens, const void *k_cache, const void *v_cache, int bf16, const int64_t *off,
+    int64_t h, int64_t D, int64_t kv_heads, float scale, float softcap, int64_t a, int64_t b,
+    float *qp, float *pw) {
     const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
-    if (a < e)
-        spherical_scores(n, w, pg, page_size, h, D, scale, a, e, table);
+    const int64_t page_size = draft->page_size;
+    if (a < e && draft->kind == DRAFT_MUSTAFAR)
+        mustafar_scores(n, w, pg, h, D, scale, a, e);
+    else if (a < e && draft->kind == DRAFT_SPHERICAL)
+        spherical_scores(n, w, pg, page_size, h, D, scale, a, e, qp);
+    else if (a < e)
+        page_scores(n, w, pg, page_size, (int)draft->key_bits, h, D, kv_heads, scale, a, e, qp);
     dense_scores(n, w, k_cache, bf16, off, page_tokens, h, D, scale, a, dense_from, b);
     part_softmax(n, w, b - a, softcap);
-    if (a < e)
+    if (a < e && draft->kind == DRAFT_MUSTAFAR)
+        mustafar_values(n, w, pg, h, D, a, e);
+    else if (a < e && draft->kind == DRAFT_SPHERICAL)
         spherical_values(n, w, pg, h, D, a, e);
+    else if (a < e)
+        page_values(n, w, pg, (int)draft->value_bits, h, D, kv_heads, a, e, pw);
     else
         for (int g = 0; g < n; g++)
             memset(w->acc[g], 0, sizeof(float) * D);
@@ -554,8 +535,6 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                     float scale, float softcap, int num_threads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, slot = num_kv_heads * D;
-    const int64_t page_size = draft->page_size;
-    const int kbits = (int)draft->key_bits, vbits = (int)draft->value_bits;
     int64_t longest = 1;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t n = requests[r * 3 + 2] + draft_page_tokens(draft, first, r);
@@ -573,11 +552,12 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
         const int64_t most = ((longest + parts - 1) / parts + 8) & ~(int64_t)7;
         const int64_t n_max = G < MAX_G ? G : MAX_G;
         float *scores = malloc(sizeof(float) * n_max * most);
-        float *pw = malloc(sizeof(float) * n_max * most), *qp = malloc(sizeof(float) * MAX_G * D);
-        /* Spherical-KV's tables: groups * codes <= 4 * D (16-dim groups, 64 codewords) */
-        float *table = malloc(sizeof(float) * MAX_G * 4 * D);
+        float *pw = malloc(sizeof(float) * n_max * most);
+        /* quant's scaled queries (D a head), Spherical-KV's tables (groups * codes <= 4 * D:
+         * 16-dim groups, 64 codewords) */
+        float *qp = malloc(sizeof(float) * MAX_G * 4 * D);
         int64_t *off = malloc(sizeof(int64_t) * (longest + 8));
-        if (!scores || !pw || !qp || !table || !off) {
+        if (!scores || !pw || !qp || !off) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -588,15 +568,7 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
             const int64_t r = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
             const int64_t part = task % parts, dense = requests[r * 3 + 2];
             const int64_t page_tokens = draft_page_tokens(draft, first, r);
-            const struct quant_pages *qpg = NULL;
-            const struct mustafar_pages *mpg = NULL;
-            const struct spherical_pages *spg = NULL;
-            if (page_tokens && draft->kind == DRAFT_MUSTAFAR)
-                mpg = (const struct mustafar_pages *)draft->pages + first + r;
-            else if (page_tokens && draft->kind == DRAFT_SPHERICAL)
-                spg = (const struct spherical_pages *)draft->pages + first + r;
-            else if (page_tokens)
-                qpg = (const struct quant_pages *)draft->pages + first + r;
+            const void *pg = page_tokens ? draft_row(draft, first, r) : NULL;
             const int64_t total = dense + page_tokens;
             const int64_t a = total * part / parts, b = total * (part + 1) / parts;
             float *res = parts_out + task * per_part;       /* max [G], sum [G], acc [G, D] */
@@ -617,19 +589,12 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
                 }
 #define PART(N)                                                                                 \
     case N:                                                                                     \
-        quant_part_n(N, &w, qpg, page_size, kbits, vbits, k_cache, v_cache, bf16, off, h, D,    \
+        draft_part_n(N, &w, draft, pg, page_tokens, k_cache, v_cache, bf16, off, h, D,          \
                      num_kv_heads, scale, softcap, a, b, qp, pw);                               \
         break;
-                if (draft->kind == DRAFT_MUSTAFAR)
-                    mustafar_part(n, &w, mpg, k_cache, v_cache, bf16, off, h, D, scale, softcap,
-                                  a, b);
-                else if (draft->kind == DRAFT_SPHERICAL)
-                    spherical_part(n, &w, spg, page_size, k_cache, v_cache, bf16, off, h, D,
-                                   scale, softcap, a, b, table);
-                else
-                    switch (n) {                              /* a constant count each case */
-                        PART(1) PART(2) PART(3) PART(4) PART(5) PART(6) PART(7) PART(8)
-                    }
+                switch (n) {                                  /* a constant count each case */
+                    PART(1) PART(2) PART(3) PART(4) PART(5) PART(6) PART(7) PART(8)
+                }
 #undef PART
                 for (int g = 0; g < n; g++)
                     res[g0 + g] = w.max[g], res[G + g0 + g] = w.sum[g];
@@ -638,7 +603,6 @@ int draft_attention(const float *q, int64_t q_token_stride, const void *k_cache,
         free(scores);
         free(pw);
         free(qp);
-        free(table);
         free(off);
     }
     if (!failed)
