@@ -34,7 +34,7 @@ class SpeculativeConfig:
     kv_compressor_config: dict = field(default_factory=dict)   # lossy_kv: compressor settings
     # lossy_kv: the full cache in a host pool, staged for every verify (capacity, not speed: on an
     # H200 at 2.8K context a step took 30 ms staged against 3.9 resident); opt-in on every device
-    full_kv_in_host: bool | None = None
+    full_kv_in_host: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -105,11 +105,8 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        in_host = spec is not None and spec.method == "lossy_kv" and self._full_kv_in_host(spec)
-        if config.host_kv_cache_memory_gb is not None and not in_host:   # before loading weights
-            raise ValueError("host_kv_cache_memory_gb sizes the host pool of lossy_kv with the "
-                             "full cache in host memory; on a CPU host set "
-                             "\"full_kv_in_host\": true in --speculative-config")
+        # the full cache in a host pool: opt-in (SpeculativeConfig.full_kv_in_host)
+        in_host = spec is not None and spec.method == "lossy_kv" and bool(spec.full_kv_in_host)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
                                 tiny_seed=config.tiny_random_seed)
@@ -216,12 +213,6 @@ class Worker:
                     "GiB for activations", budget / 2**30, util, total / 2**30,
                     (total - free) / 2**30, ACTIVATION_RESERVE_GB)
         return budget / 2**30
-
-    def _full_kv_in_host(self, spec: SpeculativeConfig) -> bool:
-        """lossy_kv keeps the full cache in a host pool only when asked (`"full_kv_in_host":
-        true`): staging it for every verify costs more than a plain step (H200, 2.8K context: 30 ms
-        a step against 3.9 ms resident), and on a CPU host both pools are host memory anyway."""
-        return bool(spec.full_kv_in_host)
 
     def _proposer(self, spec: SpeculativeConfig | None, in_host: bool) -> Proposer | None:
         if spec is None or spec.num_speculative_tokens == 0:
