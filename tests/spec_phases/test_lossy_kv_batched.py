@@ -267,6 +267,29 @@ def test_compressed_pages_draft_on_the_one_call_c_decoder(name, settings):
     assert [len(d) for d in hidden["fast drafts"]] == max_lens
 
 
+@pytest.mark.parametrize("name,settings", [
+    ("spherical", {"num_sink": 4, "window": 8, "page_size": 16, "tier": 1, "value_bits": 4,
+                   "calib_tokens": 128}),
+    ("spherical", {"num_sink": 4, "window": 8, "page_size": 16, "tier": 1, "budget_bits": 200,
+                   "calib_tokens": 128})])
+def test_pages_without_a_c_form_draft_through_the_modules(name, settings):
+    """Spherical-KV with quantized values or a retention budget (varying tiers, fed by the
+    modules' attention mass) has no C form: its drafts run through the modules, beside the C
+    decoder, and are the drafts of a drafter that has none."""
+    torch.manual_seed(0)
+    model = model_for("mustafar")                                   # head_dim 64
+    runner, storage, reqs = c_decoder_case(model)
+
+    def pool():
+        return DraftPool(build_compressor(name, model, dict(settings)), storage, "cpu")
+    beside, alone = LossyKVProposer(model, pool(), runner), LossyKVProposer(model, pool())
+    assert beside.pool.comp.draft_kernel() is None
+    got = beside.propose(reqs, [3, 2, 3]).token_ids
+    assert got == alone.propose(reqs, [3, 2, 3]).token_ids
+    assert all(s.layers[0].pages for s in beside.pool.states.values())
+    assert beside.stats()["num_c_rounds"] == 0
+
+
 def test_a_request_s_first_round_reports_building_its_state_apart():
     """`Drafts.state_s`: the seconds a round spent encoding the whole context of requests
     drafting for the first time (FASER prices that once, not as every drafting step's cost);
