@@ -24,8 +24,8 @@ from specserve.kernels.cpu.linear import GGUF_FAMILIES
 from specserve.spec_phases.families import (UnsupportedModelError, check_architecture,
                                              hf_tensor_name, model_config)
 from specserve.spec_phases.model import FamilyOptions, LlamaModel, ModelConfig
-from specserve.spec_phases.paths import (GGUF_CACHE_VERSION, TINY_RANDOM, gguf_cache_file,
-                                         resolve_model_path)
+from specserve.spec_phases.paths import (GGUF_CACHE_VERSION, TINY_RANDOM, drop_superseded,
+                                         gguf_cache_file, resolve_model_path)
 from specserve.spec_phases.rope import RopeConfig
 
 __all__ = ["UnsupportedModelError", "build_random_model", "load_model", "tiny_config"]
@@ -183,6 +183,7 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     meta, names, vocab, tensors = _dequantize_gguf(path)
     cfg = _gguf_config(meta, names, vocab)
     _write_dequantized(cached, meta, names, vocab, tensors)
+    drop_superseded(cached, path)
     return cfg, tensors
 
 

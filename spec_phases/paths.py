@@ -142,9 +142,31 @@ GGUF_CACHE_VERSION = 4
 def gguf_cache_file(path: Path) -> Path:
     """Where the loader keeps a GGUF's dequantized tensors (float32 safetensors, the config in its
     metadata)."""
-    folder = cache_dir() / "gguf"
+    return model_cache_entry("gguf", path, f"-v{GGUF_CACHE_VERSION}.safetensors")
+
+
+def model_cache_entry(kind: str, path: Path, suffix: str = "") -> Path:
+    """The entry under the cache folder `kind` for what is derived from model file `path`: named
+    by the file's stem and `file_key`, so a changed file is derived afresh."""
+    folder = cache_dir() / kind
     folder.mkdir(exist_ok=True)
-    return folder / f"{path.stem}-{file_key(path)}-v{GGUF_CACHE_VERSION}.safetensors"
+    return folder / f"{path.stem}-{file_key(path)}{suffix}"
+
+
+def drop_superseded(entry: Path, path: Path) -> None:
+    """Remove the entries beside `entry` derived from another file of `path`'s name (an older
+    copy, another install of the same package, another cache version): one entry per model file
+    name, so the cache does not grow by a model's size with every fresh install."""
+    import shutil
+    import re
+
+    same_name = re.compile(rf"{re.escape(path.stem)}-[0-9a-f]{{16}}(-v\d+\.safetensors)?")
+    for other in entry.parent.iterdir():
+        if other.name != entry.name and same_name.fullmatch(other.name):
+            if other.is_dir():
+                shutil.rmtree(other, ignore_errors=True)
+            else:
+                other.unlink(missing_ok=True)
 
 
 def describe_model(path: Path) -> str:

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import os
 
-from specserve.spec_phases.paths import cache_dir, file_key, resolve_model_path
+from specserve.spec_phases.paths import drop_superseded, model_cache_entry, resolve_model_path
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):
     """A transformers fast tokenizer for `model` (None: the embedded SmolLM2).
 
     Building one from GGUF metadata takes ~13 s, so the result is saved once under the specserve
-    cache (keyed by the file's path, size and mtime) and later loads read that folder.
+    cache (keyed by the file's path, size and mtime; one folder per file name) and later loads
+    read that folder.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -20,7 +21,7 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     path = resolve_model_path(None if model is None else str(model))
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path))
-    saved = cache_dir() / "tokenizers" / file_key(path)
+    saved = model_cache_entry("tokenizers", path)
     if (saved / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(saved))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -30,5 +31,6 @@ def load_tokenizer(model: str | os.PathLike | None = None):
         os.replace(tmp, saved)
     except OSError:                       # another process won the race; theirs is identical
         pass
+    drop_superseded(saved, path)
     return tokenizer
 

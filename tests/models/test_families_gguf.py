@@ -142,6 +142,29 @@ def test_dequantized_cache_is_read_back_exactly(checkpoints, tmp_path, monkeypat
     assert cached.stat().st_size > 1000                  # rewritten
 
 
+def test_a_new_copy_of_a_gguf_replaces_its_cache_entry(checkpoints, tmp_path, monkeypatch):
+    """Each fresh install puts the same GGUF at a new path (a new key): its cache entry replaces
+    the one of the earlier copy, so the cache holds one entry per file name, not one per install;
+    another file's entry stays."""
+    import shutil
+
+    from specserve.spec_phases.paths import gguf_cache_file
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    first, second, other = tmp_path / "a" / "llama.gguf", tmp_path / "b" / "llama.gguf", \
+        tmp_path / "a" / "llama-other.gguf"
+    first.parent.mkdir()
+    second.parent.mkdir()
+    write_gguf(checkpoints("llama-gguf")[2], first, "llama")
+    shutil.copy(first, other)
+    load_model(str(first))
+    load_model(str(other))
+    shutil.copy(first, second)
+    load_model(str(second))
+    entries = sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir())
+    assert entries == sorted([gguf_cache_file(second).name, gguf_cache_file(other).name])
+    assert gguf_cache_file(first) != gguf_cache_file(second)
+
+
 def test_model_description_reads_the_cache_and_a_failed_write_is_skipped(checkpoints, tmp_path,
                                                                            monkeypatch):
     """Once cached, the HTTP side's model description comes from the cache's metadata (no GGUF
