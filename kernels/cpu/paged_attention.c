@@ -77,7 +77,11 @@ static inline int64_t first_key(int64_t pos, int64_t window) {
 }
 
 #define CHUNK 16                      /* keys whose values every row weighs in turn (in L1) */
-#define SCORES_IN_CACHE (64 * 1024)   /* floats of a task's scores kept in the L2 cache */
+/* floats of a task's scores kept in the L2 cache (1.5 MiB). Parts per kv head keep a task's
+ * scores small, but 3 kv heads on 2 threads leave one idle a third of the time: a 9-row verify
+ * at 2.8K keys took 22.3-22.9 ms in 3 tasks, 20.2-21.3 in 2 (SmolLM2's shape, 2 threads,
+ * benchmarks/attention_chunk.py --rows 9), at 7K 56-58 against 52-53 */
+#define SCORES_IN_CACHE (384 * 1024)
 #define AHEAD 16                                /* keys ahead whose slots are requested early */
 
 /* bfloat16 K/V: the top 16 bits of a float32, widened exactly by a shift */

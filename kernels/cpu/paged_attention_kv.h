@@ -406,8 +406,8 @@ int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_
     }
     /* parts per request: 1, or with fewer requests than threads enough head parts to share */
     int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
-    /* and, where a request's scores would not stay in the core's caches, one per kv head */
-    if (max_scores > SCORES_IN_CACHE && parts < num_kv_heads)
+    /* and, where a task's scores would not stay in the core's caches, one per kv head */
+    if (max_scores / parts > SCORES_IN_CACHE && parts < num_kv_heads)
         parts = num_kv_heads;
     if (parts > num_heads)
         parts = num_heads;
