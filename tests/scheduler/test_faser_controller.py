@@ -105,6 +105,47 @@ def test_a_request_held_at_zero_is_probed_and_recovers():
     assert ctl.choose(["r"], [8], 1)[0] >= 4
 
 
+def long_context_drafter(drafting_step=0.002):
+    """lossy_kv at 2.8K on this CPU: a 14 ms step, a 6 ms draft pass, a 2.5 ms verify row."""
+    cost = CostModel(step=0.014, row=0.0, draft_pass=0.006, draft_row=0.0025,
+                     drafting_step=drafting_step)
+    return DraftLengthController(8, cost=cost)
+
+
+def test_rounds_accepted_whole_reach_past_positions_left_low():
+    """Early rounds left position 2 at 0.72 (from the 0.6 prior); rounds of 2 since were all
+    accepted: the positions past them read as position 1 does, so k grows, where the stored
+    estimates alone would hold it at 2 for good. A round that ends in a rejection reads them as
+    stored again."""
+    ctl = long_context_drafter()
+    ctl.observe("r", 3, 3)
+    for _ in range(8):
+        ctl.observe("r", 2, 2)
+    assert ctl.probs("r")[2] >= ctl.probs("r")[1] > 0.95
+    assert ctl.choose(["r"], [8], 1)[0] >= 5
+    held = dict(ctl.frontier)
+    ctl.frontier.clear()                                  # the stored estimates alone
+    assert ctl.choose(["r"], [8], 1)[0] == 2
+    ctl.frontier.update(held)
+    ctl.observe("r", 8, 2)
+    assert ctl.probs("r")[2] < 0.6 and ctl.frontier["r"] == 0
+
+
+def test_a_probe_drafts_as_deep_as_its_first_position_would_pay():
+    """Held at k = 0 by low estimates past position 0, a request accepting 95% at position 0 is
+    probed with several drafts (as many as pay were every position accepted as its first), so
+    the positions that decide k are observed again; one accepting nothing is probed with one.
+    A drafting step's own price (a round's set-up, 10 ms) makes one draft a loss."""
+    ctl = long_context_drafter(drafting_step=0.01)
+    ctl.accept["r"] = np.array([0.95] + [0.3] * 7)
+    ctl.accept["s"] = np.array([0.0] * 8)
+    ctl.depth["r"] = ctl.depth["s"] = 8
+    ks = [ctl.choose(["r"], [8], 1)[0] for _ in range(ctl.probe_every)]
+    assert ks[:-1] == [0] * (ctl.probe_every - 1) and ks[-1] >= 4
+    ks = [ctl.choose(["s"], [8], 1)[0] for _ in range(ctl.probe_every)]
+    assert ks == [0] * (ctl.probe_every - 1) + [1]
+
+
 def test_rejected_probes_back_off_and_an_accepted_one_resets_the_interval():
     """On text that never repeats each probe is a verify row for nothing: the interval doubles per
     rejected probe up to 8x, an accepted draft brings it back; a probe the drafter had nothing for
@@ -450,7 +491,8 @@ def test_pass_fit_stays_non_negative():
 @pytest.mark.parametrize("step_s, gap", [(0.06, 12), (0.0021, 318), (1.0, 4)])
 def test_refits_once_the_fits_have_taken_their_share_of_the_steps_time(monkeypatch, step_s, gap):
     """A fit of 2 ms waits until the steps since the last one took 2 ms / FIT_SHARE (0.3%: 0.67
-    s): 12 of the CPU's 60 ms steps, 318 of a GPU's 2.1 ms ones; never fewer than 4 steps."""
+    s): 12 of the CPU's 60 ms steps, 318 of a GPU's 2.1 ms ones; never fewer than 4 steps. The
+    first fit's time (numpy's set-up with it) does not space the second: 4 steps later."""
     assert FIT_SHARE == 0.003
     model = CostModel()
     fits = []
@@ -459,8 +501,8 @@ def test_refits_once_the_fits_have_taken_their_share_of_the_steps_time(monkeypat
     monkeypatch.setattr(model, "fit", lambda: fits.append(len(model.samples)))
     for i in range(1200):
         model.observe(1 + i % 7, i % 3, step_s)
-    # the first at 8 samples, then every `gap` steps (the window holds 256 samples)
-    assert fits == [min(8 + gap * i, 256) for i in range(1 + (1200 - 8) // gap)]
+    # the first at 8 samples, the second at 12, then every `gap` steps (the window holds 256)
+    assert fits == [8] + [min(12 + gap * i, 256) for i in range(1 + (1200 - 12) // gap)]
 
 
 def test_the_fit_equals_scipy_nnls_over_every_column():
