@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,11 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def long_prompts(tok, num: int, length: int) -> list[list[int]]:
-    """The first `length` tokens of the `num` largest Python files of the repository."""
-    files = sorted((p for p in ROOT.glob("*/**/*.py") if ".venv" not in p.parts
-                    and "build" not in p.parts), key=lambda p: (-p.stat().st_size, str(p)))
+    """The first `length` tokens of the `num` largest Python files of the repository at the long
+    workloads' pinned commit (`loadtests/workloads.py`'s SOURCE_COMMIT: the prompts do not move
+    with the working tree)."""
+    sys.path.insert(0, str(ROOT))                       # the repository's loadtests package
+    from loadtests.workloads import pinned_sources, source_files
     out = []
-    for path in files:
+    for path in source_files(pinned_sources(ROOT)):
         ids = tok.encode(path.read_text())
         if len(ids) >= length:
             out.append(ids[:length])

@@ -51,8 +51,8 @@ from loadtests import peers as peer_mod
 from loadtests.client import RequestSpec, first_model_id, run_closed_loop
 from loadtests.metrics import counter_totals, parse_prometheus, spec_decode_delta
 from loadtests.stats import summarize
-from loadtests.workloads import (chat_prompts, code_edit_prompts, source_file_prompts,
-                                 source_files)
+from loadtests.workloads import (chat_prompts, code_edit_prompts, pinned_sources,
+                                 source_file_prompts, source_files)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -146,8 +146,8 @@ def load_tokenizer():
 def workloads(seed: int, num_requests: int, names=("A", "B"), tokenizer=None, files=None,
               sources: dict | None = None) -> dict[str, list[RequestSpec]]:
     """The requests of each named workload; the long ones read `files` (default: this
-    repository's largest Python files) through `tokenizer` ((encode, decode)), and name the
-    files they took in `sources` ({workload: [path]})."""
+    repository's largest Python files at `SOURCE_COMMIT`) through `tokenizer` ((encode,
+    decode)), and name the files they took in `sources` ({workload: [path]})."""
     out = {}
     if "A" in names:
         out["A"] = [RequestSpec(p, 64) for p in code_edit_prompts(num_requests, seed, num_lines=6)]
@@ -157,12 +157,12 @@ def workloads(seed: int, num_requests: int, names=("A", "B"), tokenizer=None, fi
         if wl in LONG_WORKLOADS:
             num, num_tokens, max_tokens = LONG_WORKLOADS[wl]
             encode, decode = tokenizer or load_tokenizer()
-            prompts = source_file_prompts(files if files is not None else source_files(REPO),
-                                          num, num_tokens, encode, decode)
+            root = None if files is not None else pinned_sources(REPO)
+            prompts = source_file_prompts(files if root is None else source_files(root), num,
+                                          num_tokens, encode, decode)
             out[wl] = [RequestSpec(p, max_tokens) for _, p in prompts]
-            if sources is not None:
-                sources[wl] = [str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f)
-                               for f, _ in prompts]
+            if sources is not None:                  # the pinned commit's paths, as in git
+                sources[wl] = [str(f.relative_to(root)) if root else str(f) for f, _ in prompts]
     return out
 
 

@@ -4,8 +4,8 @@
 - code-edit: a generated Python function plus "rename this variable and print the whole function";
              the prompt holds most of the answer, which is what n-gram drafting feeds on.
 - long:      4-8K-token documents with a question at the end, many requests at once (KV dominates).
-- source:    the first N tokens of different source files of this repository, as text
-             (compare.py's long-context workloads C and C8K).
+- source:    the first N tokens of different source files of this repository at a pinned commit
+             (`SOURCE_COMMIT`), as text (compare.py's long-context workloads C and C8K).
 - bursty:    chat prompts with open-loop gamma arrivals (shape < 1 is burstier than Poisson).
 
 A cell is one workload at one load level; `cells(size)` lists them in run order.
@@ -119,6 +119,35 @@ def long_prompts(num: int, seed: int, num_tokens: int,
             words = words[:lo]
         prompts.append(" ".join(words) + question)
     return prompts
+
+
+# the long workloads read their prompts from this commit's Python files, not the working tree's:
+# their text then stays put while the repository changes, and a cell at two commits drafts on the
+# same prompts (the working tree's largest files moved with each edit: lossy_kv window k = 8
+# accepted 68% on one set and 49% on another, same code)
+SOURCE_COMMIT = "5aee9121ba0f573c5c5b6a084908ad566bd2c9ae"
+
+
+def pinned_sources(repo: Path, commit: str = SOURCE_COMMIT) -> Path:
+    """A folder holding `repo`'s files at `commit` (`git archive`, once, under the specserve
+    cache); raises where `repo` is not a git checkout holding that commit."""
+    import io
+    import subprocess
+    import tarfile
+
+    from specserve.spec_phases.paths import cache_dir
+    dest = cache_dir() / "workload-sources" / commit
+    if not (dest / ".complete").exists():
+        try:
+            tar = subprocess.run(["git", "-C", str(repo), "archive", commit], check=True,
+                                 capture_output=True).stdout
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise ValueError(f"the long workloads read their prompts from commit {commit[:12]} "
+                             f"of this repository's history, which {repo} lacks ({exc})") from None
+        with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+            archive.extractall(dest, filter="data")
+        (dest / ".complete").touch()
+    return dest
 
 
 def source_files(root: Path) -> list[Path]:

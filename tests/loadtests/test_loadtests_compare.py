@@ -179,3 +179,27 @@ def test_long_cells_share_no_prompt_prefix():
     assert len(set(firsts)) == 6
     assert all(r.prompt.endswith(reqs[0].prompt) and r.max_tokens == 128 for r in c1 + c4 + c8k)
     assert compare.cell_requests(reqs, "A", 4) == reqs                   # A and B unchanged
+
+
+def test_long_workloads_read_a_pinned_commits_files(tmp_path, monkeypatch):
+    """The long workloads' files come from a commit, not the working tree: an edit after it
+    changes no prompt; a folder without that commit is refused with the reason."""
+    import subprocess
+
+    from loadtests.workloads import pinned_sources, source_files
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "a.py").write_text("first " * 50)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    (repo / "pkg" / "a.py").write_text("edited " * 500)
+    (repo / "pkg" / "b.py").write_text("new " * 900)
+    files = source_files(pinned_sources(repo, commit))
+    assert [f.name for f in files] == ["a.py"] and files[0].read_text() == "first " * 50
+    with pytest.raises(ValueError, match="lacks"):
+        pinned_sources(tmp_path / "cache", "0" * 40)
