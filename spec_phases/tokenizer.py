@@ -4,6 +4,7 @@ server encodes and renders chat with it; the worker builds its grammar masks fro
 from __future__ import annotations
 
 import os
+import shutil
 
 from specserve.spec_phases.paths import drop_superseded, model_cache_entry, resolve_model_path
 
@@ -30,7 +31,7 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     try:
         os.replace(tmp, saved)
     except OSError:                       # another process won the race; theirs is identical
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
     drop_superseded(saved, path)
     return tokenizer
 
