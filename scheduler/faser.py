@@ -35,7 +35,8 @@
     starting    a drafter that builds a state per request on its first round (lossy_kv encodes
                 the whole context) prices that once (`state_price` a context token): until a
                 request has drafted, its first draft of a step also pays its share of that
-                build over the tokens it may still generate, and it is never probed.
+                build over the tokens it may still generate; it is probed only where the build
+                costs at most a quarter of the steps between probes.
 Under load the rows' price dominates, every extra draft lowers goodput and k falls to 0 by itself:
 no batch-size threshold, so no cliff.
 """
@@ -457,8 +458,15 @@ class DraftLengthController:
                 self.idle[r] = self.idle.get(r, 0) + 1
                 idle.append(i)
         waited = {i: self.idle[request_ids[i]] / self.probe_interval(request_ids[i]) for i in idle}
-        # no probe builds a drafting state: a request not started has only the prior to keep live
-        idle = [i for i in idle if not (starts and starts[i])]
+        # a probe pays a request's state build whole: only one dearer than a quarter of the
+        # steps between probes keeps an unstarted request to the prior (quant's or Mustafar's
+        # encode of a long context; the window's copy of its 68 tokens is cheap, and without a
+        # probe a request the 0.6 prior keeps at k = 0 never drafted)
+        if starts:
+            budget = self.probe_every * self.cost.predict(num_other_tokens, 0, swap_bytes, 0,
+                                                          prefill_tokens, row_keys=row_keys) / 4
+            idle = [i for i in idle if not (starts[i]
+                                            and self.cost.state_price * unstarted[i] > budget)]
         due = [i for i in idle if waited[i] >= 1]
         if due and not any(ks):
             due = [i for i in idle if 2 * waited[i] >= 1]

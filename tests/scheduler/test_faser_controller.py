@@ -146,6 +146,21 @@ def test_a_probe_drafts_as_deep_as_its_first_position_would_pay():
     assert ks == [0] * (ctl.probe_every - 1) + [1]
 
 
+def test_an_unstarted_request_is_probed_where_its_state_is_cheap():
+    """Held at k = 0 by the 0.6 prior, a request whose drafting state costs little to build (the
+    window's: 18 ms at 2.8K, under a quarter of 8 steps of 15 ms) is probed after the interval
+    and so can start; one whose build costs 112 ms (quant's encode) is not."""
+    for state_price, probed in [(6.5e-6, True), (40e-6, False)]:
+        cost = CostModel(step=0.015, row=0.0, draft_row=0.0025, drafting_step=0.002)
+        cost.calibrate([(1, 0.006, 64), (1, 0.006, 65), (1, 0.006, 256), (1, 0.006, 257)],
+                       state_price=state_price)
+        ctl = DraftLengthController(8, cost=cost)
+        ks = [ctl.choose(["r"], [8], 1, row_keys=2800, contexts=[2800], unstarted=[2800],
+                         remaining=[100])[0] for _ in range(ctl.probe_every)]
+        assert ks[:-1] == [0] * (ctl.probe_every - 1)
+        assert (ks[-1] > 0) == probed
+
+
 def test_rejected_probes_back_off_and_an_accepted_one_resets_the_interval():
     """On text that never repeats each probe is a verify row for nothing: the interval doubles per
     rejected probe up to 8x, an accepted draft brings it back; a probe the drafter had nothing for
