@@ -4,7 +4,7 @@
                 per position, starting from the engine-wide estimate; a step that drafted k and
                 accepted a observes positions 0..min(a, k-1): accepted for i < a, rejected at i = a.
                 Positions it never reached read as its deepest observed one (optimism that
-                explores).
+                explores), and a position first reached is updated from that estimate.
     value       E_r(k) = 1 + sum_{j=1..k} prod_{i<j} p_i   (tokens committed, the bonus included)
     cost        T(step) = sum over the terms of `Prices` of price x the step's count of the term
                 (`CostModel`), the prices fitted online on measured steps. Attention is priced per
@@ -404,7 +404,10 @@ class DraftLengthController:
         p = self.accept.setdefault(request_id, self.prior.copy())
         seen = min(num_accepted + 1, num_drafted)
         self.frontier[request_id] = num_drafted if num_accepted >= num_drafted else 0
-        self.depth[request_id] = max(self.depth.get(request_id, 0), seen)
+        depth = self.depth.get(request_id, 0)
+        if 0 < depth < seen:            # first reached: from the estimate it read at (`probs`)
+            p[depth:seen] = p[depth - 1]
+        self.depth[request_id] = max(depth, seen)
         hits = (np.arange(seen) < num_accepted).astype(float)
         p[:seen] += self.ema * (hits - p[:seen])
         self.prior[:seen] += 0.05 * (hits - self.prior[:seen])

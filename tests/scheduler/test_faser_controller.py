@@ -131,6 +131,18 @@ def test_rounds_accepted_whole_reach_past_positions_left_low():
     assert ctl.probs("r")[2] < 0.6 and ctl.frontier["r"] == 0
 
 
+def test_a_position_first_reached_starts_from_the_estimate_it_was_read_at():
+    """Rounds of one draft, all accepted, raise position 0 to ~0.97 and the positions past it
+    read as much; the round that first reaches positions 1-2 updates them from that, not from
+    the 0.6 prior (which left them at 0.72 after a whole round accepted)."""
+    ctl = DraftLengthController(8, prior=0.6)
+    for _ in range(8):
+        ctl.observe("r", 1, 1)
+    ctl.observe("r", 3, 3)
+    p = ctl.probs("r")
+    assert p[1] > 0.95 and p[2] > 0.95 and p[3] > 0.95
+
+
 def test_a_probe_drafts_as_deep_as_its_first_position_would_pay():
     """Held at k = 0 by low estimates past position 0, a request accepting 95% at position 0 is
     probed with several drafts (as many as pay were every position accepted as its first), so
