@@ -32,14 +32,14 @@ from specserve.server.tokenizer import load_tokenizer
 from specserve.spec_phases.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))                           # the repository's loadtests package
+from loadtests.workloads import pinned_sources, source_files  # noqa: E402
 
 
 def long_prompts(tok, num: int, length: int) -> list[list[int]]:
     """The first `length` tokens of the `num` largest Python files of the repository at the long
     workloads' pinned commit (`loadtests/workloads.py`'s SOURCE_COMMIT: the prompts do not move
     with the working tree)."""
-    sys.path.insert(0, str(ROOT))                       # the repository's loadtests package
-    from loadtests.workloads import pinned_sources, source_files
     out = []
     for path in source_files(pinned_sources(ROOT)):
         ids = tok.encode(path.read_text())

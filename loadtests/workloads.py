@@ -151,8 +151,9 @@ def pinned_sources(repo: Path, commit: str = SOURCE_COMMIT) -> Path:
 
 
 def source_files(root: Path) -> list[Path]:
-    """The repository's Python files (tests included) outside virtualenvs and build folders,
-    largest first (ties by path), as benchmarks/long_prompt_interleave.py picks them."""
+    """The Python files (tests included) under `root` outside virtualenvs and build folders,
+    largest first (ties by path): the long workloads' and the long-context benchmarks' prompts
+    (`root` = `pinned_sources(...)`)."""
     skip = {".venv", "build", "node_modules", ".git"}
     files = [p for p in root.glob("*/**/*.py") if not skip & set(p.relative_to(root).parts)]
     return sorted(files, key=lambda p: (-p.stat().st_size, str(p)))

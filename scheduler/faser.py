@@ -22,10 +22,11 @@
                 accepted resets it, a probe accepted whole halves it (4, 2, 1: a request whose
                 first drafts were rejected is not held at plain decoding for 4 x 8 steps while
                 its probes say otherwise): on text that never repeats each probe is a verify
-                row for nothing. Probes ride on a draft pass the step runs anyway; when none runs, the due
-                probe takes every request idle for half its interval along (for a drafter whose
-                pass costs a forward, staggered probes would add a pass to nearly every step). No
-                probe where drafting could not pay even if every draft were accepted.
+                row for nothing. Probes ride on a draft pass the step runs anyway; when none
+                runs, the due probe takes every request idle for half its interval along (for a
+                drafter whose pass costs a forward, staggered probes would add a pass to nearly
+                every step). No probe where drafting could not pay even if every draft were
+                accepted.
     exploring   while the cost model's draft prices are still priors (`unpriced_drafting_steps`,
                 the scheduler's first 4 drafting steps), a request drafts at most one: a drafter
                 whose pass costs a forward over a long context is priced before it drafts k_max.
@@ -225,7 +226,7 @@ class CostModel:
         self.unfitted = 0                           # samples observed since the last fit
         self.unfitted_s = 0.0                       # their steps' seconds
         self.fit_s = 0.0                            # what the last fit took
-        self.num_fits = 0
+        self.num_fits = 0                           # fits made (the first is not timed)
         self.clock = time.perf_counter
 
     @property
@@ -422,7 +423,8 @@ class DraftLengthController:
 
     def probe_interval(self, request_id: str) -> int:
         """Steps at k = 0 before this request is probed: `probe_every`, doubled by each rejected
-        probe up to `probe_every * probe_backoff`, reset by an accepted draft."""
+        probe up to `probe_every * probe_backoff`, reset by an accepted draft, halved (down to
+        1) by a probe accepted whole."""
         return self.interval.get(request_id, self.probe_every)
 
     def choose(self, request_ids: list[str], caps: list[int], num_other_tokens: int,
@@ -437,13 +439,14 @@ class DraftLengthController:
         state of (0 once it has drafted), remaining[i]: the tokens it may still generate. That
         one-time cost (`CostModel.state_price` a token) is shared out over the steps left, at
         most one a token: its share rides on the request's first draft of a step; such a
-        request is never probed (a probe would pay it all).
-        A request held at k = 0 for its probe interval (`probe_interval`) drafts one token: without
-        it an estimate that fell low would never be observed again, and a request whose text
-        turned repetitive would never be drafted for. Probes are grouped into as few draft passes
-        as possible: a step that drafts anyway probes every due request; otherwise the first due
-        request brings along every request idle for at least half its interval, so the batch's
-        probes fall into step."""
+        request is probed only where the whole build costs at most a quarter of the steps
+        between probes (a probe pays it all).
+        A request held at k = 0 for its probe interval (`probe_interval`) drafts at least one
+        token: without it an estimate that fell low would never be observed again, and a request
+        whose text turned repetitive would never be drafted for. Probes are grouped into as few
+        draft passes as possible: a step that drafts anyway probes every due request; otherwise
+        the first due request brings along every request idle for at least half its interval, so
+        the batch's probes fall into step."""
         prices = [self.cost.draft_price(c) for c in contexts] if contexts else None
         starts = None
         if unstarted and self.cost.state_price and any(unstarted):
@@ -485,10 +488,9 @@ class DraftLengthController:
             hopeful = self._allocate(request_ids, caps, num_other_tokens, swap_bytes,
                                      prefill_tokens, certain, row_keys, prices, starts)
             due = [i for i in due if hopeful[i] > 0]
-            flat = probs
-            flat[due] = probs[due, :1]
+            probs[due] = probs[due, :1]                   # each position as its first
             deep = self._allocate(request_ids, caps, num_other_tokens, swap_bytes,
-                                  prefill_tokens, flat, row_keys, prices, starts)
+                                  prefill_tokens, probs, row_keys, prices, starts)
         for i in due:
             ks[i], self.idle[request_ids[i]] = max(deep[i], 1), 0
             self.probing.add(request_ids[i])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import os
+import re
+import shutil
 from pathlib import Path
 
 from specserve.kernels.cpu.native import cache_dir as kernel_cache_root
@@ -157,9 +159,6 @@ def drop_superseded(entry: Path, path: Path) -> None:
     """Remove the entries beside `entry` derived from another file of `path`'s name (an older
     copy, another install of the same package, another cache version): one entry per model file
     name, so the cache does not grow by a model's size with every fresh install."""
-    import shutil
-    import re
-
     same_name = re.compile(rf"{re.escape(path.stem)}-[0-9a-f]{{16}}(-v\d+\.safetensors)?")
     for other in entry.parent.iterdir():
         if other.name != entry.name and same_name.fullmatch(other.name):
