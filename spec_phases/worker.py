@@ -106,7 +106,7 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # the full cache in a host pool: opt-in (SpeculativeConfig.full_kv_in_host)
-        in_host = spec is not None and spec.method == "lossy_kv" and bool(spec.full_kv_in_host)
+        in_host = spec is not None and spec.method == "lossy_kv" and spec.full_kv_in_host
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
                                 tiny_seed=config.tiny_random_seed)

@@ -165,8 +165,9 @@ class Compressor(ABC):
 
     def draft_kernel(self) -> str | None:
         """The page format the C drafter attends straight from (`kernels/cpu/draft_attention.c`):
-        "quant" (reading `LayerState.arena`) or "mustafar" (`MustafarCompressor.joined`); None:
-        drafts over this compressor's pages run through the modules."""
+        "quant" (reading `LayerState.arena`), "mustafar" (`MustafarCompressor.joined`) or
+        "spherical" (`SphericalCompressor.joined`); None: drafts over this compressor's pages run
+        through the modules."""
         return None
 
     # ---- protocol ----------------------------------------------------------------------------
