@@ -1,16 +1,17 @@
-"""Paged attention (Triton) for decode and verify rows, read in place through the block tables.
+"""Paged attention (Triton) for every query row (decodes, verify rows, prompt chunks), read in
+place through the block tables.
 
 The reference gathers each request's keys into a padded tensor per layer (a copy of the whole
-context every layer) and runs SDPA. Here short-query requests (decodes and verify rows, q_len <=
-SHORT_QUERY) are served by one kernel: one program per (request, head, split of the context) loads
-the request's query rows as one [SHORT_QUERY, D] block, walks the context BN keys at a time (each
-key's slot looked up in the block table and read once for all the rows, so that a 9-row verify pass
-should cost about what a decode costs: the design's aim, unmeasured on a GPU), masks causally per
-row, and keeps an online softmax per row; splits are merged exactly by `merge_splits`. The splits
-are SPLIT_TOKENS long whatever the batch, so a row's result depends on its own position and keys
-alone: not on the rows beside it, the drafts after it, or a graph's planned width. Long
-prefill chunks keep the reference's SDPA path (one program per query would re-read the context once
-per query token). Same contract as kernels/reference/paged_attention.py.
+context every layer) and runs SDPA. Here one kernel serves every row: a request's query rows are
+cut into tiles of at most SHORT_QUERY rows, and one program per (tile, head, split of the context)
+loads its tile as one [SHORT_QUERY, D] block, walks the context up to the tile's last row BN keys
+at a time (each key's slot looked up in the block table and read once for all the tile's rows, so
+a 9-row verify pass costs about what a decode costs), masks causally per row and keeps an online
+softmax per row; splits are merged exactly, in order, by `merge_splits`. The splits are
+SPLIT_TOKENS long whatever the batch, and keys past a row's position add exact zeros, so a row's
+result depends on its own position and keys alone: not on the rows beside it, the drafts after
+it, a graph's planned width, or how a prompt was chunked (a prompt row computes what the same row
+as a decode would). Same contract as kernels/reference/paged_attention.py.
 `paged_attention_static` is the same kernel over fixed-shape device metadata, for CUDA graphs.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from specserve.kernels.metadata import PagedAttentionMetadata, StaticBatchMetadata
-from specserve.kernels.reference.paged_attention import SHORT_QUERY, chunk_attention, chunk_groups
+from specserve.kernels.reference.paged_attention import SHORT_QUERY
 from specserve.kernels.triton.splits import merge_splits
 
 BN = 64                 # keys a program scores at a time
@@ -41,7 +42,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
                   table_width, NUM_HEADS, GROUP, SPLIT, sm_scale, q_stride, kv_stride, WINDOW,
                   SOFTCAP, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                   QB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
-    i = tl.program_id(0)                        # i-th short-query request
+    i = tl.program_id(0)                        # i-th tile of query rows
     head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -50,7 +51,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
     first = tl.load(first_ptr + i)              # its first query row in q
     q_len = tl.load(qlen_ptr + i)
     seq_len = tl.load(seqlen_ptr + i)
-    offs_j = tl.arange(0, QB)                   # query rows of this request (padded to QB)
+    offs_j = tl.arange(0, QB)                   # query rows of this tile (padded to QB)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
     row_ok = offs_j < q_len
@@ -93,22 +94,24 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, req_ptr, first_ptr, qle
              mask=row_ok)
 
 
-def _short_requests(meta: PagedAttentionMetadata, device) -> tuple | None:
-    """(request index, first row, q_len, seq_len, block tables [B, W] int32, rows, max context) of
-    the short-query requests; built once per step and shared by every layer."""
-    return meta.memo("triton_short", lambda: _build_short(meta, device))
+def _row_tiles(meta: PagedAttentionMetadata, device) -> tuple | None:
+    """(request index, first row, rows, context through the tile's last row, block tables [B, W]
+    int32, max context) of every tile of at most SHORT_QUERY query rows; built once per step and
+    shared by every layer. A tile is given the context its last row sees, so the kernel walks no
+    key past it and masks the tile's earlier rows causally."""
+    return meta.memo("triton_tiles", lambda: _build_tiles(meta, device))
 
 
-def _build_short(meta: PagedAttentionMetadata, device) -> tuple | None:
-    reqs, firsts, qlens, lens, rows = [], [], [], [], []
+def _build_tiles(meta: PagedAttentionMetadata, device) -> tuple | None:
+    reqs, firsts, qlens, lens = [], [], [], []
     for b, seq_len in enumerate(meta.seq_lens):
         start, end = meta.query_start[b], meta.query_start[b + 1]
-        if 0 < end - start <= SHORT_QUERY:
+        for first in range(start, end, SHORT_QUERY):
+            last = min(first + SHORT_QUERY, end)
             reqs.append(b)
-            firsts.append(start)
-            qlens.append(end - start)
-            lens.append(seq_len)
-            rows.extend(range(start, end))
+            firsts.append(first)
+            qlens.append(last - first)
+            lens.append(seq_len - (end - last))
     if not reqs:
         return None
     width = max(len(t) for t in meta.block_tables) or 1
@@ -119,7 +122,7 @@ def _build_short(meta: PagedAttentionMetadata, device) -> tuple | None:
     def as_dev(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
     return (as_dev(reqs), as_dev(firsts), as_dev(qlens), as_dev(lens), tables.to(device),
-            torch.tensor(rows).to(device), max(lens))
+            max(lens))
 
 
 def tiles(head_dim: int) -> bool:
@@ -139,42 +142,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     softcap: float = 0.0) -> torch.Tensor:
     """Same contract as kernels/reference/paged_attention.py (dispatch falls back to it for
     unsupported head sizes and when the kernel cannot run here). A sliding window is masked (its
-    keys are still walked); the soft-cap is applied to the scores before the mask."""
-    out = torch.empty_like(q)
-    for where, blocks, mask in chunk_groups(meta, window):       # long prefill chunks
-        out[where] = chunk_attention(q[where], k_cache, v_cache, blocks, mask, scale,
-                                     meta.block_size, softcap)
-    short = _short_requests(meta, q.device)
-    if short is not None:
-        reqs, firsts, qlens, lens, tables, rows, max_ctx = short
-        part_out, part_lse = _short_query_splits(q, k_cache, v_cache, reqs, firsts, qlens, lens,
-                                                 tables, max_ctx, meta.block_size, scale, window,
-                                                 softcap)
-        out[rows] = merge_splits(part_out[rows], part_lse[rows], q.dtype)
-    return out
+    keys are still walked); the soft-cap is applied to the scores before the mask. Rows past the
+    last request's (padding) are left undefined."""
+    plan = _row_tiles(meta, q.device)
+    if plan is None:
+        return torch.empty_like(q)
+    reqs, firsts, qlens, lens, tables, max_ctx = plan
+    part_out, part_lse = _tile_splits(q, k_cache, v_cache, reqs, firsts, qlens, lens, tables,
+                                      max_ctx, meta.block_size, scale, window, softcap)
+    return merge_splits(part_out, part_lse, q.dtype)
 
 
 def paged_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: StaticBatchMetadata, scale: float, window: int = 0,
                            softcap: float = 0.0) -> torch.Tensor:
-    """Short-query requests whose metadata is device tensors of fixed shape: nothing is built on
+    """Decode and verify rows whose metadata is device tensors of fixed shape: nothing is built on
     the host, so a CUDA graph can capture it. The splits are planned for the longest context the
     tables hold; a split past a request's context holds nothing and merges away exactly. Rows no
     request owns (padding) are left undefined."""
-    part_out, part_lse = _short_query_splits(
+    part_out, part_lse = _tile_splits(
         q, k_cache, v_cache, meta.requests, meta.first_rows, meta.query_lens, meta.seq_lens,
         meta.block_tables, meta.max_context, meta.block_size, scale, window, softcap)
     return merge_splits(part_out, part_lse, q.dtype)
 
 
-def _short_query_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _tile_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         reqs: torch.Tensor, firsts: torch.Tensor, qlens: torch.Tensor,
                         lens: torch.Tensor, tables: torch.Tensor, max_ctx: int, block_size: int,
                         scale: float, window: int, softcap: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel over the short-query requests: per query row, head and split of the context,
-    the partial output [rows, heads, splits, D] and log-sum-exp [rows, heads, splits] (rows of
-    other requests are left unwritten)."""
+    """The kernel over tiles of query rows: per query row, head and split of the context, the
+    partial output [rows, heads, splits, D] and log-sum-exp [rows, heads, splits] (rows in no
+    tile are left unwritten)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1

@@ -2,6 +2,14 @@
 child interpreter, so the interpreter flag never leaks into other tests)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 CHILD = r'''
 import torch
 from specserve.kernels import dispatch
@@ -55,18 +63,20 @@ def test_triton_paged_attention_matches_reference(triton_interpreted):
 
 
 INVARIANT = r'''
+import sys
 import torch
 from specserve.kernels import dispatch
 from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kernels.triton import paged_attention as pa
 
-fast = dispatch.get_op("paged_attention", "cpu").kernel
+dev = sys.argv[1]                                # cpu (interpreted) or cuda
+fast = dispatch.get_op("paged_attention", dev).kernel
 assert fast.__module__ == "specserve.kernels.triton.paged_attention", fast.__module__
 torch.manual_seed(0)
 bs, heads, kv_heads, dim = 16, 6, 2, 32
-k = torch.randn(420 * bs, kv_heads, dim).to(torch.bfloat16)
-v = torch.randn(420 * bs, kv_heads, dim).to(torch.bfloat16)
-q = torch.randn(16, heads, dim).to(torch.bfloat16)
+k = torch.randn(420 * bs, kv_heads, dim).to(dev, torch.bfloat16)
+v = torch.randn(420 * bs, kv_heads, dim).to(dev, torch.bfloat16)
+q = torch.randn(16, heads, dim).to(dev, torch.bfloat16)
 mine = list(range(0, 170))                       # the row's request: 2500 tokens of context
 other = list(range(170, 420))                    # a longer one beside it: 4000 tokens
 
@@ -82,15 +92,35 @@ alone = run([0, 1], [2500], [mine])[0]           # a decode, alone in its step
 beside = run([0, 1, 2], [2500, 4000], [mine, other])[0]
 drafts = run([0, 5, 6], [2504, 4000], [mine, other])[0]
 assert torch.equal(alone, beside) and torch.equal(alone, drafts)
+# a prompt of 40 rows at positions 2460..2499, as one chunk and as two (23 + 17 rows; the tiles
+# fall elsewhere): each row equals the row alone as a decode at its position
+qp = torch.randn(40, heads, dim).to(dev, torch.bfloat16)
+whole = fast(qp, k, v, PagedAttentionMetadata([0, 40], [2500], [mine], bs), dim ** -0.5)
+parts = torch.cat([fast(qp[:23], k, v, PagedAttentionMetadata([0, 23], [2483], [mine], bs),
+                        dim ** -0.5),
+                   fast(qp[23:], k, v, PagedAttentionMetadata([0, 17], [2500], [mine], bs),
+                        dim ** -0.5)])
+for row in (0, 15, 16, 22, 23, 39):
+    single = fast(qp[row:row + 1], k, v,
+                  PagedAttentionMetadata([0, 1], [2461 + row], [mine], bs), dim ** -0.5)[0]
+    assert torch.equal(whole[row], single) and torch.equal(parts[row], single), row
 print("ok invariant")
 '''
 
 
-def test_a_rows_attention_does_not_depend_on_its_step(triton_interpreted):
-    """A decode row's output is bit for bit the same alone, beside a longer request, and as the
-    first row of a verify pass: the splits are fixed in length and merged in order, so neither
-    the batch nor the drafts after a row change its sums (lossless speculation on the GPU)."""
-    triton_interpreted(INVARIANT, "ok invariant")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rows_attention_does_not_depend_on_its_step(device, triton_interpreted):
+    """A decode row's output is bit for bit the same alone, beside a longer request, as the
+    first row of a verify pass, and as a row of a prompt chunk however the prompt is chunked: the
+    splits are fixed in length and merged in order and prompt rows take the same kernel in tiles,
+    so neither the batch, the drafts after a row nor the chunking change its sums (lossless
+    speculation on the GPU)."""
+    if device == "cpu":
+        triton_interpreted(INVARIANT, "ok invariant", "cpu")
+        return
+    proc = subprocess.run([sys.executable, "-c", INVARIANT, "cuda"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "ok invariant" in proc.stdout, proc.stderr[-4000:]
 
 
 def _mixed_batch(head_dim: int):
