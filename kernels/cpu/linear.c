@@ -351,6 +351,11 @@ static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
 /* 16 sums of row `row` into y's columns n0 .. (those there are), plus the bias */
 static inline void store_row(const float out[PANEL], int64_t row, int64_t n0, int64_t N,
                              const float *bias, float *y) {
+    if (!bias && N - n0 >= PANEL) {          /* a whole panel: a constant-size copy (vector moves,
+                                              * not the library's copy of a variable length) */
+        memcpy(y + row * N + n0, out, sizeof(float) * PANEL);
+        return;
+    }
     const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t c = 0; c < width; c++)
         y[row * N + n0 + c] = bias ? out[c] + bias[n0 + c] : out[c];

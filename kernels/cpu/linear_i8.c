@@ -329,10 +329,12 @@ static inline void i8_store(const i8_acc *acc, int i, float out[PANEL]) {
 }
 #endif
 
-/* rows m0 .. m0 + mr - 1 against np panels (p0 on; mr * np <= I8_TILE), into y */
-static inline void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr,
-                                  const uint8_t *base, int64_t panel_bytes, int64_t p0, int np,
-                                  int layout, int64_t N, const float *bias, float *y) {
+/* rows m0 .. m0 + mr - 1 against np panels (p0 on; mr * np <= I8_TILE), into y; inlined with
+ * a constant layout (`i8_rows_panels`), so each tile is compiled for its one layout */
+static inline __attribute__((always_inline)) void
+i8_rows_panels_as(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t *base,
+                  int64_t panel_bytes, int64_t p0, int np, const int layout, int64_t N,
+                  const float *bias, float *y) {
     const uint8_t *panels[I8_TILE];
     for (int p = 0; p < np; p++)
         panels[p] = base + (p0 + p) * panel_bytes;
@@ -358,6 +360,21 @@ static inline void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t m
             i8_store(acc, r * np + p, out);
             store_row(out, m0 + r, (p0 + p) * PANEL, N, bias, y);
         }
+}
+
+static void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t *base,
+                           int64_t panel_bytes, int64_t p0, int np, int layout, int64_t N,
+                           const float *bias, float *y) {
+    switch (layout) {
+    case Q4_1_I8:
+        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q4_1_I8, N, bias, y);
+        break;
+    case Q8_0_I8:
+        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q8_0_I8, N, bias, y);
+        break;
+    default:
+        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, N, bias, y);
+    }
 }
 
 /* x [M, K] float32 against a Q4_1_I8 / Q8_0_I8 packed weight: y [M, N] (+ bias). Returns 0, or -1
