@@ -309,10 +309,13 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
 #endif
                 for (int64_t g = 0; g < n; g++) {
                     float *sg = scores + (g * keys + j0 - first) * TILE;
-                    for (int i = 0; i < KEYS; i += 2)
-                        tile_scores2(qt + g * head_dim * TILE, kb + ko[kj + i],
-                                     kb + ko[kj + i + 1], head_dim, scale, sg + i * TILE,
-                                     sg + (i + 1) * TILE);
+                    for (int i = 0; i < KEYS; i += 4) {
+                        const float *k4[4] = {kb + ko[kj + i], kb + ko[kj + i + 1],
+                                              kb + ko[kj + i + 2], kb + ko[kj + i + 3]};
+                        float *s4[4] = {sg + i * TILE, sg + (i + 1) * TILE, sg + (i + 2) * TILE,
+                                        sg + (i + 3) * TILE};
+                        tile_scores4(qt + g * head_dim * TILE, k4, head_dim, scale, s4);
+                    }
                 }
             }
             for (int64_t g = 0; g < n; g++) {
