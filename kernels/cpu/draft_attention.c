@@ -111,6 +111,18 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+/* 8 float16 values as floats */
+static inline v8f half8(const uint16_t *h) {
+#if defined(__F16C__)
+    return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    v8f f;
+    for (int i = 0; i < 8; i++)
+        f[i] = half_to_float(h[i]);
+    return f;
+#endif
+}
+
 /* 8 values of a dense cache (float32, or bfloat16 bits) as floats */
 static inline v8f dense8(const void *cache, int64_t at, int bf16) {
     if (bf16)
@@ -211,14 +223,21 @@ static inline __attribute__((always_inline)) void page_scores(
             for (int64_t at = 0; at < D * pbytes; at += 64)
                 __builtin_prefetch(codes + kv_heads * D * pbytes + at, 0, 1);
         float qz[MAX_G];
-        for (int g = 0; g < n; g++) {                             /* q * s_k and q . z_k */
-            float z = 0.0f;
-            for (int64_t d = 0; d < D; d++) {
-                qp[g * D + d] = w->q[g][d] * half_to_float(ks[d]);
-                z += w->q[g][d] * half_to_float(kz[d]);
+        v8f z8[MAX_G];
+        for (int g = 0; g < n; g++)
+            z8[g] = splat8(0.0f);
+        for (int64_t d = 0; d < D; d += 8) {           /* q * s_k and q . z_k, 8 channels a step */
+            const v8f s8 = half8(ks + d), zk = half8(kz + d);
+            for (int g = 0; g < n; g++) {
+                v8f q8;
+                memcpy(&q8, w->q[g] + d, sizeof q8);
+                const v8f qs = q8 * s8;
+                memcpy(qp + g * D + d, &qs, sizeof qs);
+                z8[g] = fma8(q8, zk, z8[g]);
             }
-            qz[g] = z;
         }
+        for (int g = 0; g < n; g++)
+            qz[g] = tree8(z8[g]);
         const int64_t base = p * page_size;
         const int64_t lo = (a > base ? a : base) - base;
         const int64_t hi = (e < base + page_size ? e : base + page_size) - base;
@@ -266,9 +285,28 @@ static inline __attribute__((always_inline)) void page_values(
     int64_t D, int64_t kv_heads, int64_t a, int64_t e, float *pw) {
     const int64_t len = e - a, bytes = D * vbits / 8;
     float zsum[MAX_G];
+    v8f z8[MAX_G];                  /* 8 tokens a step: their scales gathered (strided by head) */
     for (int g = 0; g < n; g++)
-        zsum[g] = 0.0f;
-    for (int64_t t = a; t < e; t++) {
+        z8[g] = splat8(0.0f);
+    int64_t t = a;
+    for (; t + 8 <= e; t += 8) {
+        uint16_t vs16[8], vz16[8];
+        for (int i = 0; i < 8; i++) {
+            vs16[i] = pg->v_scale[(t + i) * kv_heads + h];
+            vz16[i] = pg->v_zero[(t + i) * kv_heads + h];
+        }
+        const v8f vs = half8(vs16), vz = half8(vz16);
+        for (int g = 0; g < n; g++) {
+            v8f s8;
+            memcpy(&s8, w->s[g] + t - a, sizeof s8);
+            const v8f p8 = s8 * vs;
+            memcpy(pw + g * len + t - a, &p8, sizeof p8);
+            z8[g] = fma8(s8, vz, z8[g]);
+        }
+    }
+    for (int g = 0; g < n; g++)
+        zsum[g] = tree8(z8[g]);
+    for (; t < e; t++) {
         const int64_t at = t * kv_heads + h;
         const float vs = half_to_float(pg->v_scale[at]), vz = half_to_float(pg->v_zero[at]);
         for (int g = 0; g < n; g++) {
