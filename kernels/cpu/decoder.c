@@ -147,6 +147,12 @@ void decoder_round_fp8(const float *x, uint8_t *out, int64_t n) {
     kv_store(out, 0, x, n, KV_FP8);
 }
 
+/* rows of a prompt chunk whose MLP runs together: a block's gate/up and activations (12 KB and 6
+ * KB a row for the embedded model) stay in the caches, where a 2048-row chunk's whole gate/up
+ * (25 MB) went out to memory and back. Each row's result is its own whatever the blocking: the
+ * linear and elementwise kernels are row-invariant (linear_i8.c, linear.c). */
+#define MLP_ROWS 128
+
 /* layers: the model's; run: the indices of those to run, in order (num_run of them, >= 1);
  * k_cache, v_cache: [num_layers, slots, num_kv_heads, head_dim] of kv_dtype (enum kv_dtype):
  * float32, or bfloat16 / fp8 e4m3 bits (K/V rounded to it on the write, widened exactly by the
@@ -229,17 +235,21 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
         rms_norm_rows(b->x, b->out, l->post_attention_norm, b->x, b->h, rows, m->hidden, m->eps,
                       num_threads);
         lap(seconds, ELEMENTWISE_S, &mark);
-        if (linear_forward(b->h, rows, m->hidden, l->gate_up.data, (int)l->gate_up.layout,
-                           2 * m->intermediate, l->gate_up.bias, b->gate_up, num_threads))
-            return -1;
-        lap(seconds, LINEAR_S, &mark);
-        glu_rows(b->gate_up, 2 * m->intermediate, b->act, rows, m->intermediate, l->activation,
-                 num_threads);
-        lap(seconds, ELEMENTWISE_S, &mark);
-        if (linear_forward(b->act, rows, m->intermediate, l->down.data, (int)l->down.layout,
-                           m->hidden, l->down.bias, b->out, num_threads))
-            return -1;
-        lap(seconds, LINEAR_S, &mark);
+        for (int64_t r0 = 0; r0 < rows; r0 += MLP_ROWS) {      /* the MLP, a block at a time */
+            const int64_t n = rows - r0 < MLP_ROWS ? rows - r0 : MLP_ROWS;
+            if (linear_forward(b->h + r0 * m->hidden, n, m->hidden, l->gate_up.data,
+                               (int)l->gate_up.layout, 2 * m->intermediate, l->gate_up.bias,
+                               b->gate_up, num_threads))
+                return -1;
+            lap(seconds, LINEAR_S, &mark);
+            glu_rows(b->gate_up, 2 * m->intermediate, b->act, n, m->intermediate, l->activation,
+                     num_threads);
+            lap(seconds, ELEMENTWISE_S, &mark);
+            if (linear_forward(b->act, n, m->intermediate, l->down.data, (int)l->down.layout,
+                               m->hidden, l->down.bias, b->out + r0 * m->hidden, num_threads))
+                return -1;
+            lap(seconds, LINEAR_S, &mark);
+        }
         if (l->mlp_out_norm) {
             rms_norm_rows(b->out, NULL, l->mlp_out_norm, NULL, b->out, rows, m->hidden, m->eps,
                           num_threads);

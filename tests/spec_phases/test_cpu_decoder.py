@@ -48,6 +48,19 @@ def test_bitwise_the_modules_over_mixed_steps(bias, windows, qk_norm, cache_dtyp
     assert whole[one_call_steps:] == [1]
 
 
+def test_a_long_chunk_s_mlp_runs_in_blocks_bitwise_the_modules(decoder_runners, same_steps):
+    """A prompt chunk longer than the one call's MLP block (`decoder.c` MLP_ROWS, 128 rows)
+    beside a decode: its rows' MLP runs block by block, each row bitwise what the modules
+    compute for it (the kernels are row-invariant, so the blocking changes no result)."""
+    model = packed_model()
+    fast, modules = decoder_runners(model, num_blocks=96)
+    g = torch.Generator().manual_seed(5)
+    prompt = tuple(torch.randint(0, 300, (300,), generator=g).tolist())
+    tables = [tuple(range(0, 80)), tuple(range(80, 84))]
+    same_steps(fast, modules, steps=[([prompt[:290], (4, 5, 6)], [0, 0], tables),
+                                     ([prompt[290:], (7,)], [290, 3], tables)])
+
+
 def test_taken_only_where_it_serves(monkeypatch, decoder_runners):
     unpacked = build_random_model(tiny_config(vocab_size=300))
     assert not cpu_decoder.supported(unpacked)                        # nothing packed
