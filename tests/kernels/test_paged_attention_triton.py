@@ -21,12 +21,14 @@ op, ref = dispatch.get_op("paged_attention", "cpu"), dispatch.reference("paged_a
 fast = op.kernel                                 # the kernel itself, never its fallback
 assert fast.__module__ == "specserve.kernels.triton.paged_attention", fast.__module__
 cases = [
-        # (context length, new queries): decodes, verify rows, prefill chunks (first and later), block edges
+        # (context length, new queries): decodes, verify rows, prefill chunks (first and
+        # later), block edges
         (4, 4, 2, 16, [(9, 1), (13, 4), (20, 20), (37, 17), (16, 1), (17, 3)], torch.float32),
         (16, 6, 2, 32, [(300, 1), (150, 9), (64, 1), (65, 2), (1, 1)], torch.float32),
         (16, 3, 3, 64, [(200, 5), (33, 33), (90, 1)], torch.bfloat16)]
 several = False
-for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for m in (1024, 64) for c in cases]:
+for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [
+        (c, m) for m in (1024, 64) for c in cases]:
     pa.SPLIT_TOKENS = min_split                  # one split at these sizes, then several merged
     torch.manual_seed(block_size + dim)
     num_blocks = sum(-(-n // block_size) for n, _ in shapes) + 3
@@ -39,7 +41,8 @@ for (block_size, heads, kv_heads, dim, shapes, dtype), min_split in [(c, m) for 
         tables.append(perm[used:used + nb])
         used += nb
         query_start.append(query_start[-1] + num_q)
-    q = torch.randn(query_start[-1], heads + kv_heads, dim).to(dtype)[:, :heads]   # a strided view, as in the model
+    # a strided view, as in the model
+    q = torch.randn(query_start[-1], heads + kv_heads, dim).to(dtype)[:, :heads]
     lens = [s[0] for s in shapes]
     several |= max(lens) > pa.SPLIT_TOKENS
     # plain; a sliding window (Mistral, Gemma) with a soft-cap (Gemma 2), applied to the scores
