@@ -16,18 +16,9 @@ import time
 
 import torch
 
-from specserve.kernels.cpu import decoder as fused
+import decoder_timers
 from specserve.scheduler.config import EngineConfig, SpeculativeConfig
 from specserve.scheduler.engine import EngineCore
-
-SECONDS = torch.zeros(3, dtype=torch.float64)
-_forward = fused.forward
-
-
-def timed_forward(*args, **kwargs):
-    kwargs.setdefault("seconds", SECONDS)
-    return _forward(*args, **kwargs)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -35,7 +26,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2800)
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
-    fused.forward = timed_forward
+    decoder_timers.install()
     for name in args.compressors.split(","):
         core = EngineCore(EngineConfig(enable_prefix_caching=False, speculative=SpeculativeConfig(
             method="lossy_kv", num_speculative_tokens=8, kv_compressor=name)))
@@ -50,10 +41,11 @@ def main() -> None:
             encode_s += time.perf_counter() - start
         rounds = []
         for _ in range(args.rounds):
-            SECONDS.zero_()
+            decoder_timers.reset()
             start = time.perf_counter()
             proposer._draft([state], [1], [n], [8], refresh_mass=False, since=start)
-            rounds.append(((time.perf_counter() - start) / 8, *(SECONDS / 8).tolist()))
+            per_pass = (decoder_timers.SECONDS / 8).tolist()
+            rounds.append(((time.perf_counter() - start) / 8, *per_pass))
         best = sorted(rounds)[:3]
         print(f"{name} at {n} tokens: encode {encode_s * 1e3:.1f} ms; a pass (ms: all, linear, "
               f"attention, elementwise), best 3 of {args.rounds}: "

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from specserve.kernels.cpu import decoder as cpu_fused
+import decoder_timers
 from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
@@ -42,15 +42,6 @@ from specserve.spec_phases.sampling_params import SamplingParams
 # --accuracy's held prompts: the first tokens of these standard-library modules' sources
 HELD_MODULES = ("ast", "calendar", "dataclasses", "difflib", "json", "logging", "textwrap",
                 "tokenize")
-SECONDS = torch.zeros(3, dtype=torch.float64)        # decoder.c: linear, attention, elementwise
-_forward = cpu_fused.forward
-
-
-def timed_forward(*args, **kwargs):
-    kwargs.setdefault("seconds", SECONDS)
-    return _forward(*args, **kwargs)
-
-
 def run(core: EngineCore, tag: str, concurrency: int, prompt_len: int, output_len: int,
         seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -64,7 +55,7 @@ def run(core: EngineCore, tag: str, concurrency: int, prompt_len: int, output_le
     decode_s, decode_steps = 0.0, 0
     kernels = torch.zeros(3, dtype=torch.float64)
     while core.has_unfinished():
-        SECONDS.zero_()
+        decoder_timers.reset()
         t = time.perf_counter()
         step = core.step()
         now = time.perf_counter()
@@ -73,7 +64,7 @@ def run(core: EngineCore, tag: str, concurrency: int, prompt_len: int, output_le
         if step.stats.num_prompt_tokens == 0 and step.outputs:         # a pure decode step
             decode_s += now - t
             decode_steps += 1
-            kernels += SECONDS
+            kernels += decoder_timers.SECONDS
     elapsed = time.perf_counter() - start
     core.check_integrity()
     ttft = [s[0] - start for s in stamps.values()]
@@ -161,7 +152,7 @@ def main() -> None:
     ap.add_argument("--accuracy", action="store_true",
                     help="perplexity and greedy agreement instead of speed")
     args = ap.parse_args()
-    cpu_fused.forward = timed_forward
+    decoder_timers.install()
     cores = {}
     for kv in args.kv_cache_dtype:
         cores[kv] = EngineCore(EngineConfig(

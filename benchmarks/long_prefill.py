@@ -13,27 +13,13 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
+import decoder_timers
 from long_prompt_interleave import long_prompts
-from specserve.kernels.cpu import decoder as fused
 from specserve.scheduler.config import EngineConfig
 from specserve.scheduler.engine import EngineCore
 from specserve.scheduler.messages import EngineRequest
 from specserve.server.tokenizer import load_tokenizer
 from specserve.spec_phases.sampling_params import SamplingParams
-
-SECONDS = torch.zeros(3, dtype=torch.float64)      # linear, attention, elementwise
-CALLS: list[tuple[int, float]] = []                # (rows, seconds) a decoder call
-_forward = fused.forward
-
-
-def timed_forward(*args, **kwargs):
-    kwargs.setdefault("seconds", SECONDS)
-    start = time.perf_counter()
-    out = _forward(*args, **kwargs)
-    CALLS.append((args[3]["x"].shape[0], time.perf_counter() - start))
-    return out
 
 
 def main() -> None:
@@ -43,22 +29,21 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int,
                     default=EngineConfig.max_num_batched_tokens)
     args = ap.parse_args()
-    fused.forward = timed_forward
+    decoder_timers.install()
     prompt = long_prompts(load_tokenizer(None), 1, args.context)[0]
     core = EngineCore(EngineConfig(enable_prefix_caching=False,
                                    max_num_batched_tokens=args.max_num_batched_tokens))
     core.warm_up()
     for i in range(args.rounds):
-        SECONDS.zero_()
-        CALLS.clear()
+        decoder_timers.reset()
         core.add_request(EngineRequest(f"r{i}", prompt,
                                        SamplingParams(max_tokens=1, temperature=0.0)))
         start = time.perf_counter()
         while core.has_unfinished():
             core.step()
         wall = time.perf_counter() - start
-        linear, attention, elementwise = (SECONDS * 1e3).tolist()
-        calls = ", ".join(f"{rows} rows {s * 1e3:.0f} ms" for rows, s in CALLS)
+        linear, attention, elementwise = (decoder_timers.SECONDS * 1e3).tolist()
+        calls = ", ".join(f"{c[0]} rows {c[1] * 1e3:.0f} ms" for c in decoder_timers.CALLS)
         print(f"prefill of {len(prompt)} tokens: {wall * 1e3:.0f} ms; linear {linear:.0f}, "
               f"attention {attention:.0f}, elementwise {elementwise:.0f} ms; calls: {calls}",
               flush=True)

@@ -19,11 +19,9 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
-
+import decoder_timers
 from adaptive_long_context import cell
 from long_prompt_interleave import long_prompts
-from specserve.kernels.cpu import decoder as fused
 from specserve.scheduler import faser
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.server.tokenizer import load_tokenizer
@@ -38,16 +36,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--adaptive", action="store_true")
     args = ap.parse_args()
-    calls, log = defaultdict(list), []
-    forward = fused.forward
-
-    def timed(*a, **kw):
-        seconds = kw.setdefault("seconds", torch.zeros(3, dtype=torch.float64))
-        start = time.perf_counter()
-        out = forward(*a, **kw)
-        calls[a[3]["x"].shape[0]].append((time.perf_counter() - start, *seconds.tolist()))
-        return out
-    fused.forward = timed
+    log = []
+    decoder_timers.install()
     choose, observe, fit = (faser.DraftLengthController.choose,
                             faser.DraftLengthController.observe, faser.CostModel.fit)
 
@@ -82,10 +72,13 @@ def main() -> None:
         passes.append([s for _, s in out[1]])
         return out
     lossy_kv.LossyKVProposer._draft = timed_draft
-    calls.clear()
+    decoder_timers.reset()
     _, tpot, mean_k, _ = cell(spec, prompt, args.new_tokens)
     print(f"{args.compressor} {'adaptive' if args.adaptive else f'k={args.k}'} at "
           f"{args.context}: TPOT {tpot * 1e3:.1f} ms, mean drafts a step {mean_k:.2f}")
+    calls = defaultdict(list)                     # rows -> (wall, linear, attention, elementwise)
+    for rows, *times in decoder_timers.CALLS:
+        calls[rows].append(times)
     for rows, v in sorted(calls.items()):
         if rows > 64:
             continue                                        # the warm-up's and prompt's chunks

@@ -1,0 +1,35 @@
+"""The one-call C decoder's own kernel timers, for the benchmarks (`draft_pass.py`,
+`kv_cache_dtype.py`, `long_prefill.py`, `lossy_kv_trace.py`): `install()` wraps
+`kernels/cpu/decoder.forward` so that every call adds its seconds in the linear layers, attention
+(with the K/V write) and the elementwise kernels to SECONDS, and records (rows, wall seconds,
+linear, attention, elementwise) in CALLS; `reset()` clears both."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specserve.kernels.cpu import decoder as fused
+
+SECONDS = torch.zeros(3, dtype=torch.float64)       # linear, attention, elementwise, summed
+CALLS: list[tuple[int, float, float, float, float]] = []
+_forward = fused.forward
+
+
+def _timed_forward(*args, **kwargs):
+    seconds = torch.zeros(3, dtype=torch.float64)
+    kwargs["seconds"] = seconds
+    start = time.perf_counter()
+    out = _forward(*args, **kwargs)
+    CALLS.append((args[3]["x"].shape[0], time.perf_counter() - start, *seconds.tolist()))
+    SECONDS.add_(seconds)
+    return out
+
+
+def install() -> None:
+    fused.forward = _timed_forward
+
+
+def reset() -> None:
+    SECONDS.zero_()
+    CALLS.clear()
