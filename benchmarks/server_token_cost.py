@@ -17,8 +17,8 @@ import asyncio
 import os
 import shlex
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,10 +27,8 @@ import httpx
 # loadtests/ is a tool folder of the checkout, not installed with the server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadtests.client import RequestSpec, stream_completion  # noqa: E402
-from loadtests.peers import free_port  # noqa: E402
+from loadtests.peers import SERVED_MODEL_NAME, free_port, specserve_peer  # noqa: E402
 from loadtests.workloads import chat_prompts  # noqa: E402
-
-MODEL = "m"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -41,51 +39,41 @@ def cpu_seconds(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-async def run(variant: str, num_requests: int, max_tokens: int) -> str:
+async def run(variant: str, num_requests: int, max_tokens: int, log_dir: Path) -> str:
     words = shlex.split(variant)
-    env = dict(os.environ) | dict(w.split("=", 1) for w in words if "=" in w)
-    flags = [w for w in words if "=" not in w]
-    port = free_port()
-    exe = Path(sys.executable).with_name("specserve")
-    server = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(port),
-                               "--served-model-name", MODEL, *flags], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    peer = specserve_peer(free_port(), extra_args=[w for w in words if "=" not in w])
+    peer.env = dict(w.split("=", 1) for w in words if "=" in w)
+    peer.start(log_dir)
     try:
+        peer.wait_ready()
+        server = peer.proc.pid
         async with httpx.AsyncClient(timeout=300) as client:
-            for _ in range(600):
-                try:
-                    if (await client.get(url + "/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.5)
+            async def stream(prompt: str, tokens: int):
+                r = await stream_completion(client, peer.base_url, SERVED_MODEL_NAME,
+                                            RequestSpec(prompt, tokens), peer.extra_body)
+                if not r.ok:
+                    raise RuntimeError(f"request failed: {r.error}\n{peer.log_tail()}")
+                return r
             prompts = chat_prompts(num_requests + 1, 1)
-            body = {"ignore_eos": True}
-            await stream_completion(client, url, MODEL, RequestSpec(prompts[0], 16), body)
+            await stream(prompts[0], 16)
             # the engine core: the busiest process (its warm-up ran there), a child of the
             # server's or, with --engine-in-thread, the server itself
-            engine = max([server.pid, *children(server.pid)], key=cpu_seconds)
-            before = cpu_seconds(server.pid), cpu_seconds(engine), time.process_time()
+            engine = max([server, *children(server)], key=cpu_seconds)
+            before = cpu_seconds(server), cpu_seconds(engine), time.process_time()
             start, tpots, tokens = time.perf_counter(), [], 0
             for prompt in prompts[1:]:
-                r = await stream_completion(client, url, MODEL, RequestSpec(prompt, max_tokens),
-                                            body)
-                if not r.ok:
-                    raise RuntimeError(f"request failed: {r.error}")
+                r = await stream(prompt, max_tokens)
                 tpots.append(statistics.median(r.itls_s) * 1e3)
                 tokens += r.completion_tokens
             elapsed = time.perf_counter() - start
-            api = cpu_seconds(server.pid) - before[0]
+            api = cpu_seconds(server) - before[0]
             core = cpu_seconds(engine) - before[1]
             mine = time.process_time() - before[2]
     finally:
-        server.terminate()
-        server.wait()
+        peer.stop()
     per = 1e3 / tokens
     return (f"{variant or 'default'!r}: TPOT p50 {statistics.median(tpots):.2f} ms, "
             f"{tokens / elapsed:.1f} tok/s; CPU ms a token: API process {api * per:.2f}, "
@@ -98,8 +86,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
-    for variant in args.variant or [""]:
-        print(asyncio.run(run(variant, args.requests, args.max_tokens)), flush=True)
+    with tempfile.TemporaryDirectory() as log_dir:
+        for variant in args.variant or [""]:
+            print(asyncio.run(run(variant, args.requests, args.max_tokens, Path(log_dir))),
+                  flush=True)
 
 
 if __name__ == "__main__":
