@@ -118,8 +118,8 @@ class Worker:
             layout = self.model.layers[0].qkv_proj.packed.layout
             kind = {"onednn": "oneDNN", "f32": "the C kernel",
                     "bf16": "the C kernel, bf16 panels (the checkpoint's values)"}.get(
-                layout, f"the C kernel, the GGUF's {layout.removesuffix('_i8').upper()} blocks "
-                f"as they are{', int8 activations' if layout.endswith('_i8') else ''}")
+                layout, f"the C kernel, the GGUF's {layout.split('_i8')[0].upper()} blocks "
+                f"as they are{', int8 activations' if '_i8' in layout else ''}")
             logger.info("linear weights packed for %s (%s on CPU)", kind, self.dtype)
         else:
             self.model.drop_gguf_blocks()

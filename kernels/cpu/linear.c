@@ -39,7 +39,10 @@
 #define GROUP 2                 /* panels together at one row: independent chains of sums */
 /* I8: linear_i8.c; BF16: F32's panels with each weight's upper 16 bits (a bf16 checkpoint's
  * weights, whose float32 values they are exactly: the same sums from half the bytes) */
-enum layout { F32 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1_I8 = 3, Q8_0_I8 = 4, U8_I8 = 5, BF16 = 6 };
+enum layout {
+    F32 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1_I8 = 3, Q8_0_I8 = 4, U8_I8 = 5, BF16 = 6,
+    Q4_1_I8H = 7, Q8_0_I8H = 8,    /* Q4_1_I8, Q8_0_I8 with their scales as GGUF's fp16 */
+};
 
 /* A panel's 16 columns at one k (or a row's 16 sums) as two 8-float halves: the form of one row
  * against Q4_1 panels on every CPU (`row_group_q4`) and of everything on CPUs without AVX-512. */
@@ -450,8 +453,8 @@ void linear_rows(const void *packed, int layout, int64_t K, const int64_t *rows,
     for (int64_t i = 0; i < n; i++) {
         const int64_t p = rows[i] / PANEL, c = rows[i] % PANEL;
         float *o = out + i * K;
-        if (layout == Q8_0_I8) {
-            linear_row_q8_i8(packed, K, rows[i], o);
+        if (layout == Q8_0_I8 || layout == Q8_0_I8H) {
+            linear_row_q8_i8(packed, layout, K, rows[i], o);
             continue;
         }
         if (layout == F32) {
@@ -485,7 +488,7 @@ void linear_rows(const void *packed, int layout, int64_t K, const int64_t *rows,
  * (padding columns: d = m = 0, code 0) */
 void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, const float *m,
                            int64_t N, int64_t K, uint8_t *packed) {
-    if (layout == Q4_1_I8 || layout == Q8_0_I8 || layout == U8_I8) {
+    if (i8_layout(layout)) {
         linear_pack_i8(layout, codes, d, m, N, K, packed);
         return;
     }
@@ -517,7 +520,7 @@ void linear_pack_quantized(int layout, const uint8_t *codes, const float *d, con
  * or -1 where memory for the rows' block sums could not be had (y untouched). */
 int linear_forward(const float *x, int64_t M, int64_t K, const void *packed, int layout,
                    int64_t N, const float *bias, float *y, int num_threads) {
-    if (layout == Q4_1_I8 || layout == Q8_0_I8 || layout == U8_I8)
+    if (i8_layout(layout))
         return linear_forward_i8(x, M, K, packed, layout, N, bias, y, num_threads);
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = layout == Q4_1   ? K / QBLOCK * Q4_BLOCK_BYTES

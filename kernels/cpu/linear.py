@@ -26,8 +26,10 @@ QBLOCK = 32                     # GGUF's quantization block along the input dime
 Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-bit codes
 Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
-LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6}
-ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8")     # layouts `weight_rows` reads back
+# ("_i8h": with the scales kept as fp16, where every one is a half's)
+LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6,
+           "q4_1_i8h": 7, "q8_0_i8h": 8}
+ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8", "q8_0_i8h")  # layouts `weight_rows` reads back
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
 # (w = d * q + m, q in 0..63, d and m per 16 k; only the int8 form runs it)
@@ -214,7 +216,13 @@ def pack_gguf(kind: str, blocks: torch.Tensor, in_features: int, int8: bool = Fa
     family = GGUF_FAMILIES[kind]
     if family == "u8" and not int8:
         return None
-    return _pack_codes(f"{family}_i8" if int8 else family, *gguf_codes(kind, blocks, in_features))
+    codes, d, m = gguf_codes(kind, blocks, in_features)
+    if not int8:
+        return pack_codes(family, codes, d, m)
+    if family != "u8" and all(s is None or torch.equal(s.half().float(), s) for s in (d, m)):
+        # Q4_0, Q4_1 and Q8_0 scales are fp16 in the file (Q4_0's m = -8 d as well): kept so
+        return pack_codes(f"{family}_i8h", codes, d.half(), None if m is None else m.half())
+    return pack_codes(f"{family}_i8", codes, d, m)
 
 
 def pack_gguf_parts(parts: list[tuple[str, torch.Tensor]], in_features: int, int8: bool = False
@@ -232,14 +240,21 @@ def pack_gguf_parts(parts: list[tuple[str, torch.Tensor]], in_features: int, int
         if GGUF_FAMILIES[kind] == "q4_1":                     # per 32 k -> per half block
             dd, mm = dd.repeat_interleave(2, 1), mm.repeat_interleave(2, 1)
         codes.append(c), d.append(dd), m.append(mm)
-    return _pack_codes("u8_i8", torch.cat(codes), torch.cat(d), torch.cat(m))
+    return pack_codes("u8_i8", torch.cat(codes), torch.cat(d), torch.cat(m))
 
 
-def _pack_codes(layout: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+def pack_codes(layout: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
                 ) -> PackedWeight:
+    """A family's codes [out, in] and scales (`gguf_codes`) packed in `layout` (`LAYOUTS`): the
+    scales float32, or float16 for the "_i8h" layouts."""
+    want = torch.float16 if layout.endswith("_i8h") else torch.float32
+    if d.dtype != want or (m is not None and m.dtype != want):
+        raise ValueError(f"{layout} panels take {want} scales, not {d.dtype}")
     out_features, in_features = codes.shape
-    block_bytes = {"q4_1": 2 * PANEL * 4 + QBLOCK * PANEL // 2, "q8_0": PANEL * 4 + QBLOCK * PANEL,
-                   "u8": 4 * PANEL * 4 + QBLOCK * PANEL}[layout.removesuffix("_i8")]
+    scale_bytes = PANEL * d.element_size()           # a block's d (or m) of its 16 columns
+    block_bytes = {"q4_1": 2 * scale_bytes + QBLOCK * PANEL // 2,
+                   "q8_0": scale_bytes + QBLOCK * PANEL,
+                   "u8": 4 * scale_bytes + QBLOCK * PANEL}[layout.split("_i8")[0]]
     data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK, block_bytes,
                        dtype=torch.uint8)
     codes, d = codes.contiguous(), d.contiguous()

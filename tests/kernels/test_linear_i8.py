@@ -45,18 +45,22 @@ def test_int8_forms_compute_the_quantized_product(threads, layout, out_features,
                   else (q8_0_weight, cpu_linear.pack_q8_0))
     blocks, dequantized = make(out_features, in_features, out_features)
     packed = pack(blocks, in_features, int8=True)
-    assert packed.layout == f"{layout}_i8"
-    assert packed.data.nbytes == pack(blocks, in_features).data.nbytes       # the same bytes
+    assert packed.layout == f"{layout}_i8h"                  # the file's fp16 scales kept
+    assert packed.data.nbytes == -(-out_features // 16) * 16 * blocks.shape[1]  # the file's bytes
     if layout == "q4_1":
         codes, d, m = cpu_linear.q4_1_codes(blocks, in_features)
     else:
         (codes, d), m = cpu_linear.q8_0_codes(blocks, in_features), None
+    wide = cpu_linear.pack_codes(f"{layout}_i8", codes, d, m)           # float32 scales
+    assert wide.data.nbytes > packed.data.nbytes
     g = torch.Generator().manual_seed(9)
     x, b = torch.randn(300, in_features, generator=g), torch.randn(out_features, generator=g)
     x[3, :32] = 0.0                                           # an all-zero block: scale 0
     full = cpu_linear.linear(x, packed, b)
+    assert torch.equal(cpu_linear.linear(x, wide, b), full)        # the scales widen exactly
     for rows in (0, 1, 2, 3, 4, 5, 8, 9, 17, 64, 65, 130):                 # every tile shape
         assert torch.equal(cpu_linear.linear(x[:rows], packed, b), full[:rows]), rows
+        assert torch.equal(cpu_linear.linear(x[:rows], wide, b), full[:rows]), rows
     assert torch.equal(cpu_linear.linear(x[201:202], packed, b)[0], full[201])
     want = model_product(x, codes, d, m) + b.double()
     scale = F.linear(x.double().abs(), dequantized.double().abs()) + b.double().abs() + 1e-30
@@ -70,8 +74,10 @@ def test_int8_forms_compute_the_quantized_product(threads, layout, out_features,
 def test_rows_of_the_int8_q8_0_head_are_the_dequantized_rows():
     blocks, dequantized = q8_0_weight(100, 576, 4)
     packed = cpu_linear.pack_q8_0(blocks, 576, int8=True)
+    codes, d = cpu_linear.q8_0_codes(blocks, 576)
     rows = torch.tensor([0, 5, 17, 99, 5])
-    assert torch.equal(cpu_linear.weight_rows(packed, rows), dequantized[rows])
+    for weight in (packed, cpu_linear.pack_codes("q8_0_i8", codes, d, None)):
+        assert torch.equal(cpu_linear.weight_rows(weight, rows), dequantized[rows])
     with pytest.raises(IndexError):
         cpu_linear.weight_rows(packed, torch.tensor([100]))
 
@@ -86,8 +92,10 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
     blocks4, _ = q4_1_weight(200, 576, 21)
     blocks8, _ = q8_0_weight(200, 576, 22)
     blocks5, _ = random_blocks("q5_1", 200, 576, 23)
-    weights = [cpu_linear.pack_q4_1(blocks4, 576, int8=True),
+    weights = [cpu_linear.pack_q4_1(blocks4, 576, int8=True),             # fp16 scales
                cpu_linear.pack_q8_0(blocks8, 576, int8=True),
+               cpu_linear.pack_codes("q4_1_i8", *cpu_linear.q4_1_codes(blocks4, 576)),
+               cpu_linear.pack_codes("q8_0_i8", *cpu_linear.q8_0_codes(blocks8, 576), None),
                cpu_linear.pack_gguf("q5_1", blocks5, 576, int8=True)]      # the U8 family
     x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
     x[1, 64:] *= 1e3                  # large codes: Q8_0's pairs near the int16 bound (AVX2)
