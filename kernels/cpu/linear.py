@@ -28,7 +28,7 @@ Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
 # ("_i8h": with the scales kept as fp16, where every one is a half's)
 LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6,
-           "q4_1_i8h": 7, "q8_0_i8h": 8}
+           "q4_1_i8h": 7, "q8_0_i8h": 8, "u8_i8h": 9}
 ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8", "q8_0_i8h")  # layouts `weight_rows` reads back
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
@@ -217,10 +217,15 @@ def pack_gguf(kind: str, blocks: torch.Tensor, in_features: int, int8: bool = Fa
     if family == "u8" and not int8:
         return None
     codes, d, m = gguf_codes(kind, blocks, in_features)
-    if not int8:
-        return pack_codes(family, codes, d, m)
-    if family != "u8" and all(s is None or torch.equal(s.half().float(), s) for s in (d, m)):
-        # Q4_0, Q4_1 and Q8_0 scales are fp16 in the file (Q4_0's m = -8 d as well): kept so
+    return pack_codes(family, codes, d, m) if not int8 else pack_int8(family, codes, d, m)
+
+
+def pack_int8(family: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+              ) -> PackedWeight:
+    """A family's codes and scales in its int8 layout: with the scales as fp16 ("_i8h") where
+    every one is a half's (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so, m = -8 d or -16 d
+    included), else as float32 (a K-quant's, the products of two scales)."""
+    if all(s is None or torch.equal(s.half().float(), s) for s in (d, m)):
         return pack_codes(f"{family}_i8h", codes, d.half(), None if m is None else m.half())
     return pack_codes(f"{family}_i8", codes, d, m)
 
@@ -240,7 +245,7 @@ def pack_gguf_parts(parts: list[tuple[str, torch.Tensor]], in_features: int, int
         if GGUF_FAMILIES[kind] == "q4_1":                     # per 32 k -> per half block
             dd, mm = dd.repeat_interleave(2, 1), mm.repeat_interleave(2, 1)
         codes.append(c), d.append(dd), m.append(mm)
-    return pack_codes("u8_i8", torch.cat(codes), torch.cat(d), torch.cat(m))
+    return pack_int8("u8", torch.cat(codes), torch.cat(d), torch.cat(m))
 
 
 def pack_codes(layout: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None

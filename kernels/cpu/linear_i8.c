@@ -23,10 +23,12 @@
  *   Q8_0_I8 (576 bytes): d[16], then 8 groups of 64 bytes; group g's byte 4 * col + i holds
  *     u(col, 4g + i);
  *   U8_I8 (768 bytes): d_0[16], d_1[16], m_0[16], m_1[16], then the codes as Q8_0_I8's.
- * Q4_1_I8H (320 bytes) and Q8_0_I8H (544) are Q4_1_I8 and Q8_0_I8 with the scales as fp16: where
- * every scale is a half's (GGUF Q4_0, Q4_1 and Q8_0 store them so), the weight in the bytes the
- * file has; widened in registers, exactly, so they give the float32 forms' bits. A decode step
- * streams its weights from memory: 13% fewer bytes than with float32 scales.
+ * Q4_1_I8H (320 bytes), Q8_0_I8H (544) and U8_I8H (640) are those layouts with the scales as
+ * fp16: where every scale is a half's (GGUF Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so; a
+ * K-quant's scale is a product of two), the weight in the bytes the file has (Q4_0, Q4_1, Q8_0),
+ * or fewer than with float32 scales (Q5_0, Q5_1); widened in registers, exactly, so they give
+ * the float32 forms' bits. A decode step streams its weights from memory: for the embedded
+ * model 13% fewer bytes than with float32 scales.
  * A 64-byte row of codes is then one vector of 16 lanes of 4 k each: `vpdpbusd` against a row's
  * 4 activation codes broadcast to every lane adds 4 products to each column's sum.
  */
@@ -38,6 +40,7 @@
 #define I8_U8_BYTES (4 * SCALES + QBLOCK * PANEL)
 #define I8_Q4H_BYTES (2 * HSCALES + QBLOCK * PANEL / 2)
 #define I8_Q8H_BYTES (HSCALES + QBLOCK * PANEL)
+#define I8_U8H_BYTES (4 * HSCALES + QBLOCK * PANEL)
 #define I8_TILE 8           /* rows x panels of one register tile */
 #define I8_CHUNK_BYTES (256 << 10)  /* activation codes swept against a thread's panels at once */
 
@@ -52,16 +55,17 @@ struct i8_rows {
 
 static inline int i8_layout(int layout) {
     return layout == Q4_1_I8 || layout == Q8_0_I8 || layout == U8_I8 || layout == Q4_1_I8H
-           || layout == Q8_0_I8H;
+           || layout == Q8_0_I8H || layout == U8_I8H;
 }
 
 /* an int8 layout's family (Q4_1_I8, Q8_0_I8 or U8_I8), and whether its scales are fp16 */
 static inline int i8_kind(int layout) {
-    return layout == Q4_1_I8H ? Q4_1_I8 : layout == Q8_0_I8H ? Q8_0_I8 : layout;
+    return layout == Q4_1_I8H ? Q4_1_I8 : layout == Q8_0_I8H ? Q8_0_I8
+           : layout == U8_I8H  ? U8_I8 : layout;
 }
 
 static inline int i8_half(int layout) {
-    return layout == Q4_1_I8H || layout == Q8_0_I8H;
+    return layout == Q4_1_I8H || layout == Q8_0_I8H || layout == U8_I8H;
 }
 
 static inline int64_t i8_block_bytes(int layout) {
@@ -70,6 +74,7 @@ static inline int64_t i8_block_bytes(int layout) {
     case Q8_0_I8: return I8_Q8_BYTES;
     case Q4_1_I8H: return I8_Q4H_BYTES;
     case Q8_0_I8H: return I8_Q8H_BYTES;
+    case U8_I8H: return I8_U8H_BYTES;
     default: return I8_U8_BYTES;
     }
 }
@@ -449,6 +454,9 @@ static void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr, cons
         break;
     case Q8_0_I8H:
         i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q8_0_I8H, N, bias, y);
+        break;
+    case U8_I8H:
+        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8H, N, bias, y);
         break;
     default:
         i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, N, bias, y);

@@ -96,7 +96,8 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
                cpu_linear.pack_q8_0(blocks8, 576, int8=True),
                cpu_linear.pack_codes("q4_1_i8", *cpu_linear.q4_1_codes(blocks4, 576)),
                cpu_linear.pack_codes("q8_0_i8", *cpu_linear.q8_0_codes(blocks8, 576), None),
-               cpu_linear.pack_gguf("q5_1", blocks5, 576, int8=True)]      # the U8 family
+               cpu_linear.pack_gguf("q5_1", blocks5, 576, int8=True),     # the U8 family
+               cpu_linear.pack_codes("u8_i8", *cpu_linear.gguf_codes("q5_1", blocks5, 576))]
     x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
     x[1, 64:] *= 1e3                  # large codes: Q8_0's pairs near the int16 bound (AVX2)
     rows = (1, 2, 3, 4, 7, 70)
@@ -156,7 +157,13 @@ def test_gguf_types_run_from_their_codes(kind):
     g = torch.Generator().manual_seed(3)
     x, b = torch.randn(40, in_features, generator=g), torch.randn(out_features, generator=g)
     packed = cpu_linear.pack_gguf(kind, blocks, in_features, int8=True)
+    # scales a file stores as fp16 stay fp16; a K-quant's (products of two) are float32
+    assert packed.layout.endswith("_i8" if kind.endswith("_k") else "_i8h")
     full = cpu_linear.linear(x, packed, b)
+    if not kind.endswith("_k"):                              # the scales widen exactly
+        wide = cpu_linear.pack_codes(packed.layout[:-1], codes, d, m)
+        assert wide.data.nbytes > packed.data.nbytes
+        assert torch.equal(cpu_linear.linear(x, wide, b), full)
     for rows in (1, 2, 3, 5, 9, 33):
         assert torch.equal(cpu_linear.linear(x[:rows], packed, b), full[:rows]), rows
     want = (model_product_halves(x, codes, d, m) if per == 16
