@@ -33,7 +33,7 @@ ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8", "q8_0_i8h")  # layouts `weight_
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
 # (w = d * q + m, q in 0..63, d and m per 16 k; only the int8 form runs it)
-GGUF_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q4_k": "q4_1", "q8_0": "q8_0", "q5_0": "u8",
+GGUF_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q4_k": "q4_1", "q8_0": "q8_0", "q5_0": "q8_0",
                  "q5_1": "u8", "q5_k": "u8", "q6_k": "u8"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -175,6 +175,11 @@ def gguf_codes(kind: str, blocks: torch.Tensor, in_features: int
         qh = np.ascontiguousarray(b[..., at:at + 4]).view(np.uint32)
         high = (qh >> np.arange(32, dtype=np.uint32)) & 1
         codes = _nibbles(b[..., at + 4:]) | (high.astype(np.uint8) << 4)
+        if kind == "q5_0":              # w = d * (c - 16): the Q8_0 family's int8 code c - 16
+            return (torch.from_numpy(np.ascontiguousarray(
+                        (codes.astype(np.int16) - 16).astype(np.int8).reshape(out, in_features))),
+                    torch.from_numpy(np.ascontiguousarray(d.reshape(out, -1), dtype=np.float32)),
+                    None)
         d, m = np.repeat(d, 2, -1), np.repeat(m, 2, -1)         # per half block
     elif kind in ("q4_k", "q5_k"):                       # d, dmin, 12 scales, (32 qh), 128 qs
         b = b.reshape(out, -1, 144 if kind == "q4_k" else 176)
@@ -234,15 +239,27 @@ def pack_gguf_parts(parts: list[tuple[str, torch.Tensor]], in_features: int, int
                     ) -> PackedWeight | None:
     """The stacked parts of a fused weight (q, k, v; gate, up) whose GGUF types differ (Q4_K q and
     k beside a Q6_K v, as Q4_K_M files have them): their codes in the one family that holds them
-    all, "u8" (4-bit codes fit; a block's d and m serve both its halves), int8 form only; None
-    where that cannot be (float32 activations, or a Q8_0 part)."""
+    all, int8 form only: "q8_0" where every part is Q8_0, Q5_0 or Q4_0 (a Q4_0 code less 8 is a
+    Q8_0 code: a small model's Q4_K_M file, whose rows that are not a multiple of 256
+    llama-quantize writes as Q5_0, has a Q8_0 v beside them), else "u8" (4- and 5-bit codes fit;
+    a block's d and m serve both its halves); None where that cannot be (float32 activations,
+    or a Q8_0 part beside an asymmetric one)."""
     families = {GGUF_FAMILIES[kind] for kind, _ in parts}
-    if not int8 or "q8_0" in families:
+    if not int8:
         return None
     codes, d, m = [], [], []
+    if all(GGUF_FAMILIES[kind] == "q8_0" or kind == "q4_0" for kind, _ in parts):
+        for kind, blocks in parts:
+            c, dd, _ = gguf_codes(kind, blocks, in_features)
+            codes.append(c.to(torch.int16) - 8 if kind == "q4_0" else c), d.append(dd)
+        return pack_int8("q8_0", torch.cat(codes).to(torch.int8), torch.cat(d), None)
+    if any(kind == "q8_0" for kind, _ in parts):
+        return None
     for kind, blocks in parts:
         c, dd, mm = gguf_codes(kind, blocks, in_features)
-        if GGUF_FAMILIES[kind] == "q4_1":                     # per 32 k -> per half block
+        if kind == "q5_0":                                # int8 c - 16 -> c in 0..31, m = -16 d
+            c, mm = (c.to(torch.int16) + 16).to(torch.uint8), -16.0 * dd
+        if GGUF_FAMILIES[kind] != "u8":                       # per 32 k -> per half block
             dd, mm = dd.repeat_interleave(2, 1), mm.repeat_interleave(2, 1)
         codes.append(c), d.append(dd), m.append(mm)
     return pack_int8("u8", torch.cat(codes), torch.cat(d), torch.cat(m))

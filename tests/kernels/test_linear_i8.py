@@ -151,8 +151,9 @@ def test_gguf_types_run_from_their_codes(kind):
     blocks, dequantized = random_blocks(kind, out_features, in_features, len(kind))
     codes, d, m = cpu_linear.gguf_codes(kind, blocks, in_features)
     per = in_features // d.shape[1]
-    rebuilt = (codes.double() * d.double().repeat_interleave(per, 1)
-               + m.double().repeat_interleave(per, 1))
+    rebuilt = codes.double() * d.double().repeat_interleave(per, 1)
+    if m is not None:                                         # (Q5_0: the Q8_0 family's codes)
+        rebuilt += m.double().repeat_interleave(per, 1)
     torch.testing.assert_close(rebuilt.float(), dequantized, rtol=1e-6, atol=1e-7)
     g = torch.Generator().manual_seed(3)
     x, b = torch.randn(40, in_features, generator=g), torch.randn(out_features, generator=g)
@@ -198,5 +199,32 @@ def test_a_fused_weight_of_mixed_types_runs_on_byte_codes():
     scale = F.linear(x.double().abs(), torch.cat((deq4, deq6)).double().abs())
     assert float(((got - model_product_halves(x, codes, d, m)).abs() / scale).max()) <= 1e-5
     assert cpu_linear.pack_gguf_parts([("q4_k", q4), ("q6_k", q6)], 256) is None
-    q8, _ = q8_0_weight(16, 256, 3)
+    q8, deq8 = q8_0_weight(16, 256, 3)
     assert cpu_linear.pack_gguf_parts([("q4_k", q4), ("q8_0", q8)], 256, int8=True) is None
+
+
+def test_symmetric_parts_beside_q8_0_run_as_q8_0():
+    """Q5_0 and Q4_0 parts beside a Q8_0 one (a small model's Q4_K_M q/k/v): their codes less 16
+    or 8 are Q8_0 codes, so the fused weight is one Q8_0 panel set holding exactly gguf's weight
+    (read back row by row), rows independent of the row count."""
+    q5, deq5 = random_blocks("q5_0", 32, 256, 5)
+    q4, deq4 = random_blocks("q4_0", 16, 256, 6)
+    q8, deq8 = q8_0_weight(16, 256, 7)
+    packed = cpu_linear.pack_gguf_parts([("q5_0", q5), ("q4_0", q4), ("q8_0", q8)], 256,
+                                        int8=True)
+    assert packed.layout == "q8_0_i8h" and packed.out_features == 64
+    dequantized = torch.cat((deq5, deq4, deq8))
+    assert torch.equal(cpu_linear.weight_rows(packed, torch.arange(64)), dequantized)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(8))
+    full = cpu_linear.linear(x, packed, None)
+    for rows in (1, 2, 5):
+        assert torch.equal(cpu_linear.linear(x[:rows], packed, None), full[:rows])
+    exact = F.linear(x.double(), dequantized.double())
+    assert float((full.double() - exact).norm() / exact.norm()) <= 2e-2
+    q5_1, deq5_1 = random_blocks("q5_1", 16, 256, 9)            # asymmetric: no Q8_0 codes
+    assert cpu_linear.pack_gguf_parts([("q5_1", q5_1), ("q8_0", q8)], 256, int8=True) is None
+    both = cpu_linear.pack_gguf_parts([("q5_0", q5), ("q5_1", q5_1)], 256, int8=True)
+    assert both.layout == "u8_i8h"                        # Q5_0's codes back in 0..31, m = -16 d
+    exact = F.linear(x.double(), torch.cat((deq5, deq5_1)).double())
+    got = cpu_linear.linear(x, both, None).double()
+    assert float((got - exact).norm() / exact.norm()) <= 2e-2
