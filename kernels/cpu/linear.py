@@ -28,7 +28,7 @@ Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
 # ("_i8h": with the scales kept as fp16, where every one is a half's)
 LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6,
-           "q4_1_i8h": 7, "q8_0_i8h": 8, "u8_i8h": 9}
+           "q4_1_i8h": 7, "q8_0_i8h": 8, "u8_i8h": 9, "u8s_i8": 10}
 ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8", "q8_0_i8h")  # layouts `weight_rows` reads back
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
@@ -229,9 +229,12 @@ def pack_int8(family: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
               ) -> PackedWeight:
     """A family's codes and scales in its int8 layout: with the scales as fp16 ("_i8h") where
     every one is a half's (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so, m = -8 d or -16 d
-    included), else as float32 (a K-quant's, the products of two scales)."""
+    included), else as float32 (a K-quant's, the products of two scales), without m where
+    m = -32 d (Q6_K: "u8s_i8")."""
     if all(s is None or torch.equal(s.half().float(), s) for s in (d, m)):
         return pack_codes(f"{family}_i8h", codes, d.half(), None if m is None else m.half())
+    if family == "u8" and torch.equal(m, -32.0 * d):        # Q6_K: m left to the kernel
+        return pack_codes("u8s_i8", codes, d, None)
     return pack_codes(f"{family}_i8", codes, d, m)
 
 
@@ -276,7 +279,8 @@ def pack_codes(layout: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     scale_bytes = PANEL * d.element_size()           # a block's d (or m) of its 16 columns
     block_bytes = {"q4_1": 2 * scale_bytes + QBLOCK * PANEL // 2,
                    "q8_0": scale_bytes + QBLOCK * PANEL,
-                   "u8": 4 * scale_bytes + QBLOCK * PANEL}[layout.split("_i8")[0]]
+                   "u8": 4 * scale_bytes + QBLOCK * PANEL,
+                   "u8s": 2 * scale_bytes + QBLOCK * PANEL}[layout.split("_i8")[0]]
     data = torch.empty(-(-out_features // PANEL), in_features // QBLOCK, block_bytes,
                        dtype=torch.uint8)
     codes, d = codes.contiguous(), d.contiguous()

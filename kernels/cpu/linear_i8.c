@@ -28,7 +28,9 @@
  * K-quant's scale is a product of two), the weight in the bytes the file has (Q4_0, Q4_1, Q8_0),
  * or fewer than with float32 scales (Q5_0, Q5_1); widened in registers, exactly, so they give
  * the float32 forms' bits. A decode step streams its weights from memory: for the embedded
- * model 13% fewer bytes than with float32 scales.
+ * model 13% fewer bytes than with float32 scales. U8S_I8 (640 bytes) is U8_I8 for a symmetric
+ * type (Q6_K: w = d * (u - 32)): d_0[16], d_1[16], then the codes; m = -32 d is computed in
+ * registers (exactly: a power of two), so it gives U8_I8's bits.
  * A 64-byte row of codes is then one vector of 16 lanes of 4 k each: `vpdpbusd` against a row's
  * 4 activation codes broadcast to every lane adds 4 products to each column's sum.
  */
@@ -41,6 +43,7 @@
 #define I8_Q4H_BYTES (2 * HSCALES + QBLOCK * PANEL / 2)
 #define I8_Q8H_BYTES (HSCALES + QBLOCK * PANEL)
 #define I8_U8H_BYTES (4 * HSCALES + QBLOCK * PANEL)
+#define I8_U8S_BYTES (2 * SCALES + QBLOCK * PANEL)
 #define I8_TILE 8           /* rows x panels of one register tile */
 #define I8_CHUNK_BYTES (256 << 10)  /* activation codes swept against a thread's panels at once */
 
@@ -55,17 +58,22 @@ struct i8_rows {
 
 static inline int i8_layout(int layout) {
     return layout == Q4_1_I8 || layout == Q8_0_I8 || layout == U8_I8 || layout == Q4_1_I8H
-           || layout == Q8_0_I8H || layout == U8_I8H;
+           || layout == Q8_0_I8H || layout == U8_I8H || layout == U8S_I8;
 }
 
 /* an int8 layout's family (Q4_1_I8, Q8_0_I8 or U8_I8), and whether its scales are fp16 */
 static inline int i8_kind(int layout) {
     return layout == Q4_1_I8H ? Q4_1_I8 : layout == Q8_0_I8H ? Q8_0_I8
-           : layout == U8_I8H  ? U8_I8 : layout;
+           : layout == U8_I8H || layout == U8S_I8 ? U8_I8 : layout;
 }
 
 static inline int i8_half(int layout) {
     return layout == Q4_1_I8H || layout == Q8_0_I8H || layout == U8_I8H;
+}
+
+/* a U8 layout whose m is not stored: m = -32 d */
+static inline int i8_sym(int layout) {
+    return layout == U8S_I8;
 }
 
 static inline int64_t i8_block_bytes(int layout) {
@@ -75,6 +83,7 @@ static inline int64_t i8_block_bytes(int layout) {
     case Q4_1_I8H: return I8_Q4H_BYTES;
     case Q8_0_I8H: return I8_Q8H_BYTES;
     case U8_I8H: return I8_U8H_BYTES;
+    case U8S_I8: return I8_U8S_BYTES;
     default: return I8_U8_BYTES;
     }
 }
@@ -82,7 +91,8 @@ static inline int64_t i8_block_bytes(int layout) {
 /* where a block's codes start, past its scales */
 static inline int64_t i8_scales_bytes(int layout) {
     const int kind = i8_kind(layout);
-    return (kind == Q4_1_I8 ? 2 : kind == Q8_0_I8 ? 1 : 4) * (i8_half(layout) ? HSCALES : SCALES);
+    return (kind == Q4_1_I8 ? 2 : kind == Q8_0_I8 ? 1 : i8_sym(layout) ? 2 : 4)
+           * (i8_half(layout) ? HSCALES : SCALES);
 }
 
 /* an fp16 at p, exactly as a float */
@@ -100,9 +110,11 @@ static inline float i8_f16(const uint8_t *p) {
     return v;
 }
 
-/* scale j (d, m, ...) of column col of a block */
-static inline float i8_scale(const uint8_t *blk, int half, int j, int col) {
-    if (half)
+/* scale j (d, m, ...; U8: d_0, d_1, m_0, m_1) of column col of a block */
+static inline float i8_scale(const uint8_t *blk, int layout, int j, int col) {
+    if (i8_sym(layout) && j >= 2)                                 /* m = -32 d, exactly */
+        return -32.0f * i8_scale(blk, U8_I8, j - 2, col);
+    if (i8_half(layout))
         return i8_f16(blk + HSCALES * j + 2 * col);
     float v;
     memcpy(&v, blk + SCALES * j + 4 * col, 4);
@@ -163,31 +175,34 @@ typedef __m512 i8_tile_acc;
 #define I8_ONE_ROW_PANELS 4       /* panels of a one-row tile */
 
 /* a block's scales j (d, m, ...) of its 16 columns */
-static inline __m512 i8_scales16(const uint8_t *blk, int half, int j) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + HSCALES * j)))
-                : _mm512_loadu_ps(blk + SCALES * j);
+static inline __m512 i8_scales16(const uint8_t *blk, int layout, int j) {
+    if (i8_sym(layout) && j >= 2)                                 /* m = -32 d, exactly */
+        return _mm512_mul_ps(_mm512_loadu_ps(blk + SCALES * (j - 2)), _mm512_set1_ps(-32.0f));
+    return i8_half(layout)
+               ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + HSCALES * j)))
+               : _mm512_loadu_ps(blk + SCALES * j);
 }
 
 static inline __m512 i8_finish(const uint8_t *blk, int layout, __m512i lo, __m512i hi,
                                const struct i8_rows *a, int64_t i, __m512 acc) {
     const __m512 e = _mm512_set1_ps(a->e[i]);
-    const int kind = i8_kind(layout), half = i8_half(layout);
+    const int kind = i8_kind(layout);
     if (kind == U8_I8) {
-        acc = _mm512_fmadd_ps(i8_scales16(blk, half, 0),
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0),
                               _mm512_mul_ps(_mm512_cvtepi32_ps(lo), e), acc);
-        acc = _mm512_fmadd_ps(i8_scales16(blk, half, 2), _mm512_set1_ps(a->eth[2 * i]), acc);
-        acc = _mm512_fmadd_ps(i8_scales16(blk, half, 1),
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 2), _mm512_set1_ps(a->eth[2 * i]), acc);
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 1),
                               _mm512_mul_ps(_mm512_cvtepi32_ps(hi), e), acc);
-        return _mm512_fmadd_ps(i8_scales16(blk, half, 3), _mm512_set1_ps(a->eth[2 * i + 1]),
+        return _mm512_fmadd_ps(i8_scales16(blk, layout, 3), _mm512_set1_ps(a->eth[2 * i + 1]),
                                acc);
     }
     __m512i isum = _mm512_add_epi32(lo, hi);
     if (kind == Q8_0_I8)
         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a->t[i]));
-    acc = _mm512_fmadd_ps(i8_scales16(blk, half, 0), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), e),
+    acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), e),
                           acc);
     if (kind == Q4_1_I8)
-        acc = _mm512_fmadd_ps(i8_scales16(blk, half, 1), _mm512_set1_ps(a->et[i]), acc);
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 1), _mm512_set1_ps(a->et[i]), acc);
     return acc;
 }
 
@@ -271,16 +286,20 @@ static inline __m256i i8_dot4(__m256i w, __m256i a, int kind) {
 }
 
 /* a block's scales j (d, m, ...) of its columns 8 h .. 8 h + 7 */
-static inline __m256 i8_scales8(const uint8_t *blk, int half, int j, int h) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + HSCALES * j + 16 * h)))
-                : _mm256_loadu_ps((const float *)(blk + SCALES * j) + 8 * h);
+static inline __m256 i8_scales8(const uint8_t *blk, int layout, int j, int h) {
+    if (i8_sym(layout) && j >= 2)                                 /* m = -32 d, exactly */
+        return _mm256_mul_ps(_mm256_loadu_ps((const float *)(blk + SCALES * (j - 2)) + 8 * h),
+                             _mm256_set1_ps(-32.0f));
+    return i8_half(layout)
+               ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + HSCALES * j + 16 * h)))
+               : _mm256_loadu_ps((const float *)(blk + SCALES * j) + 8 * h);
 }
 
 static inline __attribute__((always_inline)) void
 i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int layout,
         const int MR, const int NP, i8_tile_acc acc[I8_TILE]) {
     const int64_t K = a->K, blocks = K / QBLOCK, bytes = i8_block_bytes(layout);
-    const int kind = i8_kind(layout), half = i8_half(layout);
+    const int kind = i8_kind(layout);
     for (int i = 0; i < MR * NP; i++)
         acc[i].h[0] = acc[i].h[1] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -323,15 +342,15 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
                         for (int kh = 0; kh < 2; kh++) {
                             const __m256 s = _mm256_mul_ps(
                                 _mm256_cvtepi32_ps(isum[r * NP + p][kh][h]), e);
-                            v = _mm256_fmadd_ps(i8_scales8(blk, half, kh, h), s, v);
-                            v = _mm256_fmadd_ps(i8_scales8(blk, half, 2 + kh, h),
+                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, kh, h), s, v);
+                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, 2 + kh, h),
                                                 _mm256_set1_ps(a->eth[2 * i + kh]), v);
                         }
                     } else {
                         const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(is[h]), e);
-                        v = _mm256_fmadd_ps(i8_scales8(blk, half, 0, h), s, v);
+                        v = _mm256_fmadd_ps(i8_scales8(blk, layout, 0, h), s, v);
                         if (kind == Q4_1_I8)
-                            v = _mm256_fmadd_ps(i8_scales8(blk, half, 1, h),
+                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, 1, h),
                                                 _mm256_set1_ps(a->et[i]), v);
                     }
                     acc[r * NP + p].h[h] = v;
@@ -355,7 +374,7 @@ static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
                                    const uint8_t *const *panels, int layout, int MR, int NP,
                                    i8_acc acc[I8_TILE]) {
     const int64_t K = a->K, blocks = K / QBLOCK, bytes = i8_block_bytes(layout);
-    const int kind = i8_kind(layout), half = i8_half(layout);
+    const int kind = i8_kind(layout);
     for (int i = 0; i < MR * NP; i++)
         for (int l = 0; l < PANEL; l++)
             acc[i][l] = 0.0f;
@@ -366,7 +385,7 @@ static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
             float scale[4 * PANEL];                   /* d, m (d_0, d_1, m_0, m_1) as floats */
             for (int j = 0; j < (kind == U8_I8 ? 4 : kind == Q4_1_I8 ? 2 : 1); j++)
                 for (int l = 0; l < PANEL; l++)
-                    scale[PANEL * j + l] = i8_scale(blk, half, j, l);
+                    scale[PANEL * j + l] = i8_scale(blk, layout, j, l);
             for (int r = 0; r < MR; r++) {
                 const int8_t *x = a->q + (m0 + r) * K + b * QBLOCK;
                 const int64_t i = (m0 + r) * blocks + b;
@@ -458,6 +477,9 @@ static void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr, cons
     case U8_I8H:
         i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8H, N, bias, y);
         break;
+    case U8S_I8:
+        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8S_I8, N, bias, y);
+        break;
     default:
         i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, N, bias, y);
     }
@@ -527,7 +549,8 @@ static void linear_pack_i8(int layout, const uint8_t *codes, const void *d_, con
                 for (int64_t h = 0; h < 2; h++) {
                     const int64_t at = (n * 2 * blocks + 2 * b + h) * size;
                     memcpy(blk + h * stride + size * col, d + at, size);
-                    memcpy(blk + (2 + h) * stride + size * col, m + at, size);
+                    if (!i8_sym(layout))
+                        memcpy(blk + (2 + h) * stride + size * col, m + at, size);
                 }
             } else {
                 memcpy(blk + size * col, d + (n * blocks + b) * size, size);
@@ -556,7 +579,7 @@ static void linear_row_q8_i8(const uint8_t *packed, int layout, int64_t K, int64
     const uint8_t *panel = packed + (n / PANEL) * blocks * bytes;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * bytes, *codes = blk + i8_scales_bytes(layout);
-        const float d = i8_scale(blk, i8_half(layout), 0, (int)col);
+        const float d = i8_scale(blk, layout, 0, (int)col);
         for (int64_t k = 0; k < QBLOCK; k++)
             out[b * QBLOCK + k] = d * (float)((int32_t)codes[64 * (k / 4) + 4 * col + k % 4]
                                               - 128);

@@ -97,7 +97,10 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
                cpu_linear.pack_codes("q4_1_i8", *cpu_linear.q4_1_codes(blocks4, 576)),
                cpu_linear.pack_codes("q8_0_i8", *cpu_linear.q8_0_codes(blocks8, 576), None),
                cpu_linear.pack_gguf("q5_1", blocks5, 576, int8=True),     # the U8 family
-               cpu_linear.pack_codes("u8_i8", *cpu_linear.gguf_codes("q5_1", blocks5, 576))]
+               cpu_linear.pack_codes("u8_i8", *cpu_linear.gguf_codes("q5_1", blocks5, 576)),
+               cpu_linear.pack_codes("u8s_i8", torch.randint(0, 64, (200, 576), generator=g,
+                                                             dtype=torch.uint8),
+                                     torch.rand(200, 36, generator=g) * 1e-2, None)]
     x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
     x[1, 64:] *= 1e3                  # large codes: Q8_0's pairs near the int16 bound (AVX2)
     rows = (1, 2, 3, 4, 7, 70)
@@ -164,6 +167,11 @@ def test_gguf_types_run_from_their_codes(kind):
     if not kind.endswith("_k"):                              # the scales widen exactly
         wide = cpu_linear.pack_codes(packed.layout[:-1], codes, d, m)
         assert wide.data.nbytes > packed.data.nbytes
+        assert torch.equal(cpu_linear.linear(x, wide, b), full)
+    if kind == "q6_k":                      # m = -32 d, computed in the kernel: the same bits
+        assert packed.layout == "u8s_i8"
+        wide = cpu_linear.pack_codes("u8_i8", codes, d, m)
+        assert wide.data.nbytes * 5 == packed.data.nbytes * 6
         assert torch.equal(cpu_linear.linear(x, wide, b), full)
     for rows in (1, 2, 3, 5, 9, 33):
         assert torch.equal(cpu_linear.linear(x[:rows], packed, b), full[:rows]), rows
