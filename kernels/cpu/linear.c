@@ -43,6 +43,7 @@ enum layout {
     F32 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1_I8 = 3, Q8_0_I8 = 4, U8_I8 = 5, BF16 = 6,
     Q4_1_I8H = 7, Q8_0_I8H = 8, U8_I8H = 9,   /* the _I8 layouts with fp16 scales */
     U8S_I8 = 10,                               /* U8_I8 whose m = -32 d (Q6_K): d alone */
+    Q4K_I8 = 11,                               /* Q4_K's super-blocks (linear_i8.c) */
 };
 
 /* A panel's 16 columns at one k (or a row's 16 sums) as two 8-float halves: the form of one row

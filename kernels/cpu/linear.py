@@ -28,7 +28,8 @@ Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
 # ("_i8h": with the scales kept as fp16, where every one is a half's)
 LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6,
-           "q4_1_i8h": 7, "q8_0_i8h": 8, "u8_i8h": 9, "u8s_i8": 10}
+           "q4_1_i8h": 7, "q8_0_i8h": 8, "u8_i8h": 9, "u8s_i8": 10,
+           "q4_k_i8": 11}
 ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8", "q8_0_i8h")  # layouts `weight_rows` reads back
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"
@@ -47,6 +48,8 @@ def _lib() -> ctypes.CDLL:
     lib.linear_pack_bf16.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.linear_pack_quantized.restype = None
     lib.linear_pack_quantized.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
+    lib.linear_pack_q4k.restype = None
+    lib.linear_pack_q4k.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
     lib.linear_rows.restype = None
     lib.linear_rows.argtypes = [_ptr, ctypes.c_int, _i64, _ptr, _i64, _ptr]
     lib.linear_forward.restype = ctypes.c_int
@@ -221,8 +224,32 @@ def pack_gguf(kind: str, blocks: torch.Tensor, in_features: int, int8: bool = Fa
     family = GGUF_FAMILIES[kind]
     if family == "u8" and not int8:
         return None
+    if int8 and kind == "q4_k":
+        return pack_q4_k(blocks, in_features)
     codes, d, m = gguf_codes(kind, blocks, in_features)
     return pack_codes(family, codes, d, m) if not int8 else pack_int8(family, codes, d, m)
+
+
+def pack_q4_k(blocks: torch.Tensor, in_features: int) -> PackedWeight:
+    """GGUF Q4_K blocks in their own int8 layout ("q4_k_i8", `linear_i8.c`): each super-block's
+    fp16 d and dmin and its sub-blocks' 6-bit scales and minimums as the file has them, the
+    products d * sc and dmin * mn formed in the kernel (gguf's float32 products): 296 bytes a
+    block of 16 columns by 32 k, against 384 with the products stored as float32."""
+    out = blocks.shape[0]
+    b = blocks.numpy().reshape(out, -1, 144)
+    sc, mn = _k_scales(b[..., 4:16])                                   # [out, super, 8]
+    codes = _nibbles(b[..., -128:].reshape(*b.shape[:2], 4, 32))
+    arrays = [np.ascontiguousarray(a) for a in (
+        codes.reshape(out, in_features), b[..., 0:2].view(np.uint16)[..., 0],
+        b[..., 2:4].view(np.uint16)[..., 0], sc.astype(np.uint8).reshape(out, -1),
+        mn.astype(np.uint8).reshape(out, -1))]
+    supers = in_features // 256
+    data = torch.empty(-(-out // PANEL), supers * 8, (2 * 2 * PANEL + 2 * 8 * PANEL
+                                                      + 8 * QBLOCK * PANEL // 2) // 8,
+                       dtype=torch.uint8)
+    _lib().linear_pack_q4k(*[a.ctypes.data for a in arrays], out, in_features,
+                           data.data_ptr())
+    return PackedWeight(data, out, in_features, "q4_k_i8")
 
 
 def pack_int8(family: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None

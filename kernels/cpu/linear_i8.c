@@ -31,6 +31,11 @@
  * model 13% fewer bytes than with float32 scales. U8S_I8 (640 bytes) is U8_I8 for a symmetric
  * type (Q6_K: w = d * (u - 32)): d_0[16], d_1[16], then the codes; m = -32 d is computed in
  * registers (exactly: a power of two), so it gives U8_I8's bits.
+ *   Q4K_I8 (2368 bytes a super-block of 8 blocks, 256 k): GGUF Q4_K as the file holds it, in
+ *     the Q4_1 family: d[16], dmin[16] (fp16), sc[8][16], mn[8][16] (the 6-bit scales and
+ *     minimums, a byte each), then the 8 blocks' codes as Q4_1_I8's. A block's d * sc and
+ *     -(dmin * mn) are formed in registers, one float32 product each as gguf forms them, so
+ *     the weight is the same; 296 bytes a block against Q4_1_I8's 384.
  * A 64-byte row of codes is then one vector of 16 lanes of 4 k each: `vpdpbusd` against a row's
  * 4 activation codes broadcast to every lane adds 4 products to each column's sum.
  */
@@ -44,6 +49,8 @@
 #define I8_Q8H_BYTES (HSCALES + QBLOCK * PANEL)
 #define I8_U8H_BYTES (4 * HSCALES + QBLOCK * PANEL)
 #define I8_U8S_BYTES (2 * SCALES + QBLOCK * PANEL)
+#define I8_Q4K_HEAD (2 * HSCALES + 2 * 8 * PANEL)          /* d, dmin; sc, mn of 8 blocks */
+#define I8_Q4K_SUPER (I8_Q4K_HEAD + 8 * QBLOCK * PANEL / 2)
 #define I8_TILE 8           /* rows x panels of one register tile */
 #define I8_CHUNK_BYTES (256 << 10)  /* activation codes swept against a thread's panels at once */
 
@@ -58,12 +65,12 @@ struct i8_rows {
 
 static inline int i8_layout(int layout) {
     return layout == Q4_1_I8 || layout == Q8_0_I8 || layout == U8_I8 || layout == Q4_1_I8H
-           || layout == Q8_0_I8H || layout == U8_I8H || layout == U8S_I8;
+           || layout == Q8_0_I8H || layout == U8_I8H || layout == U8S_I8 || layout == Q4K_I8;
 }
 
 /* an int8 layout's family (Q4_1_I8, Q8_0_I8 or U8_I8), and whether its scales are fp16 */
 static inline int i8_kind(int layout) {
-    return layout == Q4_1_I8H ? Q4_1_I8 : layout == Q8_0_I8H ? Q8_0_I8
+    return layout == Q4_1_I8H || layout == Q4K_I8 ? Q4_1_I8 : layout == Q8_0_I8H ? Q8_0_I8
            : layout == U8_I8H || layout == U8S_I8 ? U8_I8 : layout;
 }
 
@@ -84,6 +91,7 @@ static inline int64_t i8_block_bytes(int layout) {
     case Q8_0_I8H: return I8_Q8H_BYTES;
     case U8_I8H: return I8_U8H_BYTES;
     case U8S_I8: return I8_U8S_BYTES;
+    case Q4K_I8: return I8_Q4K_SUPER / 8;             /* on average: a panel's bytes */
     default: return I8_U8_BYTES;
     }
 }
@@ -110,10 +118,29 @@ static inline float i8_f16(const uint8_t *p) {
     return v;
 }
 
-/* scale j (d, m, ...; U8: d_0, d_1, m_0, m_1) of column col of a block */
-static inline float i8_scale(const uint8_t *blk, int layout, int j, int col) {
+/* block b's scales (i8_blk: its own; Q4K_I8: its super-block's), and its codes */
+static inline const uint8_t *i8_blk(const uint8_t *panel, int64_t b, int layout,
+                                    int64_t bytes) {
+    return layout == Q4K_I8 ? panel + (b >> 3) * I8_Q4K_SUPER : panel + b * bytes;
+}
+
+static inline const uint8_t *i8_codes(const uint8_t *panel, int64_t b, int layout,
+                                      int64_t bytes) {
+    return layout == Q4K_I8
+               ? panel + (b >> 3) * I8_Q4K_SUPER + I8_Q4K_HEAD + (b & 7) * (QBLOCK * PANEL / 2)
+               : panel + b * bytes + i8_scales_bytes(layout);
+}
+
+/* scale j (d, m, ...; U8: d_0, d_1, m_0, m_1) of column col of a block (jb: its index in its
+ * Q4_K super-block) */
+static inline float i8_scale(const uint8_t *blk, int layout, int j, int col, int jb) {
+    if (layout == Q4K_I8) {                             /* d * sc, -(dmin * mn) */
+        const float s = i8_f16(blk + HSCALES * j + 2 * col)
+                        * (float)blk[2 * HSCALES + 8 * PANEL * j + PANEL * jb + col];
+        return j ? -s : s;
+    }
     if (i8_sym(layout) && j >= 2)                                 /* m = -32 d, exactly */
-        return -32.0f * i8_scale(blk, U8_I8, j - 2, col);
+        return -32.0f * i8_scale(blk, U8_I8, j - 2, col, jb);
     if (i8_half(layout))
         return i8_f16(blk + HSCALES * j + 2 * col);
     float v;
@@ -175,7 +202,16 @@ typedef __m512 i8_tile_acc;
 #define I8_ONE_ROW_PANELS 4       /* panels of a one-row tile */
 
 /* a block's scales j (d, m, ...) of its 16 columns */
-static inline __m512 i8_scales16(const uint8_t *blk, int layout, int j) {
+static inline __m512 i8_scales16(const uint8_t *blk, int layout, int j, int jb) {
+    if (layout == Q4K_I8) {                             /* d * sc, -(dmin * mn) */
+        const __m512 s = _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + HSCALES * j))),
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                (const __m128i *)(blk + 2 * HSCALES + 8 * PANEL * j + PANEL * jb)))));
+        return j ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(s),
+                                                        _mm512_set1_epi32((int)0x80000000)))
+                 : s;
+    }
     if (i8_sym(layout) && j >= 2)                                 /* m = -32 d, exactly */
         return _mm512_mul_ps(_mm512_loadu_ps(blk + SCALES * (j - 2)), _mm512_set1_ps(-32.0f));
     return i8_half(layout)
@@ -184,25 +220,25 @@ static inline __m512 i8_scales16(const uint8_t *blk, int layout, int j) {
 }
 
 static inline __m512 i8_finish(const uint8_t *blk, int layout, __m512i lo, __m512i hi,
-                               const struct i8_rows *a, int64_t i, __m512 acc) {
+                               const struct i8_rows *a, int64_t i, int jb, __m512 acc) {
     const __m512 e = _mm512_set1_ps(a->e[i]);
     const int kind = i8_kind(layout);
     if (kind == U8_I8) {
-        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0),
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0, jb),
                               _mm512_mul_ps(_mm512_cvtepi32_ps(lo), e), acc);
-        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 2), _mm512_set1_ps(a->eth[2 * i]), acc);
-        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 1),
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 2, jb), _mm512_set1_ps(a->eth[2 * i]), acc);
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 1, jb),
                               _mm512_mul_ps(_mm512_cvtepi32_ps(hi), e), acc);
-        return _mm512_fmadd_ps(i8_scales16(blk, layout, 3), _mm512_set1_ps(a->eth[2 * i + 1]),
+        return _mm512_fmadd_ps(i8_scales16(blk, layout, 3, jb), _mm512_set1_ps(a->eth[2 * i + 1]),
                                acc);
     }
     __m512i isum = _mm512_add_epi32(lo, hi);
     if (kind == Q8_0_I8)
         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a->t[i]));
-    acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), e),
+    acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0, jb), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), e),
                           acc);
     if (kind == Q4_1_I8)
-        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 1), _mm512_set1_ps(a->et[i]), acc);
+        acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 1, jb), _mm512_set1_ps(a->et[i]), acc);
     return acc;
 }
 
@@ -227,7 +263,7 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
         for (int i = 0; i < MR * NP; i++)
             lo[i] = hi[i] = _mm512_setzero_si512();
         for (int p = 0; p < NP; p++) {
-            const uint8_t *codes = panels[p] + b * bytes + i8_scales_bytes(layout);
+            const uint8_t *codes = i8_codes(panels[p], b, layout, bytes);
             for (int64_t line = 0; line < bytes; line += 256)
                 __builtin_prefetch(panels[p] + (b + 4) * bytes + line, 0, 1);
             for (int c = 0; c < 4; c++) {
@@ -256,8 +292,9 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
         }
         for (int r = 0; r < MR; r++)
             for (int p = 0; p < NP; p++)
-                acc[r * NP + p] = i8_finish(panels[p] + b * bytes, layout, lo[r * NP + p],
-                                            hi[r * NP + p], a, (m0 + r) * blocks + b,
+                acc[r * NP + p] = i8_finish(i8_blk(panels[p], b, layout, bytes), layout,
+                                            lo[r * NP + p], hi[r * NP + p], a,
+                                            (m0 + r) * blocks + b, (int)(b & 7),
                                             acc[r * NP + p]);
     }
 }
@@ -286,7 +323,14 @@ static inline __m256i i8_dot4(__m256i w, __m256i a, int kind) {
 }
 
 /* a block's scales j (d, m, ...) of its columns 8 h .. 8 h + 7 */
-static inline __m256 i8_scales8(const uint8_t *blk, int layout, int j, int h) {
+static inline __m256 i8_scales8(const uint8_t *blk, int layout, int j, int h, int jb) {
+    if (layout == Q4K_I8) {                             /* d * sc, -(dmin * mn) */
+        const __m256 s = _mm256_mul_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + HSCALES * j + 16 * h))),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                (const __m128i *)(blk + 2 * HSCALES + 8 * PANEL * j + PANEL * jb + 8 * h)))));
+        return j ? _mm256_xor_ps(s, _mm256_set1_ps(-0.0f)) : s;
+    }
     if (i8_sym(layout) && j >= 2)                                 /* m = -32 d, exactly */
         return _mm256_mul_ps(_mm256_loadu_ps((const float *)(blk + SCALES * (j - 2)) + 8 * h),
                              _mm256_set1_ps(-32.0f));
@@ -309,7 +353,7 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
             isum[i][0][0] = isum[i][0][1] = isum[i][1][0] = isum[i][1][1] =
                 _mm256_setzero_si256();
         for (int p = 0; p < NP; p++) {
-            const uint8_t *codes = panels[p] + b * bytes + i8_scales_bytes(layout);
+            const uint8_t *codes = i8_codes(panels[p], b, layout, bytes);
             for (int64_t line = 0; line < bytes; line += 256)
                 __builtin_prefetch(panels[p] + (b + 4) * bytes + line, 0, 1);
             for (int g = 0; g < 8; g++)
@@ -334,7 +378,8 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
             const int64_t i = (m0 + r) * blocks + b;
             for (int p = 0; p < NP; p++)
                 for (int h = 0; h < 2; h++) {          /* as the VNNI form, lane by lane */
-                    const uint8_t *blk = panels[p] + b * bytes;
+                    const uint8_t *blk = i8_blk(panels[p], b, layout, bytes);
+                    const int jb = (int)(b & 7);
                     const __m256 e = _mm256_set1_ps(a->e[i]);
                     __m256i *is = isum[r * NP + p][0];
                     __m256 v = acc[r * NP + p].h[h];
@@ -342,15 +387,15 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
                         for (int kh = 0; kh < 2; kh++) {
                             const __m256 s = _mm256_mul_ps(
                                 _mm256_cvtepi32_ps(isum[r * NP + p][kh][h]), e);
-                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, kh, h), s, v);
-                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, 2 + kh, h),
+                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, kh, h, jb), s, v);
+                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, 2 + kh, h, jb),
                                                 _mm256_set1_ps(a->eth[2 * i + kh]), v);
                         }
                     } else {
                         const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(is[h]), e);
-                        v = _mm256_fmadd_ps(i8_scales8(blk, layout, 0, h), s, v);
+                        v = _mm256_fmadd_ps(i8_scales8(blk, layout, 0, h, jb), s, v);
                         if (kind == Q4_1_I8)
-                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, 1, h),
+                            v = _mm256_fmadd_ps(i8_scales8(blk, layout, 1, h, jb),
                                                 _mm256_set1_ps(a->et[i]), v);
                     }
                     acc[r * NP + p].h[h] = v;
@@ -380,12 +425,12 @@ static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
             acc[i][l] = 0.0f;
     for (int64_t b = 0; b < blocks; b++)
         for (int p = 0; p < NP; p++) {
-            const uint8_t *blk = panels[p] + b * bytes;
-            const uint8_t *codes = blk + i8_scales_bytes(layout);
+            const uint8_t *blk = i8_blk(panels[p], b, layout, bytes);
+            const uint8_t *codes = i8_codes(panels[p], b, layout, bytes);
             float scale[4 * PANEL];                   /* d, m (d_0, d_1, m_0, m_1) as floats */
             for (int j = 0; j < (kind == U8_I8 ? 4 : kind == Q4_1_I8 ? 2 : 1); j++)
                 for (int l = 0; l < PANEL; l++)
-                    scale[PANEL * j + l] = i8_scale(blk, layout, j, l);
+                    scale[PANEL * j + l] = i8_scale(blk, layout, j, l, (int)(b & 7));
             for (int r = 0; r < MR; r++) {
                 const int8_t *x = a->q + (m0 + r) * K + b * QBLOCK;
                 const int64_t i = (m0 + r) * blocks + b;
@@ -479,6 +524,9 @@ static void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr, cons
         break;
     case U8S_I8:
         i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8S_I8, N, bias, y);
+        break;
+    case Q4K_I8:
+        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q4K_I8, N, bias, y);
         break;
     default:
         i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, N, bias, y);
@@ -579,9 +627,37 @@ static void linear_row_q8_i8(const uint8_t *packed, int layout, int64_t K, int64
     const uint8_t *panel = packed + (n / PANEL) * blocks * bytes;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * bytes, *codes = blk + i8_scales_bytes(layout);
-        const float d = i8_scale(blk, layout, 0, (int)col);
+        const float d = i8_scale(blk, layout, 0, (int)col, 0);
         for (int64_t k = 0; k < QBLOCK; k++)
             out[b * QBLOCK + k] = d * (float)((int32_t)codes[64 * (k / 4) + 4 * col + k % 4]
                                               - 128);
+    }
+}
+
+/* GGUF Q4_K -> Q4K_I8 (the header's layout; padding columns zero): codes [N, K] (0..15), d and
+ * dmin [N, K / 256] (fp16 bits), sc and mn [N, K / 32] (the 6-bit scales and minimums) */
+void linear_pack_q4k(const uint8_t *codes, const uint16_t *d, const uint16_t *dmin,
+                     const uint8_t *sc, const uint8_t *mn, int64_t N, int64_t K, uint8_t *packed) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, supers = K / (8 * QBLOCK);
+    memset(packed, 0, (size_t)(panels * supers * I8_Q4K_SUPER));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t col = n % PANEL;
+        uint8_t *dst = packed + (n / PANEL) * supers * I8_Q4K_SUPER;
+        for (int64_t s = 0; s < supers; s++) {
+            uint8_t *sup = dst + s * I8_Q4K_SUPER;
+            memcpy(sup + 2 * col, d + n * supers + s, 2);
+            memcpy(sup + HSCALES + 2 * col, dmin + n * supers + s, 2);
+            for (int64_t jb = 0; jb < 8; jb++) {
+                const int64_t b = 8 * s + jb;
+                sup[2 * HSCALES + PANEL * jb + col] = sc[n * 8 * supers + b];
+                sup[2 * HSCALES + 8 * PANEL + PANEL * jb + col] = mn[n * 8 * supers + b];
+                uint8_t *out = sup + I8_Q4K_HEAD + jb * (QBLOCK * PANEL / 2);
+                for (int64_t k = 0; k < QBLOCK; k++) {
+                    const uint8_t c = codes[n * K + b * QBLOCK + k];
+                    const int64_t g = k / 4;
+                    out[64 * (g / 2) + 4 * col + k % 4] |= (uint8_t)((c & 0x0F) << (4 * (g % 2)));
+                }
+            }
+        }
     }
 }

@@ -110,6 +110,20 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
                                      tmp_path)
 
 
+@pytest.mark.parametrize("form", ["avx2", "plain"])
+def test_every_vector_form_gives_the_same_bits_for_q4_k(monkeypatch, tmp_path, form):
+    """Q4_K's super-block layout (its products of scales formed in registers) in the AVX2 and
+    plain C builds: the VNNI build's bits."""
+    blocks, _ = random_blocks("q4_k", 40, 512, 31)
+    weights = [cpu_linear.pack_gguf("q4_k", blocks, 512, int8=True)]
+    g = torch.Generator().manual_seed(32)
+    x, b = torch.randn(20, 512, generator=g), torch.randn(40, generator=g)
+    flags = {"avx2": "-mno-avx512f", "plain": "-mno-avx2 -mno-avx512f"}[form]
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    assert_same_bits_when_built_with(flags if x86 else "-O2", weights, x, b, (1, 3, 20),
+                                     monkeypatch, tmp_path)
+
+
 # GGUF types: block bytes, and where each block's float16 scales sit
 BLOCKS = {"q4_0": (32, 18, [0]), "q5_0": (32, 22, [0]), "q5_1": (32, 24, [0, 2]),
           "q4_k": (256, 144, [0, 2]), "q5_k": (256, 176, [0, 2]), "q6_k": (256, 210, [208])}
@@ -167,6 +181,11 @@ def test_gguf_types_run_from_their_codes(kind):
     if not kind.endswith("_k"):                              # the scales widen exactly
         wide = cpu_linear.pack_codes(packed.layout[:-1], codes, d, m)
         assert wide.data.nbytes > packed.data.nbytes
+        assert torch.equal(cpu_linear.linear(x, wide, b), full)
+    if kind == "q4_k":                 # d * sc, -(dmin * mn) formed in the kernel: the same bits
+        assert packed.layout == "q4_k_i8"
+        wide = cpu_linear.pack_codes("q4_1_i8", codes, d, m)
+        assert wide.data.nbytes * 296 == packed.data.nbytes * 384
         assert torch.equal(cpu_linear.linear(x, wide, b), full)
     if kind == "q6_k":                      # m = -32 d, computed in the kernel: the same bits
         assert packed.layout == "u8s_i8"

@@ -263,7 +263,7 @@ def test_k_quant_mix_runs_from_its_blocks(engines, checkpoints, tmp_path, monkey
     assert quantized.pack_for_cpu(int8=True) and dense.pack_for_cpu()
     layer = quantized.layers[0]
     assert [m.packed.layout for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                      layer.down_proj)] == ["u8_i8", "q4_1_i8", "q4_1_i8",
+                                      layer.down_proj)] == ["u8_i8", "q4_k_i8", "q4_k_i8",
                                                             "u8s_i8"]
     assert quantized._lm_head_packed.layout == "u8s_i8"
     assert quantized.bytes_per_step() * 3 < dense.bytes_per_step()
