@@ -3,7 +3,7 @@
 not depend on how many rows share the call, as oneDNN's and MKL's do), oneDNN's prepacked GEMM
 for bfloat16 (where the CPU has AVX512-BF16 or AMX) and for float32 where no C compiler is
 available. GGUF blocks stay quantized in the C kernel's panels (`pack_gguf`): with float32
-activations (Q4_0, Q4_1, Q4_K and Q8_0: `GGUF_FAMILIES`) it factors each block's
+activations (Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0: `GGUF_FAMILIES`) it factors each block's
 scale and minimum out of the block's sums and computes the dequantized weight's results within
 float32 rounding; with int8 activations (`linear_i8.c`, every listed type) it sums codes times
 codes on int8 dot products. The one home of the CPU GEMM choice."""
@@ -28,8 +28,7 @@ Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
 # ("_i8h": with the scales kept as fp16, where every one is a half's)
 LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6,
-           "q4_1_i8h": 7, "q8_0_i8h": 8, "u8_i8h": 9, "u8s_i8": 10,
-           "q4_k_i8": 11}
+           "q4_1_i8h": 7, "q8_0_i8h": 8, "u8_i8h": 9, "u8s_i8": 10, "q4_k_i8": 11}
 ROW_LAYOUTS = ("f32", "bf16", "q8_0", "q8_0_i8", "q8_0_i8h")  # layouts `weight_rows` reads back
 # GGUF block types kept quantized, each read into the codes and scales of one kernel family:
 # "q4_1" (w = d * q + m, q in 0..15, per 32 k), "q8_0" (w = d * q, q an int8, per 32 k), "u8"

@@ -11,7 +11,8 @@
  *       acc + d_0 * (e * sum_0(u * a)) + m_0 * (e * t_0)
  *           + d_1 * (e * sum_1(u * a)) + m_1 * (e * t_1)
  * one fused multiply-add after another, block after block. Every GGUF type maps onto one of
- * them (kernels/cpu/linear.py): Q4_0 and Q4_K onto Q4_1; Q5_0, Q5_1, Q5_K and Q6_K onto U8.
+ * them (kernels/cpu/linear.py): Q4_0 and Q4_K (in its own super-blocks) onto Q4_1; Q5_0 onto
+ * Q8_0 (its codes less 16); Q5_1, Q5_K and Q6_K onto U8.
  * Integer sums are exact in any order, so the result of a row depends on its own x alone: not
  * on how many rows share the call, which rows they are, nor on how the sums are split among
  * registers. Every form (AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, or plain C) gives the same
