@@ -236,8 +236,8 @@ static inline __m512 i8_finish(const uint8_t *blk, int layout, __m512i lo, __m51
     __m512i isum = _mm512_add_epi32(lo, hi);
     if (kind == Q8_0_I8)
         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a->t[i]));
-    acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0, jb), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), e),
-                          acc);
+    acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 0, jb),
+                          _mm512_mul_ps(_mm512_cvtepi32_ps(isum), e), acc);
     if (kind == Q4_1_I8)
         acc = _mm512_fmadd_ps(i8_scales16(blk, layout, 1, jb), _mm512_set1_ps(a->et[i]), acc);
     return acc;
