@@ -25,6 +25,9 @@ PANEL = 16                      # output columns per packed panel (linear.c)
 QBLOCK = 32                     # GGUF's quantization block along the input dimension
 Q4_1_BLOCK_BYTES = 20           # GGUF Q4_1: d (fp16), m (fp16), 16 bytes of 4-bit codes
 Q8_0_BLOCK_BYTES = 34           # GGUF Q8_0: d (fp16), 32 int8 codes
+# "q4_k_i8" (linear_i8.c's Q4K_I8): a super-block of 8 blocks of 16 columns: d, dmin (fp16), the
+# 6-bit scales and minimums a byte each, then the codes
+Q4_K_I8_SUPER_BYTES = 2 * 2 * PANEL + 2 * 8 * PANEL + 8 * QBLOCK * PANEL // 2
 # linear.c's enum layout; "_i8": the int8 dot-product forms against per-row quantized activations
 # ("_i8h": with the scales kept as fp16, where every one is a half's)
 LAYOUTS = {"f32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i8": 3, "q8_0_i8": 4, "u8_i8": 5, "bf16": 6,
@@ -242,9 +245,7 @@ def pack_q4_k(blocks: torch.Tensor, in_features: int) -> PackedWeight:
         codes.reshape(out, in_features), b[..., 0:2].view(np.uint16)[..., 0],
         b[..., 2:4].view(np.uint16)[..., 0], sc.astype(np.uint8).reshape(out, -1),
         mn.astype(np.uint8).reshape(out, -1))]
-    supers = in_features // 256
-    data = torch.empty(-(-out // PANEL), supers * 8, (2 * 2 * PANEL + 2 * 8 * PANEL
-                                                      + 8 * QBLOCK * PANEL // 2) // 8,
+    data = torch.empty(-(-out // PANEL), in_features // QBLOCK, Q4_K_I8_SUPER_BYTES // 8,
                        dtype=torch.uint8)
     _lib().linear_pack_q4k(*[a.ctypes.data for a in arrays], out, in_features,
                            data.data_ptr())

@@ -507,31 +507,15 @@ i8_rows_panels_as(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t
 static void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t *base,
                            int64_t panel_bytes, int64_t p0, int np, int layout, int64_t N,
                            const float *bias, float *y) {
-    switch (layout) {
-    case Q4_1_I8:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q4_1_I8, N, bias, y);
-        break;
-    case Q8_0_I8:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q8_0_I8, N, bias, y);
-        break;
-    case Q4_1_I8H:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q4_1_I8H, N, bias, y);
-        break;
-    case Q8_0_I8H:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q8_0_I8H, N, bias, y);
-        break;
-    case U8_I8H:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8H, N, bias, y);
-        break;
-    case U8S_I8:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8S_I8, N, bias, y);
-        break;
-    case Q4K_I8:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, Q4K_I8, N, bias, y);
-        break;
-    default:
-        i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, N, bias, y);
+#define I8_LAYOUT_CASE(L)                                                                       \
+    case L: i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, L, N, bias, y); break;
+    switch (layout) {                         /* a constant layout each case: its own tiles */
+        I8_LAYOUT_CASE(Q4_1_I8) I8_LAYOUT_CASE(Q8_0_I8) I8_LAYOUT_CASE(Q4_1_I8H)
+        I8_LAYOUT_CASE(Q8_0_I8H) I8_LAYOUT_CASE(U8_I8H) I8_LAYOUT_CASE(U8S_I8)
+        I8_LAYOUT_CASE(Q4K_I8)
+    default: i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, N, bias, y);
     }
+#undef I8_LAYOUT_CASE
 }
 
 /* x [M, K] float32 against a weight packed in an int8 layout: y [M, N] (+ bias). Returns 0, or -1
@@ -578,6 +562,13 @@ static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t
     return 0;
 }
 
+/* code k (0..15) of column col into a Q4_1_I8 block's codes: chunk k / 8, low nibble for
+ * k % 8 < 4, byte 4 * col + k % 4 */
+static inline void i8_put_q4(uint8_t *out, int64_t col, int64_t k, uint8_t c) {
+    const int64_t g = k / 4;
+    out[64 * (g / 2) + 4 * col + k % 4] |= (uint8_t)((c & 0x0F) << (4 * (g % 2)));
+}
+
 /* codes [N, K] (Q4_1: 0..15; Q8_0: int8; U8: 0..63), d and (Q4_1, U8) m [N, K / QBLOCK] (U8:
  * [N, K / 16], each half block's), float32 (fp16 for the _I8H layouts) -> the layouts above
  * (padding columns: scales 0, code 0) */
@@ -611,7 +602,7 @@ static void linear_pack_i8(int layout, const uint8_t *codes, const void *d_, con
                 const uint8_t c = codes[n * K + b * QBLOCK + k];
                 const int64_t g = k / 4, at = 4 * col + k % 4;
                 if (kind == Q4_1_I8)
-                    out[64 * (g / 2) + at] |= (uint8_t)((c & 0x0F) << (4 * (g % 2)));
+                    i8_put_q4(out, col, k, c);
                 else if (kind == Q8_0_I8)
                     out[64 * g + at] = (uint8_t)(c ^ 0x80);     /* int8 q -> q + 128 */
                 else
@@ -653,11 +644,8 @@ void linear_pack_q4k(const uint8_t *codes, const uint16_t *d, const uint16_t *dm
                 sup[2 * HSCALES + PANEL * jb + col] = sc[n * 8 * supers + b];
                 sup[2 * HSCALES + 8 * PANEL + PANEL * jb + col] = mn[n * 8 * supers + b];
                 uint8_t *out = sup + I8_Q4K_HEAD + jb * (QBLOCK * PANEL / 2);
-                for (int64_t k = 0; k < QBLOCK; k++) {
-                    const uint8_t c = codes[n * K + b * QBLOCK + k];
-                    const int64_t g = k / 4;
-                    out[64 * (g / 2) + 4 * col + k % 4] |= (uint8_t)((c & 0x0F) << (4 * (g % 2)));
-                }
+                for (int64_t k = 0; k < QBLOCK; k++)
+                    i8_put_q4(out, col, k, codes[n * K + b * QBLOCK + k]);
             }
         }
     }

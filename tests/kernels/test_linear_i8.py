@@ -53,6 +53,8 @@ def test_int8_forms_compute_the_quantized_product(threads, layout, out_features,
         (codes, d), m = cpu_linear.q8_0_codes(blocks, in_features), None
     wide = cpu_linear.pack_codes(f"{layout}_i8", codes, d, m)           # float32 scales
     assert wide.data.nbytes > packed.data.nbytes
+    with pytest.raises(ValueError):                  # scales of the other width: refused
+        cpu_linear.pack_codes(f"{layout}_i8h", codes, d, m)
     g = torch.Generator().manual_seed(9)
     x, b = torch.randn(300, in_features, generator=g), torch.randn(out_features, generator=g)
     x[3, :32] = 0.0                                           # an all-zero block: scale 0
