@@ -274,7 +274,6 @@ def pack_gguf_parts(parts: list[tuple[str, torch.Tensor]], in_features: int, int
     llama-quantize writes as Q5_0, has a Q8_0 v beside them), else "u8" (4- and 5-bit codes fit;
     a block's d and m serve both its halves); None where that cannot be (float32 activations,
     or a Q8_0 part beside an asymmetric one)."""
-    families = {GGUF_FAMILIES[kind] for kind, _ in parts}
     if not int8:
         return None
     codes, d, m = [], [], []
