@@ -47,12 +47,21 @@ static inline __attribute__((always_inline)) void KV_(scores_rows)(
         for (int p = 0; p < KEYS / KP; p++)
             acc[r][p] = splat_row(0.0f);
     const int64_t lanes = head_dim & ~(int64_t)7;
-    for (int64_t d = 0; d < lanes; d += 8)
+    for (int64_t d = 0; d < lanes; d += 8) {
+        /* each row's query in a register for the block's keys (not a memory operand of every
+         * fused multiply-add: the loads, not the multiply-adds, bounded the loop) */
+        vrow q0 = *(const vrow *)(qd[0] + KP * d), q1 = q0, q2 = q0;
+        if (n > 1)
+            q1 = *(const vrow *)(qd[1] + KP * d);
+        if (GROUP_ROWS > 2 && n > 2)
+            q2 = *(const vrow *)(qd[GROUP_ROWS > 2 ? 2 : 0] + KP * d);
+        __asm__("" : "+v"(q0), "+v"(q1), "+v"(q2));
         for (int p = 0; p < KEYS / KP; p++) {
             const vrow kv = KV_(loadpair)(kp[KP * p] + d, kp[KP * p + KP - 1] + d);
             for (int r = 0; r < n; r++)
-                acc[r][p] = fma_row(*(const vrow *)(qd[r] + KP * d), kv, acc[r][p]);
+                acc[r][p] = fma_row(r == 0 ? q0 : r == 1 ? q1 : q2, kv, acc[r][p]);
         }
+    }
     for (int r = 0; r < n; r++) {
 #if KP == 2
         v8f s = tree8_pairs(acc[r]);
