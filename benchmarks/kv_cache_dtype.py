@@ -1,8 +1,9 @@
-"""Plain decoding at long context with the full KV cache in float32 (`auto` on CPU), in bf16 and
-in fp8 e4m3 (`--kv-cache-dtype bfloat16`, `fp8`): a benchmark, not a test.
+"""Plain decoding at long context with the full KV cache in float32, in bf16 (`auto` on CPU under
+`--dtype auto`) and in fp8 e4m3 (`--kv-cache-dtype float32`, `bfloat16`, `fp8`): a benchmark,
+not a test.
 
-One engine per setting, built once in this process; runs alternate between them (auto, bfloat16,
-auto, bfloat16, ...) so drift on a shared host lands on both. Each run: `concurrency` requests of
+One engine per setting, built once in this process; runs alternate between them (float32, bfloat16,
+float32, bfloat16, ...) so drift on a shared host lands on both. Each run: `concurrency` requests of
 `prompt-len` random tokens (fresh ones every run, prefix caching off), `output-len` greedy tokens
 each (ignore_eos). Reported per run: TTFT, TPOT (the mean gap between a request's tokens after
 its first, as vLLM's bench computes it; p50 over requests), output tokens/s over the run, and the
@@ -142,7 +143,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (no kernel split there)")
-    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "bfloat16", "fp8"])
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["float32", "bfloat16", "fp8"])
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=2800)
     ap.add_argument("--output-len", type=int, default=64)

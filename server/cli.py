@@ -105,9 +105,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help="none, or gguf for a .gguf model (Q4_1/Q8_0 kept quantized for the C "
                         "kernel on CPU, other types dequantized to --dtype at load)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   help="the full KV cache's elements: auto (the model's dtype), bfloat16 "
-                        "(half the bytes a token on CPU) or fp8 / fp8_e4m3 (a quarter; e4m3, "
-                        "scale 1)")
+                   help="the full KV cache's elements: auto (the model's dtype; on CPU "
+                        "bfloat16 under --dtype auto, float32 under --dtype float32), bfloat16, "
+                        "fp8 / fp8_e4m3 (e4m3, scale 1) or float32")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -303,7 +303,7 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
                    "supported (start one server per device behind a load balancer)")
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         refuse(f"--kv-cache-dtype {args.kv_cache_dtype}: one of {list(KV_CACHE_DTYPES)} (auto: "
-               "the model's dtype)")
+               "the model's dtype; on CPU bfloat16 under --dtype auto)")
     if args.load_format not in LOAD_FORMATS:
         refuse(f"--load-format {args.load_format}: one of {list(LOAD_FORMATS)} (safetensors "
                "folders and GGUF files are what the loader reads)")

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field, fields
 SPEC_METHODS = ("ngram", "layer_skip", "token_recycling", "lossy_kv")
 NGRAM_DEFAULT_LOOKUP = 5             # vLLM's prompt_lookup_min/max when neither is given
 # --kv-cache-dtype, as vLLM spells it: the full paged cache's element type. auto: the model's dtype
-# (float32 on CPU); bfloat16: half a float32 cache's bytes a token; fp8 (= fp8_e4m3): a quarter,
-# e4m3 with a scale of 1 (vLLM's default), saturating at +-448 (the attention widens exactly)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+# (on CPU bfloat16 under --dtype auto, float32 under --dtype float32); bfloat16: half a float32
+# cache's bytes a token; fp8 (= fp8_e4m3): a quarter, e4m3 with a scale of 1 (vLLM's default),
+# saturating at +-448 (the attention widens exactly); float32 (not vLLM's): a float32 cache
+# beside the fast path's int8 activations
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "float32")
 
 
 @dataclass(frozen=True)

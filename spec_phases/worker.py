@@ -66,15 +66,24 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype -> the full cache's element type: "auto" the model's dtype, "bfloat16"
-    bf16 whatever the model's (on CPU the C attention widens it exactly to float32; on CUDA the
-    Triton kernel reads the cache's dtype). Speculation stays lossless: the drafters and the
-    verify pass read the same cache, and a row's result does not depend on its neighbours."""
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, exact: bool = False,
+                           device: str = "cpu") -> torch.dtype:
+    """--kv-cache-dtype -> the full cache's element type: "auto" the model's dtype, except on the
+    CPU's fast path (`--dtype auto`: float32 or int8 activations), where it is bfloat16 as
+    vLLM-CPU's bf16 cache and llama.cpp's f16 one (half the bytes a step reads at long context
+    or many requests; `benchmarks/accuracy_i8.py`: perplexity 7.163 against 7.170 over float32,
+    with int8 activations); exact (`--dtype float32` given): float32, the path that matches
+    transformers. "float32": float32 whatever the model's. "bfloat16" bf16 whatever the model's (on CPU the C attention widens it exactly
+    to float32; on CUDA the Triton kernel reads the cache's dtype). Speculation stays lossless:
+    the drafters and the verify pass read the same cache, and a row's result does not depend on
+    its neighbours."""
     if kv_cache_dtype == "auto":
-        return dtype
+        on_cpu = not device.startswith("cuda")
+        return torch.bfloat16 if on_cpu and dtype == torch.float32 and not exact else dtype
     if kv_cache_dtype == "bfloat16":
         return torch.bfloat16
+    if kv_cache_dtype == "float32":
+        return torch.float32
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return torch.float8_e4m3fn
     raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: one of {list(KV_CACHE_DTYPES)}")
@@ -104,7 +113,8 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
+                                               exact=config.dtype != "auto", device=self.device)
         # the full cache in a host pool: opt-in (SpeculativeConfig.full_kv_in_host)
         in_host = spec is not None and spec.method == "lossy_kv" and spec.full_kv_in_host
         torch.manual_seed(config.seed)

@@ -69,6 +69,13 @@ def full_bytes(core, num_tokens):
 
 
 @pytest.fixture
+def make_engine(make_engine):
+    """The conftest's engines with a float32 full cache (`--dtype float32`): the byte figures
+    below compare the compressed caches with float32 full KV."""
+    return lambda **kwargs: make_engine(**{"dtype": "float32", **kwargs})
+
+
+@pytest.fixture
 def probe(make_engine):
     """A VeriCache engine only used to read the model's byte figures (full and compressed)."""
     return make_engine(speculative=SPEC, num_threads=1, host_kv_cache_memory_gb=HOST_GB)

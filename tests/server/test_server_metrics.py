@@ -98,7 +98,7 @@ def test_idle_exposition_has_vllm_names_types_labels_and_buckets(tiny_core):
                    if k[0] == "vllm:request_prompt_tokens_bucket")
     assert edges[:-1] == [1, 2, 5, 10, 20, 50, 100, 200] == buckets_1_2_5(256)
     assert ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80 and REQUEST_LATENCY_BUCKETS[-1] == 7680
-    bpt = core.worker.model_config.kv_bytes_per_token(core.worker.dtype)
+    bpt = core.worker.model_config.kv_bytes_per_token(core.worker.kv_dtype)
     assert value(found, "specserve:kv_bytes_per_token", pool="full", kv_compressor="none") == bpt
     assert value(found, "specserve:kv_cache_bytes", pool="full", tier="device") == bpt * 64 * 16
     info = [k for k in found if k[0] == "vllm:cache_config_info"]

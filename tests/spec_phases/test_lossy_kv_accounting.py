@@ -3,6 +3,7 @@ caches, their capacity, the predicted bytes of a request at n tokens, bytes per 
 from dataclasses import replace
 
 import pytest
+import torch
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
@@ -37,9 +38,10 @@ def test_used_bytes_equal_the_prediction_and_undercut_the_full_pool(make_engine)
     for usage, predicted in seen:
         assert usage.compressed_bytes == predicted > 0
         assert usage.compressed_bytes < usage.full_bytes
-        # fp32
+        # the default full cache on the CPU: bf16 (`--kv-cache-dtype auto`, `--dtype auto`)
+        assert core.worker.kv_dtype == torch.bfloat16
         assert (usage.full_bytes_per_token
-                == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4)
+                == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2)
         assert (usage.dense_bytes_per_token
                 == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2)
         assert 0 < usage.compressed_page_bytes_per_token < usage.dense_bytes_per_token
