@@ -1,0 +1,94 @@
+"""Two builds of the CPU paged attention (`kernels/cpu/paged_attention.c` from two source folders,
+e.g. a worktree of an older commit and this checkout) alternated in one process on the same
+queries and caches: a benchmark, not a test. Prints each build's median time of one step's 30
+layers, their ratio, and whether the two computed the same bits.
+
+SmolLM2-135M's attention shape (9 heads, 3 kv heads, head_dim 64, blocks of 16, shuffled block
+tables), random K/V over `--context` tokens; the request's `--rows` queries are the last of the
+context (1: a decode; up to 9: a verify pass).
+
+    git worktree add /tmp/old HEAD~1
+    python benchmarks/attention_ab.py /tmp/old/kernels/cpu kernels/cpu --context 2800 \\
+        --rows 1 3 9 --kv-cache-dtype auto bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.kernels.cpu import native, paged_attention
+from specserve.kernels.metadata import PagedAttentionMetadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+CACHE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                "fp8": torch.float8_e4m3fn}
+
+
+def build(source: Path, out: Path) -> dict:
+    """The build's paged_attention_short forms, by cache dtype."""
+    subprocess.run([native._compiler(), *native.FLAGS, "-o", str(out),
+                    str(source / "paged_attention.c"), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    forms = {}
+    for dtype, suffix in paged_attention.CACHE_DTYPES.items():
+        fn = getattr(lib, "paged_attention_short" + suffix)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                       ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
+        forms[dtype] = fn
+    return forms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("a", type=Path, help="folder holding build A's paged_attention.c")
+    ap.add_argument("b", type=Path, help="folder holding build B's paged_attention.c")
+    ap.add_argument("--context", type=int, default=2800)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 9])
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(CACHE_DTYPES))
+    ap.add_argument("--alternations", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="attention-ab-"))
+    builds = {"A": build(args.a, tmp / "a.so"), "B": build(args.b, tmp / "b.so")}
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    blocks = args.context // BLOCK + 1
+    table = torch.randperm(blocks, generator=g).tolist()
+    for name in args.kv_cache_dtype:
+        dtype = CACHE_DTYPES[name]
+        layers = [tuple(torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+                        for _ in range(2)) for _ in range(LAYERS)]
+        for rows in args.rows:
+            meta = PagedAttentionMetadata([0, rows], [args.context], [table], BLOCK)
+            q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
+
+            def step(tag: str) -> list[torch.Tensor]:
+                paged_attention._kernel = lambda d, t=tag: builds[t][d]
+                return [paged_attention.paged_attention(q, k, v, meta, HEAD_DIM ** -0.5)
+                        for k, v in layers]
+
+            same = all(torch.equal(x, y) for x, y in zip(step("A"), step("B")))
+            ms: dict[str, list[float]] = {"A": [], "B": []}
+            for i in range(args.alternations):
+                for tag in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                    step(tag)
+                    start = time.perf_counter()
+                    for _ in range(5):
+                        step(tag)
+                    ms[tag].append((time.perf_counter() - start) / 5 * 1e3)
+            a, b = statistics.median(ms["A"]), statistics.median(ms["B"])
+            print(f"{name} context {args.context} rows {rows}: A {a:.2f} ms, B {b:.2f} ms, "
+                  f"B/A {b / a:.3f}, same bits: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
