@@ -597,10 +597,12 @@ def log_banner(args, config: EngineConfig, path: Path, engine, defaults: dict) -
     if config.device == "auto" and device == "cpu":   # e.g. the CUDA image on a host with no GPU
         device = f"cpu (--device auto: {no_cuda_reason()})"
     logger.info("specserve %s: model %s (%s), architecture %s, dtype %s, device %s, max_model_len "
-                "%d, KV cache %d tokens (%d blocks of %d), speculative %s, sampling defaults %s",
+                "%d, KV cache %d tokens (%d blocks of %d, %s), speculative %s, sampling defaults "
+                "%s",
                 VERSION, args.model or info.name, path, architecture, engine_info.dtype,
                 device, info.max_model_len, tokens, engine_info.num_blocks,
-                engine_info.block_size, speculative, defaults or "none")
+                engine_info.block_size, engine_info.kv_cache_dtype or engine_info.dtype,
+                speculative, defaults or "none")
 
 
 def no_cuda_reason() -> str:

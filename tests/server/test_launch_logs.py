@@ -41,13 +41,14 @@ def test_the_banner_names_what_is_served(caplog):
                              eos_token_ids=(2,), bos_token_id=1),
         engine_info=EngineInfo(block_size=16, num_blocks=100, enable_prefix_caching=True,
                                dtype="float32", device="cpu", kv_bytes_per_token=1024,
-                               spec_method="ngram", num_speculative_tokens=3))
+                               spec_method="ngram", num_speculative_tokens=3,
+                               kv_cache_dtype="bfloat16"))
     with caplog.at_level(logging.INFO, logger="specserve.server"):
         log_banner(args, config, path, engine, {"temperature": 0.6})
     line = caplog.records[-1].getMessage()
     for part in (f"specserve {VERSION}", "model SmolLM2", "architecture llama (GGUF)",
                  "dtype float32", "device cpu (--device auto: torch ",
-                 "KV cache 1600 tokens (100 blocks of 16)",
+                 "KV cache 1600 tokens (100 blocks of 16, bfloat16)",
                  '"method":"ngram"', '"num_speculative_tokens":3', "'temperature': 0.6"):
         assert part in line, (part, line)
 
