@@ -73,10 +73,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, exact: bool 
     vLLM-CPU's bf16 cache and llama.cpp's f16 one (half the bytes a step reads at long context
     or many requests; `benchmarks/accuracy_i8.py`: perplexity 7.163 against 7.170 over float32,
     with int8 activations); exact (`--dtype float32` given): float32, the path that matches
-    transformers. "float32": float32 whatever the model's. "bfloat16" bf16 whatever the model's (on CPU the C attention widens it exactly
-    to float32; on CUDA the Triton kernel reads the cache's dtype). Speculation stays lossless:
-    the drafters and the verify pass read the same cache, and a row's result does not depend on
-    its neighbours."""
+    transformers. "float32": float32 whatever the model's; "bfloat16" bf16 whatever the model's
+    (on CPU the C attention widens it exactly to float32; on CUDA the Triton kernel reads the
+    cache's dtype). Speculation stays lossless: the drafters and the verify pass read the same
+    cache, and a row's result does not depend on its neighbours."""
     if kv_cache_dtype == "auto":
         on_cpu = not device.startswith("cuda")
         return torch.bfloat16 if on_cpu and dtype == torch.float32 and not exact else dtype
