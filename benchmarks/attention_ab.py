@@ -36,15 +36,7 @@ def build(source: Path, out: Path) -> dict:
     subprocess.run([native._compiler(), *native.FLAGS, "-o", str(out),
                     str(source / "paged_attention.c"), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    forms = {}
-    for dtype, suffix in paged_attention.CACHE_DTYPES.items():
-        fn = getattr(lib, "paged_attention_short" + suffix)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                       ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
-        forms[dtype] = fn
-    return forms
+    return {dtype: paged_attention.bind(lib, dtype) for dtype in paged_attention.CACHE_DTYPES}
 
 
 def main() -> None:

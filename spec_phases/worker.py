@@ -72,14 +72,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, exact: bool 
     CPU's fast path (`--dtype auto`: float32 or int8 activations), where it is bfloat16 as
     vLLM-CPU's bf16 cache and llama.cpp's f16 one (half the bytes a step reads at long context
     or many requests; `benchmarks/accuracy_i8.py`: perplexity 7.163 against 7.170 over float32,
-    with int8 activations); exact (`--dtype float32` given): float32, the path that matches
-    transformers. "float32": float32 whatever the model's; "bfloat16" bf16 whatever the model's
-    (on CPU the C attention widens it exactly to float32; on CUDA the Triton kernel reads the
-    cache's dtype). Speculation stays lossless: the drafters and the verify pass read the same
-    cache, and a row's result does not depend on its neighbours."""
+    with int8 activations); exact (a `--dtype` given): the model's dtype, float32 for
+    `--dtype float32`, the path that matches transformers. "float32": float32 whatever the
+    model's; "bfloat16" bf16 whatever the model's (on CPU the C attention widens it exactly to
+    float32; on CUDA the Triton kernel reads the cache's dtype). Speculation stays lossless: the
+    drafters and the verify pass read the same cache, and a row's result does not depend on its
+    neighbours."""
     if kv_cache_dtype == "auto":
-        on_cpu = not device.startswith("cuda")
-        return torch.bfloat16 if on_cpu and dtype == torch.float32 and not exact else dtype
+        return dtype if exact or device.startswith("cuda") else torch.bfloat16
     if kv_cache_dtype == "bfloat16":
         return torch.bfloat16
     if kv_cache_dtype == "float32":

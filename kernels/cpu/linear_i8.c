@@ -54,10 +54,9 @@
 #define I8_Q4K_SUPER (I8_Q4K_HEAD + 8 * QBLOCK * PANEL / 2)
 #define I8_TILE 8           /* rows x panels of one register tile */
 /* a panel's block I8_LEAD blocks ahead requested from memory, every cache line of it, while a
- * block is summed (the hardware's prefetcher alone leaves a many-row tile waiting on memory):
- * 4 blocks ahead and one line in four took 7.98-8.26 ms a 16-row step in the linear layers, 16
- * and every line 7.05-7.07 (embedded model, AMD AVX-512 host, 2026-11-28, five alternations;
- * one row unchanged) */
+ * block is summed (the hardware's prefetcher alone leaves a many-row tile waiting on memory;
+ * 4 blocks ahead and one line in four before 86d9e52: the many-row steps' gain is part of
+ * docs/BENCHMARKS.md §1's 12th-session comparison) */
 #define I8_LEAD 16
 #define I8_CHUNK_BYTES (256 << 10)  /* activation codes swept against a thread's panels at once */
 

@@ -33,7 +33,13 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 @functools.cache
 def _kernel(cache_dtype: torch.dtype = torch.float32):
     """The C kernel's form that reads a cache of `cache_dtype` (CACHE_DTYPES)."""
-    fn = getattr(library("paged_attention"), "paged_attention_short" + CACHE_DTYPES[cache_dtype])
+    return bind(library("paged_attention"), cache_dtype)
+
+
+def bind(lib: ctypes.CDLL, cache_dtype: torch.dtype):
+    """`lib`'s form of the kernel that reads a cache of `cache_dtype`, with its C signature (a
+    build of `paged_attention.c`: the cached one, or another, `benchmarks/attention_ab.py`)."""
+    fn = getattr(lib, "paged_attention_short" + CACHE_DTYPES[cache_dtype])
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                    _i64, ctypes.c_float, _i64, ctypes.c_float, ctypes.c_int]
