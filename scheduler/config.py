@@ -118,5 +118,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     adaptive: bool = False              # FASER's controller picks each request's draft length
     frontier_size: int = 0              # FASER early pruning: verify drafts f positions at a time
+    # the worker proposes drafts at the end of a step (`WorkerFacts.proposes_ahead`): a request
+    # is scheduled at most the drafts it reported (`StepResult.draft_lens`)
+    proposes_ahead: bool = False
     # EngineConfig.max_decode_slowdown (None here: the token budget alone)
     max_decode_slowdown: float | None = None

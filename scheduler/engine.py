@@ -90,7 +90,7 @@ class EngineCore:
             max_model_len=max_len, eos_token_ids=facts.eos_token_ids,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             adaptive=bool(spec and spec.adaptive),
-            frontier_size=spec.frontier_size if spec else 0,
+            frontier_size=spec.frontier_size if spec else 0, proposes_ahead=facts.proposes_ahead,
             max_decode_slowdown=config.max_decode_slowdown))
         path = resolve_model_path(None if config.model == TINY_RANDOM else config.model)
         name = TINY_RANDOM if config.model == TINY_RANDOM else (

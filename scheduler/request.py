@@ -42,6 +42,8 @@ class Request:
         # a draft slot was planned since the last (re)start: the drafter has built this
         # request's state (lossy_kv's compressed cache), so drafting costs no start-up any more
         self.drafted = False
+        self.ready_drafts: int | None = None            # drafts the worker proposed for the next
+                                                        # step (`StepResult.draft_lens`)
         self.prompt_logprobs: list = []                    # gathered over prefill chunks
         # speculative decoding counters (vLLM's definitions)
         self.num_drafts = 0

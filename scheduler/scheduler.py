@@ -214,7 +214,8 @@ class Scheduler:
 
     def draft_len(self, req: Request) -> int:
         """Draft slots for a decoding request this step: the configured k, capped per request and by
-        what is left of max_tokens and of the context (FASER's controller may choose fewer)."""
+        what is left of max_tokens and of the context, and by the drafts the worker proposed for
+        it (a drafter of tokens alone); FASER's controller may choose fewer."""
         if self.config.num_speculative_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
             return 0
         k = self.config.num_speculative_tokens
@@ -222,6 +223,8 @@ class Scheduler:
             k = min(k, req.params.num_speculative_tokens)
         k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
                 self.config.max_model_len - req.num_tokens - 1)
+        if req.ready_drafts is not None:                # proposed already: no slot for a draft
+            k = min(k, req.ready_drafts)                # that does not exist
         return max(k, 0)
 
     def _choose_draft_lens(self, decoding: list[Request], prefill: int) -> dict[str, int]:
@@ -301,11 +304,13 @@ class Scheduler:
                 self._stats.num_prompt_tokens += min(num_new, req.num_prompt_tokens - start)
             prompt_logprobs = (req.want_prompt_logprobs and req.num_output_tokens == 0
                                and start < req.num_prompt_tokens)
-            history = needs_history(req.params, num_drafts, prompt_logprobs)
+            sample = start + num_new >= req.num_tokens
+            history = needs_history(req.params, num_drafts, prompt_logprobs,
+                                    self.config.proposes_ahead and sample)
             out.append(ScheduledRequest(
                 request_id=req.request_id, token_ids=tuple(tokens), num_computed_tokens=start,
                 num_draft_tokens=num_drafts, block_ids=tuple(self.kv.block_ids(req.request_id)),
-                sample=start + num_new >= req.num_tokens, params=req.params,
+                sample=sample, params=req.params,
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                 history=tuple(req.all_token_ids) if history else (),
                 want_prompt_logprobs=prompt_logprobs))
@@ -332,6 +337,7 @@ class Scheduler:
                 continue
             sampled = result.sampled[sreq.request_id]
             num_accepted = len(sampled.token_ids) - 1
+            req.ready_drafts = result.draft_lens.get(sreq.request_id, req.ready_drafts)
             req.num_computed_tokens += num_accepted          # verified drafts; rejected roll back
             if sampled.num_drafted:
                 self._count_spec(req, sampled.num_drafted, num_accepted)

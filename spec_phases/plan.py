@@ -62,10 +62,12 @@ class ScheduledRequest:
         return self.num_computed_tokens + self.num_new_tokens
 
 
-def needs_history(params: SamplingParams, num_draft_tokens: int, prompt_logprobs: bool) -> bool:
-    """Whether a scheduled request must carry its tokens: drafters read them, penalties count them,
+def needs_history(params: SamplingParams, num_draft_tokens: int, prompt_logprobs: bool,
+                  proposes: bool = False) -> bool:
+    """Whether a scheduled request must carry its tokens: drafters read them (proposes: a drafter
+    of tokens alone proposes this request's next drafts after the step), penalties count them,
     prompt logprobs score them. Plain decoding sends only the new tokens."""
-    return num_draft_tokens > 0 or params.has_penalties or prompt_logprobs
+    return num_draft_tokens > 0 or proposes or params.has_penalties or prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,9 @@ class StepResult:
     swap_bytes: tuple[int, int] = (0, 0)        # full-cache bytes (host->device, device->host)
                                                 # moved this step (VeriCache with a host pool)
     num_drafted_ahead: int = 0                  # requests whose drafts came from the overlap thread
+    # a drafter of tokens alone (`WorkerFacts.proposes_ahead`): the drafts proposed for each
+    # sampling request's next step, how many (the scheduler schedules at most these)
+    draft_lens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,9 @@ class WorkerFacts:
     draft_capacity_bytes: int | None = None
     draft_bytes_at: tuple[int, ...] = ()
     draft_kv_bytes_per_token: float | None = None   # lossy_kv: compressed pages, all layers
+    # the drafter proposes from tokens alone, at the end of the step that sampled them
+    # (`StepResult.draft_lens`): every sampling request's step carries its tokens
+    proposes_ahead: bool = False
 
 
 @dataclass(frozen=True)

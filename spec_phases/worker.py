@@ -19,8 +19,8 @@ from specserve.spec_phases.frontiers import FrontierVerifier
 from specserve.spec_phases.grammar import GrammarMatchers
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.overlap import DraftAhead
-from specserve.spec_phases.plan import (DrafterTiming, ScheduledRequest, StepPlan, StepResult,
-                                        WorkerFacts)
+from specserve.spec_phases.plan import (DrafterTiming, SampledTokens, ScheduledRequest, StepPlan,
+                                        StepResult, WorkerFacts)
 from specserve.spec_phases.proposers.base import DraftRequest, Proposer
 from specserve.spec_phases.proposers.layer_skip import LayerSkipProposer, default_skip_layers
 from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
@@ -172,6 +172,9 @@ class Worker:
         self.draft_ahead = None
         if spec is not None and spec.overlap_draft and self.proposer is not None:
             self.draft_ahead = DraftAhead(self.proposer, spec.num_speculative_tokens)
+        # a drafter of tokens alone proposes each request's next drafts at the end of a step
+        # (`_propose_next`): request -> (the tokens they continue, drafts, from the overlap thread)
+        self.next_drafts: dict[str, tuple[int, list[int], bool]] = {}
         self._swap_seen = (0, 0, 0)                # pool h2d, pool d2h, drafting tokens encoded
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s on %s)", self.num_blocks, bs,
                     self.storage.nbytes / 2**20, self.kv_dtype, self.device)
@@ -257,6 +260,10 @@ class Worker:
         if self.draft_pool is not None:
             self.draft_pool.release(plan.finished_ids + plan.preempted_ids)
         self.grammars.release(plan.finished_ids)     # kept across preemption: outputs are kept
+        if self.proposer is not None and plan.finished_ids:
+            self.proposer.release(plan.finished_ids)
+            for request_id in plan.finished_ids:
+                self.next_drafts.pop(request_id, None)
         for g in plan.grammars:
             self.grammars.start(g.request_id, g.grammar)
         if not plan.requests:
@@ -280,6 +287,8 @@ class Worker:
         result.draft_passes, result.num_drafted_ahead = passes, ahead
         result.draft_state_s = state_s
         result.swap_bytes = self._swap_delta()
+        if self.proposes_ahead:
+            result.draft_lens = self._propose_next(plan.requests, result.sampled)
         result.step_time_s = time.perf_counter() - start
         return result
 
@@ -289,25 +298,52 @@ class Worker:
         it spent building first-time requests' states, and how many requests took drafts made
         ahead by the overlap thread."""
         drafts: list[list[int]] = [[] for _ in reqs]
-        early = self.draft_ahead.take() if self.draft_ahead is not None else {}
         wanted = [i for i, r in enumerate(reqs) if r.sample and r.num_draft_tokens > 0]
         if self.proposer is None or not wanted:
             return drafts, [], 0.0, 0
-        rest = []
+        rest, threaded = [], 0
         for i in wanted:
-            made_for, draft = early.get(reqs[i].request_id, (-1, []))
-            if made_for == len(reqs[i].history):              # drafted ahead for this context
+            made_for, draft, thread = self.next_drafts.get(reqs[i].request_id, (-1, [], False))
+            if made_for == len(reqs[i].history):              # proposed ahead for this context
                 drafts[i] = draft[:reqs[i].num_draft_tokens]
+                threaded += thread
             else:
                 rest.append(i)
         if not rest:
-            return drafts, [], 0.0, len(wanted)
+            return drafts, [], 0.0, threaded
         asks = [DraftRequest(reqs[i].request_id, reqs[i].history, reqs[i].num_computed_tokens,
                              reqs[i].block_ids) for i in rest]
         out = self.proposer.propose(asks, [reqs[i].num_draft_tokens for i in rest])
         for i, d in zip(rest, out.token_ids):
             drafts[i] = d[:reqs[i].num_draft_tokens]
-        return drafts, out.passes, out.state_s, len(wanted) - len(rest)
+        return drafts, out.passes, out.state_s, threaded
+
+    def _propose_next(self, reqs: tuple[ScheduledRequest, ...],
+                      sampled: dict[str, SampledTokens]) -> dict[str, int]:
+        """A drafter of tokens alone: each request that sampled, its drafts for the next step
+        (as many as the configured k), proposed from its tokens after this step (the overlap
+        thread's where it made them during verification), kept for that step; their lengths go
+        to the scheduler, which schedules no more (a request with no n-gram match reserves no
+        draft slot, and FASER's controller prices only drafts that exist)."""
+        made = self.draft_ahead.take() if self.draft_ahead is not None else {}
+        asks = []
+        for r in reqs:
+            s = sampled.get(r.request_id)
+            if s is None or not r.history:
+                continue
+            tokens = r.history + tuple(s.token_ids)
+            early = made.get(r.request_id)
+            if early is not None and early[0] == len(tokens):
+                self.next_drafts[r.request_id] = (early[0], early[1], True)
+            else:
+                asks.append(DraftRequest(r.request_id, tokens, len(tokens) - 1, ()))
+        if asks:
+            k = self.config.speculative.num_speculative_tokens
+            out = self.proposer.propose(asks, [k] * len(asks))
+            for a, d in zip(asks, out.token_ids):
+                self.next_drafts[a.request_id] = (len(a.token_ids), d, False)
+        return {r.request_id: len(self.next_drafts[r.request_id][1]) for r in reqs
+                if r.request_id in sampled and r.history and r.request_id in self.next_drafts}
 
     def _constrain(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]]
                    ) -> tuple[list[list[int]], dict, dict[str, int]]:
@@ -337,6 +373,11 @@ class Worker:
                 storage.bytes_d2h - d2h)
 
     # -- what the engine asks at start-up and in integrity checks ----------------------------
+    @property
+    def proposes_ahead(self) -> bool:
+        """The drafter proposes from tokens alone: at the end of the step that sampled them."""
+        return self.proposer is not None and self.proposer.drafts_from_tokens_only
+
     def calibrate_drafter(self, steps: int = 2) -> DrafterTiming:
         """The drafter timed over synthetic contexts of CALIBRATION_CONTEXT tokens (or what
         max_model_len leaves) and a quarter of that: its passes, `steps` a round, and its state's
@@ -361,7 +402,8 @@ class Worker:
             draft_capacity_bytes=budget.capacity if budget is not None else None,
             draft_bytes_at=budget.bytes_at if budget is not None else (),
             draft_kv_bytes_per_token=(pool.usage().compressed_page_bytes_per_token
-                                      if pool is not None else None))
+                                      if pool is not None else None),
+            proposes_ahead=self.proposes_ahead)
 
     def check_integrity(self, live_ids: set[str], releasing: set[str],
                         reserved_bytes: int | None) -> None:

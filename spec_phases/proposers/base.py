@@ -10,6 +10,7 @@ What a drafter is, it declares as class attributes; what it needs, it gets at co
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,8 +39,9 @@ class Proposer:
     """Base of every drafter.
 
     `drafts_from_tokens_only`: the drafts are a function of the request's tokens alone (no model, no
-    shared table the target updates), so they may be computed on another thread ahead of time
-    (`spec_phases/overlap.py`). `learns_from_target`: `observe` wants the raw logits of every
+    shared table the target updates), so the worker proposes a request's next drafts at the end of
+    the step that sampled its tokens, and the scheduler schedules no more than were proposed (on
+    another thread during verification where frontiers overlap it: `spec_phases/overlap.py`). `learns_from_target`: `observe` wants the raw logits of every
     verified row (token recycling)."""
 
     name = "base"
@@ -48,6 +50,9 @@ class Proposer:
 
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
         raise NotImplementedError
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Drop what the drafter keeps for these finished requests."""
 
     def calibrate(self, contexts: list[int], steps: int) -> DrafterTiming:
         """Draft passes measured at these context lengths before any request drafts, and what

@@ -1,10 +1,63 @@
 """Prompt lookup (n-gram) drafting: find the most recent earlier occurrence of the sequence's last
-n tokens (n from prompt_lookup_max down to prompt_lookup_min) and propose what followed it."""
+n tokens (n from prompt_lookup_max down to prompt_lookup_min) and propose what followed it.
+
+Each request keeps an index of where each token occurs (`NgramIndex`), extended by the tokens a
+step adds: a lookup reads the earlier positions of the last token only, so it costs microseconds
+whatever the context's length (the worker proposes every decoding request's next drafts at the
+end of each step: `Worker._propose_next`)."""
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Iterable, Sequence
 
 from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
+
+
+class NgramIndex:
+    """One sequence's tokens and, for each token, the positions it occurs at, the last position
+    excluded (a match must end before the sequence's last token)."""
+
+    def __init__(self) -> None:
+        self.tokens: tuple[int, ...] = ()
+        self.at: dict[int, list[int]] = {}
+
+    def update(self, token_ids: Sequence[int]) -> None:
+        """Index token_ids: extended by the tokens past those indexed, or rebuilt where it does not
+        continue them."""
+        token_ids = tuple(token_ids)
+        seen = len(self.tokens)
+        if len(token_ids) < seen or token_ids[:seen] != self.tokens:
+            self.at, seen = {}, 0
+        at = self.at
+        for p in range(max(seen - 1, 0), len(token_ids) - 1):
+            at.setdefault(token_ids[p], []).append(p)
+        self.tokens = token_ids
+
+    def lookup(self, token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+        """The longest n in [min_n, max_n] whose suffix occurred before (ending at or before the
+        second-to-last token), its most recent occurrence: up to k tokens that followed it. Only
+        the earlier positions of the last token can end a match: their backward match lengths are
+        measured, most recent first, until one reaches the longest n."""
+        self.update(token_ids)
+        tokens = self.tokens
+        length = len(tokens)
+        longest = min(max_n, length - 1)
+        if longest < min_n:
+            return []
+        best, begin = 0, 0
+        for p in reversed(self.at.get(tokens[-1], ())):
+            n = 1
+            while n < longest and n <= p and tokens[p - n] == tokens[length - 1 - n]:
+                n += 1
+            if n > best:
+                best, begin = n, p + 1
+                if n == longest:
+                    break
+        return list(tokens[begin:begin + k]) if best >= min_n else []
+
+
+def lookup(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """`NgramIndex.lookup` over token_ids alone (a fresh index)."""
+    return NgramIndex().lookup(token_ids, k, min_n, max_n)
 
 
 class NgramProposer(Proposer):
@@ -13,35 +66,20 @@ class NgramProposer(Proposer):
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[str, NgramIndex] = {}            # per request, till `release`
 
     def propose(self, requests: list[DraftRequest], max_lens: list[int]) -> Drafts:
-        return Drafts([lookup(r.token_ids, k, self.min_n, self.max_n) if k > 0 else []
-                       for r, k in zip(requests, max_lens)])
+        drafts = []
+        for r, k in zip(requests, max_lens):
+            if k <= 0:
+                drafts.append([])
+                continue
+            index = self.indexes.get(r.request_id)
+            if index is None:
+                index = self.indexes[r.request_id] = NgramIndex()
+            drafts.append(index.lookup(r.token_ids, k, self.min_n, self.max_n))
+        return Drafts(drafts)
 
-
-def lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The longest n in [min_n, max_n] whose suffix occurred before (ending at or before the
-    second-to-last token), its most recent occurrence: up to k tokens that followed it. Only the
-    earlier positions of the last token can end a match: their backward match lengths are
-    measured, max_n - 1 comparisons over those few positions (not every window of every n)."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    length = len(tokens)
-    longest = min(max_n, length - 1)
-    if longest < min_n:
-        return []
-    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])   # p: tokens[p] == last
-    if not ends.size:
-        return []
-    matched = np.ones(ends.size, dtype=np.int64)          # suffix tokens matched, backwards
-    still = np.ones(ends.size, dtype=bool)
-    for j in range(1, longest):
-        back = ends - j
-        still &= back >= 0
-        still[still] = tokens[back[still]] == tokens[length - 1 - j]
-        matched += still
-    for n in range(longest, min_n - 1, -1):
-        found = ends[matched >= n]
-        if found.size:
-            begin = int(found[-1]) + 1                     # most recent occurrence
-            return tokens[begin:begin + k].tolist()
-    return []
+    def release(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.indexes.pop(request_id, None)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from specserve.spec_phases.proposers.ngram import lookup
+from specserve.spec_phases.proposers.base import DraftRequest
+from specserve.spec_phases.proposers.ngram import NgramIndex, NgramProposer, lookup
 
 
 def naive(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -40,3 +41,30 @@ def test_lookup_prefers_the_longest_then_the_latest_match():
     assert lookup(tokens, 1, 1, 3) == [6]             # "1 2" at 1-2 beats the later "2" at 5
     assert lookup(tokens, 1, 3, 3) == []              # no earlier "7 1 2"
     assert lookup([4], 3, 1, 2) == []
+
+
+def test_an_index_fed_a_growing_sequence_answers_as_a_fresh_one():
+    """NgramIndex extends itself by the tokens a step adds (the worker keeps one per request), and
+    starts over from a sequence that does not continue what it indexed."""
+    rng = random.Random(11)
+    for _ in range(200):
+        index = NgramIndex()
+        tokens: list[int] = []
+        vocab = rng.choice([3, 5, 20])
+        for _ in range(rng.randint(1, 12)):
+            tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+            lo = rng.randint(1, 3)
+            hi, k = rng.randint(lo, 5), rng.randint(1, 6)
+            assert index.lookup(tokens, k, lo, hi) == naive(tokens, k, lo, hi), tokens
+        other = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        assert index.lookup(other, 4, 1, 3) == naive(other, 4, 1, 3)
+
+
+def test_the_proposer_keeps_an_index_per_request_until_released():
+    prop = NgramProposer(1, 3)
+    a, b = (1, 2, 3, 9, 1, 2), (4, 5, 4)
+    out = prop.propose([DraftRequest("a", a, 5, ()), DraftRequest("b", b, 2, ())], [2, 2])
+    assert out.token_ids == [[3, 9], [5, 4]] and set(prop.indexes) == {"a", "b"}
+    assert prop.propose([DraftRequest("a", a + (3,), 6, ())], [1]).token_ids == [[9]]
+    prop.release(["a", "unknown"])
+    assert set(prop.indexes) == {"b"}

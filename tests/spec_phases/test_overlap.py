@@ -42,6 +42,9 @@ def test_overlapped_drafts_give_identical_output(make_engine):
 
 
 def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_engine):
+    """The thread's drafts are collected at the end of the step that started them
+    (`Worker._propose_next`): a request's next step takes them only where they continue its
+    tokens after this step; else the worker proposes its own."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
                              prompt_lookup_max=3,
                              frontier_size=1, overlap_draft=True)
@@ -54,15 +57,25 @@ def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_en
         def result(self):
             return self.value
 
-    for length, used in ((10**6, 0), (len(prompt) + 1, 1)):
+    for shift, used in ((10**6, 0), (0, 1)):
         core = make_engine(speculative=spec)
-        ahead = core.worker.draft_ahead
+        worker, ahead = core.worker, core.worker.draft_ahead
         core.add_request(EngineRequest("r0", prompt, SamplingParams(max_tokens=8, temperature=0)))
+        steps = []
+        execute = worker.execute
+        worker.execute = lambda plan: steps.append((plan, execute(plan))) or steps[-1][1]
         core.step()                                       # the prefill: one token, no drafts
-        ahead.pending = Ready({"r0": (length, [99, 98, 97, 96])})
-        step = core.step()                                # drafts for prompt + 1 token
+        plan, result = steps[-1]
+        (req,) = plan.requests
+        tokens = len(req.history) + len(result.sampled["r0"].token_ids)
+        ahead.pending = Ready({"r0": (tokens + shift, [99, 98, 97, 96])})
+        lens = worker._propose_next(plan.requests, result.sampled)     # the step's end, again
+        core.scheduler.requests["r0"].ready_drafts = lens["r0"]        # as its commit reads them
+        assert (worker.next_drafts["r0"][1] == [99, 98, 97, 96]) == bool(used)
+        assert ahead.pending is None                      # valid for one step only
+        step = core.step()
         assert step.stats.num_drafted_ahead == used
-        assert not isinstance(ahead.pending, Ready)       # valid for one step only
+        assert step.stats.num_draft_tokens == 4 * used
 
 
 def test_the_flag_reaches_the_runner_and_bad_combinations_are_refused(make_engine):

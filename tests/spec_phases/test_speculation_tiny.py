@@ -145,3 +145,31 @@ def test_ngram_lookup_lengths_are_filled_in_as_vllm_does(given, expected):
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig.from_json({"method": "ngram", "prompt_lookup_min": 4,
                                      "prompt_lookup_max": 2})
+
+
+def test_ngram_schedules_only_drafts_that_were_proposed(make_engine):
+    """The worker proposes each request's next n-gram drafts at the end of a step and reports how
+    many: the scheduler reserves no slot for a draft that does not exist, so every scheduled
+    draft is verified (a request with no match decodes one row), and the output is plain's."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+                             prompt_lookup_max=3)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 8
+    plain, _ = generate(make_engine(), params)
+    core = make_engine(speculative=spec)
+    steps = []
+    execute = core.worker.execute
+    core.worker.execute = lambda plan: steps.append((plan, execute(plan))) or steps[-1][1]
+    out, drafted = generate(core, params)
+    assert out == plain and drafted > 0
+    ready: dict[str, int] = {}
+    scheduled = 0
+    for plan, result in steps:
+        for r in plan.requests:
+            if r.num_draft_tokens:
+                assert r.num_draft_tokens <= ready[r.request_id]
+                assert result.sampled[r.request_id].num_drafted == r.num_draft_tokens
+                scheduled += 1
+            if r.sample:
+                assert r.request_id in result.draft_lens         # proposed for its next step
+        ready.update(result.draft_lens)
+    assert scheduled > 0 and 0 in ready.values()                # some drafted, some had none
