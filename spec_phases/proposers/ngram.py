@@ -13,24 +13,26 @@ from specserve.spec_phases.proposers.base import DraftRequest, Drafts, Proposer
 
 
 class NgramIndex:
-    """One sequence's tokens and, for each token, the positions it occurs at, the last position
+    """One request's tokens and, for each token, the positions it occurs at, the last position
     excluded (a match must end before the sequence's last token)."""
 
     def __init__(self) -> None:
-        self.tokens: tuple[int, ...] = ()
+        self.tokens: list[int] = []
         self.at: dict[int, list[int]] = {}
 
     def update(self, token_ids: Sequence[int]) -> None:
-        """Index token_ids: extended by the tokens past those indexed, or rebuilt where it does not
-        continue them."""
-        token_ids = tuple(token_ids)
-        seen = len(self.tokens)
-        if len(token_ids) < seen or token_ids[:seen] != self.tokens:
-            self.at, seen = {}, 0
-        at = self.at
-        for p in range(max(seen - 1, 0), len(token_ids) - 1):
-            at.setdefault(token_ids[p], []).append(p)
-        self.tokens = token_ids
+        """Index token_ids, a request's tokens, which only grow: the tokens past those indexed are
+        added (O(new tokens) a step, whatever the context's length). A sequence shorter than the
+        indexed one, or whose token at the indexed end differs, is indexed anew."""
+        seen, length = len(self.tokens), len(token_ids)
+        if length < seen or (seen and token_ids[seen - 1] != self.tokens[-1]):
+            self.tokens, self.at, seen = [], {}, 0
+        if length == seen:
+            return
+        self.tokens.extend(token_ids[seen:])
+        tokens, at = self.tokens, self.at
+        for p in range(max(seen - 1, 0), length - 1):
+            at.setdefault(tokens[p], []).append(p)
 
     def lookup(self, token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
         """The longest n in [min_n, max_n] whose suffix occurred before (ending at or before the
