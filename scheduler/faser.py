@@ -37,7 +37,9 @@
                 the whole context) prices that once (`state_price` a context token): until a
                 request has drafted, its first draft of a step also pays its share of that
                 build over the tokens it may still generate; it is probed only where the build
-                costs at most a quarter of the steps between probes.
+                costs at most a quarter of the steps between probes. Nor is any state built
+                while the step prices are still priors (`unpriced_steps`: before the first fit):
+                the build is paid whatever later steps measure.
 Under load the rows' price dominates, every extra draft lowers goodput and k falls to 0 by itself:
 no batch-size threshold, so no cliff.
 """
@@ -210,11 +212,14 @@ class CostModel:
     contexts), and the rest of the step fits the other prices."""
 
     def __init__(self, *prices: float, window: int = 256, unpriced_drafting_steps: int = 0,
-                 **named: float):
+                 unpriced_steps: bool = False, **named: float):
         """unpriced_drafting_steps: the draft prices are priors until this many steps that
-        drafted have been observed (`DraftLengthController` drafts one a request till then)."""
+        drafted have been observed (`DraftLengthController` drafts one a request till then).
+        unpriced_steps: the step prices are priors until the first fit (`DraftLengthController`
+        starts no request's drafting state till then)."""
         self.prices = Prices(*prices, **named)
         self.unpriced_drafting_steps = unpriced_drafting_steps
+        self.unpriced_steps = unpriced_steps
         # seconds a context token adds to a request's first drafting round: the drafter builds
         # its state then (lossy_kv's compressed cache); not a step term, priced by the controller
         self.state_price = 0.0
@@ -343,6 +348,7 @@ class CostModel:
                                                   weight=weight)
         prices[0] = max(prices[0], 1e-6)
         self.prices = Prices(*prices.tolist())
+        self.unpriced_steps = False
         if not varied[TERMS.index("draft_row")]:           # no drafts seen: priced as a row
             self.prices.draft_row = self.prices.row
 
@@ -452,6 +458,12 @@ class DraftLengthController:
         if unstarted and self.cost.state_price and any(unstarted):
             starts = [self.cost.state_price * u / max(left, 1)
                       for u, left in zip(unstarted, remaining or [1] * len(unstarted))]
+        if starts and self.cost.unpriced_steps:
+            # the step prices are still priors (the warm-up's few steps fit none): a request
+            # whose drafting state is yet to be built waits for measured ones, as its build is
+            # paid whatever the next steps say (quant's encode of a 2.8K context, ~60 ms, was
+            # started on a decode step priced at the prior's 22 ms for a real 7.6)
+            caps = [0 if u else c for c, u in zip(caps, unstarted)]
         if self.cost.unpriced_drafting_steps:          # one draft a request until priced
             caps = [min(c, 1) for c in caps]
         ks = self._allocate(request_ids, caps, num_other_tokens, swap_bytes, prefill_tokens,

@@ -31,9 +31,11 @@ class Scheduler:
         self.config = config
         k = config.num_speculative_tokens
         # step prices fitted on every committed step (FASER's; the first prompt chunk beside
-        # decodes): until prompt rows are measured one is priced as a decode row, and drafts are
-        # one a request until 4 drafting steps are measured
-        self.cost = CostModel(prefill_row=Prices().row, unpriced_drafting_steps=4)
+        # decodes): until prompt rows are measured one is priced as a decode row, drafts are one
+        # a request until 4 drafting steps are measured, and no drafting state is built before
+        # the first fit
+        self.cost = CostModel(prefill_row=Prices().row, unpriced_drafting_steps=4,
+                              unpriced_steps=True)
         self.controller = (DraftLengthController(k, cost=self.cost) if config.adaptive and k
                            else None)
         self.last_swap_h2d = 0                       # full-KV bytes the last step staged (FASER)

@@ -173,6 +173,23 @@ def test_an_unstarted_request_is_probed_where_its_state_is_cheap():
         assert (ks[-1] > 0) == probed
 
 
+def test_no_drafting_state_is_built_on_prior_step_prices():
+    """Before the cost model's first fit its step prices are priors (20 ms a step): a request
+    whose drafting state is yet to be built waits, one already started drafts; after the fit the
+    same prices let the unstarted one start."""
+    cost = CostModel(draft_row=0.0005, unpriced_steps=True)
+    cost.calibrate([(1, 0.001, 64), (1, 0.001, 65), (1, 0.001, 256), (1, 0.001, 257)],
+                   state_price=1e-7)
+    ctl = DraftLengthController(8, cost=cost)
+    asks = dict(row_keys=2800, contexts=[2800, 2800], unstarted=[2800, 0], remaining=[100, 100])
+    assert ctl.choose(["new", "old"], [8, 8], 2, **asks)[0] == 0
+    assert ctl.choose(["new", "old"], [8, 8], 2, **asks)[1] > 0
+    for rows in (1, 2, 3, 4) * 3:                             # steps priced as the priors are
+        cost.observe(rows, 0, 0.02 + 0.002 * rows)
+    assert not cost.unpriced_steps and cost.num_fits
+    assert ctl.choose(["new", "old"], [8, 8], 2, **asks)[0] > 0
+
+
 def test_rejected_probes_back_off_and_an_accepted_one_resets_the_interval():
     """On text that never repeats each probe is a verify row for nothing: the interval doubles per
     rejected probe up to 8x, an accepted draft brings it back; a probe the drafter had nothing for
