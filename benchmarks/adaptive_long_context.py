@@ -3,7 +3,11 @@ the mean draft length the controller chose, and the draft-pass prices it fitted 
 row, per context key), one request at a time on the embedded model.
 
     /work/tools/bench-quiet .venv/bin/python benchmarks/adaptive_long_context.py \
-        [--compressors window,quant,mustafar --context 2800 --new-tokens 64 --k 8]
+        [--compressors window,quant,mustafar --context 2800 --new-tokens 64 --k 8] \
+        [--only adaptive --rounds 3]
+
+`--rounds`: the whole sequence again (plain first each time), so plain and the drafters
+alternate on a host whose speed drifts; `--only`: the fixed-k or the `adaptive` cells alone.
 
 The prompt: the first `--context` tokens of the repository's largest Python file. Each cell is a
 fresh engine (warmed up as the server does), greedy, ignore_eos; its output must equal plain
@@ -48,12 +52,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--device", default="auto", help="auto: cuda where present, else cpu")
+    ap.add_argument("--only", choices=["fixed", "adaptive"], default=None)
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     prompt = long_prompts(load_tokenizer(None), 1, args.context)[0]
+    kinds = {"fixed": (False,), "adaptive": (True,), None: (False, True)}[args.only]
+    for _ in range(args.rounds):
+        run_round(args, prompt, kinds)
+
+
+def run_round(args: argparse.Namespace, prompt: list[int], kinds: tuple[bool, ...]) -> None:
     plain, tpot, _, _ = cell(None, prompt, args.new_tokens, args.device)
     print(f"plain: TPOT {tpot * 1e3:.1f} ms", flush=True)
     for comp in args.compressors.split(","):
-        for adaptive in (False, True):
+        for adaptive in kinds:
             spec = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=args.k,
                                      kv_compressor=comp, adaptive=adaptive)
             out, tpot, k, p = cell(spec, prompt, args.new_tokens, args.device)
