@@ -41,8 +41,9 @@ class Proposer:
     `drafts_from_tokens_only`: the drafts are a function of the request's tokens alone (no model, no
     shared table the target updates), so the worker proposes a request's next drafts at the end of
     the step that sampled its tokens, and the scheduler schedules no more than were proposed (on
-    another thread during verification where frontiers overlap it: `spec_phases/overlap.py`). `learns_from_target`: `observe` wants the raw logits of every
-    verified row (token recycling)."""
+    another thread during verification where frontiers overlap it: `spec_phases/overlap.py`).
+    `learns_from_target`: `observe` wants the raw logits of every verified row (token
+    recycling)."""
 
     name = "base"
     drafts_from_tokens_only = False
