@@ -106,5 +106,6 @@ def main() -> None:
                      f"first differing token (or {NEW_TOKENS}): {firsts}")
         print(line, flush=True)
 
+
 if __name__ == "__main__":
     main()

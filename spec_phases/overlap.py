@@ -37,7 +37,8 @@ class DraftAhead:
         self.pending = self.pool.submit(draft)
 
     def take(self) -> dict[str, tuple[int, list[int]]]:
-        """The drafts made ahead for this step (valid for this step only)."""
+        """The drafts the thread made during this step's verification, for the next step
+        (collected at the end of the step: `Worker._propose_next`)."""
         early = self.pending.result() if self.pending is not None else {}
         self.pending = None
         return early

@@ -326,11 +326,12 @@ class Worker:
         to the scheduler, which schedules no more (a request with no n-gram match reserves no
         draft slot, and FASER's controller prices only drafts that exist)."""
         made = self.draft_ahead.take() if self.draft_ahead is not None else {}
-        asks = []
+        asks, proposed = [], []
         for r in reqs:
             s = sampled.get(r.request_id)
             if s is None or not r.history:
                 continue
+            proposed.append(r.request_id)
             tokens = r.history + tuple(s.token_ids)
             early = made.get(r.request_id)
             if early is not None and early[0] == len(tokens):
@@ -342,8 +343,7 @@ class Worker:
             out = self.proposer.propose(asks, [k] * len(asks))
             for a, d in zip(asks, out.token_ids):
                 self.next_drafts[a.request_id] = (len(a.token_ids), d, False)
-        return {r.request_id: len(self.next_drafts[r.request_id][1]) for r in reqs
-                if r.request_id in sampled and r.history and r.request_id in self.next_drafts}
+        return {request_id: len(self.next_drafts[request_id][1]) for request_id in proposed}
 
     def _constrain(self, reqs: tuple[ScheduledRequest, ...], drafts: list[list[int]]
                    ) -> tuple[list[list[int]], dict, dict[str, int]]:

@@ -57,11 +57,6 @@ class NgramIndex:
         return list(tokens[begin:begin + k]) if best >= min_n else []
 
 
-def lookup(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """`NgramIndex.lookup` over token_ids alone (a fresh index)."""
-    return NgramIndex().lookup(token_ids, k, min_n, max_n)
-
-
 class NgramProposer(Proposer):
     name = "ngram"
     drafts_from_tokens_only = True

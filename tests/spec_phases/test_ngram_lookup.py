@@ -6,7 +6,11 @@ from __future__ import annotations
 import random
 
 from specserve.spec_phases.proposers.base import DraftRequest
-from specserve.spec_phases.proposers.ngram import NgramIndex, NgramProposer, lookup
+from specserve.spec_phases.proposers.ngram import NgramIndex, NgramProposer
+
+
+def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    return NgramIndex().lookup(tokens, k, min_n, max_n)           # a fresh index
 
 
 def naive(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -5,7 +5,7 @@ import torch
 from specserve.scheduler.config import SpeculativeConfig
 from specserve.scheduler.messages import EngineRequest
 from specserve.spec_phases.sampling_params import SamplingParams
-from specserve.spec_phases.proposers.ngram import lookup
+from specserve.spec_phases.proposers.ngram import NgramIndex
 from specserve.spec_phases.proposers.token_recycling import TokenRecyclingProposer
 from specserve.spec_phases.proposers.base import DraftRequest
 
@@ -38,9 +38,9 @@ def generate(core, params_list):
 
 
 def test_ngram_lookup_prefers_longest_then_most_recent():
-    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]
-    assert lookup([5, 6, 5, 8, 5], 3, 1, 2) == [8, 5]
-    assert lookup([1, 2, 3], 4, 1, 3) == []
+    assert NgramIndex().lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]
+    assert NgramIndex().lookup([5, 6, 5, 8, 5], 3, 1, 2) == [8, 5]
+    assert NgramIndex().lookup([1, 2, 3], 4, 1, 3) == []
 
 
 def test_token_recycling_walks_the_table():
