@@ -414,4 +414,10 @@ class Worker:
         stale = set(self.grammars.matchers) - live_ids - releasing
         if stale:
             raise AssertionError(f"grammar state held for requests no longer live: {stale}")
+        held = set(self.next_drafts)
+        if self.proposer is not None:
+            held |= self.proposer.held_request_ids()
+        stale = held - live_ids - releasing
+        if stale:
+            raise AssertionError(f"drafts held for requests no longer live: {sorted(stale)[:5]}")
 

@@ -55,6 +55,10 @@ class Proposer:
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop what the drafter keeps for these finished requests."""
 
+    def held_request_ids(self) -> set[str]:
+        """The requests the drafter keeps something for (integrity checks)."""
+        return set()
+
     def calibrate(self, contexts: list[int], steps: int) -> DrafterTiming:
         """Draft passes measured at these context lengths before any request drafts, and what
         building a request's drafting state costs (`CostModel.calibrate`). A drafter that runs no

@@ -80,3 +80,6 @@ class NgramProposer(Proposer):
     def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self.indexes.pop(request_id, None)
+
+    def held_request_ids(self) -> set[str]:
+        return set(self.indexes)

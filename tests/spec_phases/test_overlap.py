@@ -63,7 +63,8 @@ def test_a_draft_made_ahead_is_used_only_for_the_context_it_was_made_for(make_en
         core.add_request(EngineRequest("r0", prompt, SamplingParams(max_tokens=8, temperature=0)))
         steps = []
         execute = worker.execute
-        worker.execute = lambda plan: steps.append((plan, execute(plan))) or steps[-1][1]
+        worker.execute = (lambda plan, execute=execute, steps=steps:      # this core's own
+                          steps.append((plan, execute(plan))) or steps[-1][1])
         core.step()                                       # the prefill: one token, no drafts
         plan, result = steps[-1]
         (req,) = plan.requests

@@ -173,3 +173,8 @@ def test_ngram_schedules_only_drafts_that_were_proposed(make_engine):
                 assert r.request_id in result.draft_lens         # proposed for its next step
         ready.update(result.draft_lens)
     assert scheduled > 0 and 0 in ready.values()                # some drafted, some had none
+    core.check_integrity()                        # finished requests' drafts and indexes released
+    core.worker.next_drafts["gone"] = (1, [], False)
+    with pytest.raises(AssertionError, match="drafts held"):
+        core.check_integrity()
+    del core.worker.next_drafts["gone"]
