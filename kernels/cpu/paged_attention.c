@@ -536,9 +536,13 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
 #undef KV_
 #undef KV_STAGED
 #undef KV_TILE_MIN_ROWS
+#undef KV_ENTRY
 
 #define KV_T uint16_t
 #define KV_(name) name##_bf16
+#if defined(__AVX512BF16__)     /* the widening form: for head sizes the dot form cannot take */
+#define KV_ENTRY paged_attention_short_bf16w
+#endif
 #define KV_STAGED 1
 #define KV_TILE_MIN_ROWS TILE_MIN_ROWS
 #include "paged_attention_kv.h"
@@ -546,6 +550,7 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
 #undef KV_
 #undef KV_STAGED
 #undef KV_TILE_MIN_ROWS
+#undef KV_ENTRY
 
 #define KV_T uint8_t
 #define KV_(name) name##_fp8
@@ -556,3 +561,17 @@ static float softmax_row(float *scores, int64_t first, int64_t end, int64_t lo, 
 #undef KV_
 #undef KV_STAGED
 #undef KV_TILE_MIN_ROWS
+#undef KV_ENTRY
+
+#include "paged_attention_dot.h"
+
+/* which form reads a bfloat16 cache in this build: 1, the bf16 dot-product form (queries and
+ * weights rounded to bfloat16, `paged_attention_dot.h`), or 0, the widening form (the float32
+ * form's arithmetic on the widened cache) */
+int paged_attention_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}

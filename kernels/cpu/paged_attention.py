@@ -2,14 +2,18 @@
 query of a step in one call of the C kernel `paged_attention.c`, which reads K/V from the paged
 cache in place. Decodes and verify rows (q_len <= SHORT_QUERY) go in as they are; a prompt chunk
 goes in as tiles of SHORT_QUERY rows, each tile a request of its own that ends at its last row.
-The kernel runs a request of 10 rows or more (9 over an fp8 cache) in lanes, a shorter one
-(decodes, short verify passes) row by row. A row's output depends only on its query and the keys it sees, by
-construction (see the C source): a prompt row computes bit for bit what a decode at its position
-computes, whatever the chunking, the context length or what shares the call.
+The kernel's float32 and widening forms run a request of 10 rows or more (9 over an fp8 cache)
+in lanes, a shorter one (decodes, short verify passes) row by row. A row's output depends only
+on its query and the keys it sees, by construction (see the C source): a prompt row computes
+bit for bit what a decode at its position computes, whatever the chunking, the context length or
+what shares the call.
 
-A bfloat16 or fp8 e4m3 cache (`--kv-cache-dtype bfloat16` / `fp8`) is read by the kernel's bf16
-or fp8 form, which widens each value exactly to float32 and sums in the float32 form's order (bit
-for bit the float32 kernel over the widened cache).
+An fp8 e4m3 cache (`--kv-cache-dtype fp8`) is read by the kernel's fp8 form, which widens each
+value exactly to float32 and sums in the float32 form's order (bit for bit the float32 kernel over
+the widened cache). A bfloat16 cache (the CPU's default under `--dtype auto`) is read on the bf16
+dot-product units where the build has them (AVX512-BF16, head sizes a multiple of 32:
+`paged_attention_dot.h`, `bf16_dot()`): queries and softmax weights rounded to bfloat16, every
+row the same arithmetic, so rows stay invariant; elsewhere like fp8, by widening.
 """
 from __future__ import annotations
 
@@ -34,6 +38,13 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 def _kernel(cache_dtype: torch.dtype = torch.float32):
     """The C kernel's form that reads a cache of `cache_dtype` (CACHE_DTYPES)."""
     return bind(library("paged_attention"), cache_dtype)
+
+
+@functools.cache
+def bf16_dot() -> bool:
+    """Whether this build reads a bfloat16 cache on the bf16 dot-product units (queries and
+    weights rounded to bfloat16) rather than widening it to float32."""
+    return bool(library("paged_attention").paged_attention_bf16_dot())
 
 
 def bind(lib: ctypes.CDLL, cache_dtype: torch.dtype):

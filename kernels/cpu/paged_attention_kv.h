@@ -10,8 +10,12 @@
  * The decode rows widen in registers (loadrow / loadpair). Every product and sum is the float32
  * form's, in the same order: a narrow form's result is bit for bit the float32 form's over the
  * widened cache, and as row-invariant.
+ *   KV_ENTRY   the name of the exported kernel (default: KV_(paged_attention_short)).
  * (No include guard: included once per element type.)
  */
+#ifndef KV_ENTRY
+#define KV_ENTRY KV_(paged_attention_short)
+#endif
 
 /* Keys' cache lines requested from memory ahead of use, a few keys at a time between the rows'
  * work (a burst of a whole block's lines would overflow the core's miss queue): key after key,
@@ -397,7 +401,7 @@ static void KV_(attend_tiles)(const float *q, int64_t q_token_stride, const KV_T
  * block ids. q rows are q_token_stride floats apart, heads head_dim apart; out likewise with
  * out_token_stride. Returns 0, or -1 when scratch memory could not be allocated. A row's result
  * does not depend on which task computes it. */
-int KV_(paged_attention_short)(const float *q, int64_t q_token_stride, const KV_T *k_cache,
+int KV_ENTRY(const float *q, int64_t q_token_stride, const KV_T *k_cache,
                                const KV_T *v_cache, float *out, int64_t out_token_stride,
                                const int64_t *requests, const int64_t *tables, int64_t table_width,
                                int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,

@@ -36,6 +36,44 @@ def meta_of(shapes, query_start, tables, block_size):
                                   block_size)
 
 
+def dot_form(cache_dtype, dim) -> bool:
+    """Whether the kernel reads this cache on the bf16 dot-product units (this build's form)."""
+    return cache_dtype == torch.bfloat16 and dim % 32 == 0 and cpu_paged.bf16_dot()
+
+
+def rounded_reference(q, k_cache, v_cache, shapes, query_start, tables, block_size, scale,
+                      window=0, softcap=0.0):
+    """The dot form's arithmetic in float64: each query rounded to bfloat16, each softmax weight
+    exp(s - max) rounded to bfloat16 (from float32), the sum of the unrounded ones dividing."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k_cache.shape[1]
+    qb = q.bfloat16().double()
+    for b, (length, num_q) in enumerate(shapes):
+        slots = torch.tensor([tables[b][j // block_size] * block_size + j % block_size
+                              for j in range(length)])
+        k, v = k_cache[slots].double(), v_cache[slots].double()
+        for i in range(num_q):
+            pos = length - num_q + i
+            lo = max(0, pos - window + 1) if window else 0
+            for h in range(q.shape[1]):
+                s = k[lo:pos + 1, h // group] @ qb[query_start[b] + i, h] * scale
+                if softcap:
+                    s = torch.tanh(s / softcap) * softcap
+                e = torch.exp(s - s.max())
+                w = e.float().bfloat16().double()
+                out[query_start[b] + i, h] = ((w[:, None] * v[lo:pos + 1, h // group]).sum(0)
+                                              / e.sum()).float()
+    return out
+
+
+def assert_rounded_alike(got, want):
+    """Within float32 rounding of the rounded reference but for rare weights whose bfloat16
+    rounding flips with the float32 score's last bits (a flip moves an output by < 1e-2)."""
+    diff = (got - want).abs()
+    assert float((diff > 1e-5).float().mean()) < 2e-3, float(diff.max())
+    assert float(diff.max()) < 1e-2
+
+
 @pytest.mark.parametrize("num_heads,num_kv,dim", [(9, 3, 64), (4, 4, 20), (8, 2, 16)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (6, 0.0), (0, 5.0), (11, 3.0)])
 def test_matches_reference_on_mixed_batches(num_heads, num_kv, dim, window, softcap):
@@ -112,6 +150,10 @@ def test_rows_do_not_depend_on_what_shares_the_call(threads, num_heads, num_kv, 
                                     meta_of([(40, 1), (97, 1)], [0, 1, 2],
                                             [tables[1], tables[3]], block_size), scale, **opts)
     assert torch.equal(two, batch[rows])
+    if dot_form(cache_dtype, dim):
+        assert_rounded_alike(batch, rounded_reference(q, k_cache, v_cache, shapes, query_start,
+                                                      tables, block_size, scale, **opts))
+        return
     torch.testing.assert_close(
         batch, reference(q, k_cache, v_cache, meta_of(shapes, query_start, tables, block_size),
                          scale, window, softcap), rtol=1e-5, atol=1e-5)
@@ -156,12 +198,44 @@ def test_a_narrow_cache_is_the_float32_kernel_on_the_widened_cache(num_heads, nu
     assert cpu_paged.supports(q, k16, v16, None, 0.3)
     meta = lambda: meta_of(shapes, query_start, tables, 4)  # noqa: E731
     got = cpu_paged.paged_attention(q, k16, v16, meta(), dim ** -0.5, window, softcap)
+    if dot_form(cache_dtype, dim):           # its own arithmetic: test_the_dot_form_* below
+        return
     want = cpu_paged.paged_attention(q, k16.float(), v16.float(), meta(), dim ** -0.5, window,
                                      softcap)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     atol = 1e-4 * float(v16.float().abs().max())     # fp8: values to 448, scores to thousands
     torch.testing.assert_close(got, reference(q, k16, v16, meta(), dim ** -0.5, window, softcap),
                                rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_heads,num_kv,dim,window,softcap", [
+    (9, 3, 64, 0, 0.0), (8, 2, 128, 6, 0.0), (4, 4, 32, 11, 3.0), (16, 2, 64, 0, 0.0),
+    (6, 1, 96, 0, 0.0)])
+def test_the_dot_form_rounds_queries_and_weights_to_bf16(threads, num_heads, num_kv, dim, window,
+                                                         softcap):
+    """A bfloat16 cache on the bf16 dot-product units (where the build has them): each row is
+    the rounded reference's (queries and weights in bfloat16, sums in float32), decodes, verify
+    rows and prompt tiles alike, over contexts on and off the 16-key blocks; and the float64
+    reference's within bfloat16's precision. A build without them widens the cache: the float32
+    kernel's rows over the widened cache."""
+    torch.set_num_threads(threads)
+    shapes = [(150, 5), (40, 1), (211, 16), (97, 3), (60, 40), (35, 35), (300, 9), (1, 1),
+              (17, 2)]
+    q, k, v, query_start, tables = make_batch(shapes, 16, num_heads, num_kv, dim,
+                                              num_blocks=200)
+    k, v = k.bfloat16(), v.bfloat16()
+    meta = meta_of(shapes, query_start, tables, 16)
+    got = cpu_paged.paged_attention(q, k, v, meta, dim ** -0.5, window, softcap)
+    if not cpu_paged.bf16_dot():
+        assert torch.equal(got, cpu_paged.paged_attention(q, k.float(), v.float(), meta,
+                                                          dim ** -0.5, window, softcap))
+        return
+    assert_rounded_alike(got, rounded_reference(q, k, v, shapes, query_start, tables, 16,
+                                                dim ** -0.5, window, softcap))
+    torch.testing.assert_close(got, reference(q.double(), k.double(), v.double(), meta,
+                                              dim ** -0.5, window, softcap).float(),
+                               rtol=0, atol=2e-2)
 
 
 def test_bf16_queries_go_to_the_reference():
