@@ -2,7 +2,9 @@
 float32 activations and a float32 KV cache (`--dtype float32`), with int8 activations
 (`linear_i8.c`) over a float32 cache, and with int8 activations over a bfloat16 and an fp8 cache
 (`--dtype auto`, `--kv-cache-dtype auto` = bfloat16 on the CPU, or fp8: each key and value
-rounded to the cache's type as the cache stores it, attended at float32). Perplexity on a fixed
+rounded to the cache's type as the cache stores it, attended at float32), and the bf16 cache
+attended by the server's C kernel itself (`int8 bf16 KV, C`: on the bf16 dot-product units where
+the build has them, queries and softmax weights rounded to bf16). Perplexity on a fixed
 text, top-1 agreement of the next token along it with the float32 path, and greedy continuations
 of held prompts (32 tokens each: identical sequences, and the first token where they part).
 A benchmark, not a test.
@@ -16,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels.cpu import paged_attention as cpu_paged
+from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.spec_phases.loader import load_model
 from specserve.spec_phases.paths import embedded_model_path
 
@@ -46,17 +50,33 @@ NEW_TOKENS = 32
 
 
 KV_TYPES = {"float32": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-VARIANTS = (("float32", False, "float32"), ("int8", True, "float32"),
-            ("int8 bf16 KV", True, "bfloat16"), ("int8 fp8 KV", True, "fp8"))
+# (name, int8 activations, KV cache type, attended by the C kernel over a paged cache)
+VARIANTS = (("float32", False, "float32", False), ("int8", True, "float32", False),
+            ("int8 bf16 KV", True, "bfloat16", False), ("int8 fp8 KV", True, "fp8", False),
+            ("int8 bf16 KV, C", True, "bfloat16", True))
 
 
-def attention(kv_type: torch.dtype | None):
-    """A causal attention over keys and values rounded to kv_type as the cache stores them."""
+def attention(kv_type: torch.dtype | None, kernel: bool = False):
+    """A causal attention over keys and values rounded to kv_type as the cache stores them:
+    SDPA at float32, or (kernel) the server's C paged attention over a cache of kv_type (a bf16
+    cache on the bf16 dot-product units where the build has them: `paged_attention_dot.h`)."""
     def attend(layer, q, k, v):
+        if kernel:
+            return paged(q, k.to(kv_type), v.to(kv_type))
         if kv_type is not None:
             k, v = k.to(kv_type).float(), v.to(kv_type).float()
         return causal(layer, q, k, v)
     return attend
+
+
+def paged(q, k, v, block: int = 16):
+    """q [n, heads, D] attended causally over k, v [n, kv heads, D] as one request's paged
+    cache (blocks 0, 1, ... in order) by the C kernel, prompt rows in its tiles."""
+    n, blocks = q.shape[0], -(-q.shape[0] // block)
+    pad = blocks * block - n
+    k, v = (torch.cat([x, x[-1:].expand(pad, *x.shape[1:])]).contiguous() for x in (k, v))
+    meta = PagedAttentionMetadata([0, n], [n], [tuple(range(blocks))], block)
+    return cpu_paged.paged_attention(q.float().contiguous(), k, v, meta, q.shape[-1] ** -0.5)
 
 
 def causal(layer, q, k, v):
@@ -89,8 +109,8 @@ def main() -> None:
     ids = tok.encode(TEXT)
     print(f"fixed text: {len(ids)} tokens")
     per, outs = {}, {}
-    for name, int8, kv in VARIANTS:
-        attend = attention(KV_TYPES[kv])
+    for name, int8, kv, kernel in VARIANTS:
+        attend = attention(KV_TYPES[kv], kernel)
         lg = logits(models[int8], ids, attend)[:-1]
         per[name] = lg
         nll = F.cross_entropy(lg, torch.tensor(ids[1:]))

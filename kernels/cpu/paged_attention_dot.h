@@ -32,7 +32,7 @@
 #define DOT_GROUP 4                  /* rows whose chains run interleaved */
 
 /* Transpose 16 x 16 dwords in place: r[i] lane c -> r[c] lane i. */
-static inline void transpose16x16(__m512i r[16]) {
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -104,13 +104,14 @@ static void dot_values_of(const uint16_t *v_cache, const int64_t *off, int64_t j
     }
 }
 
-static inline __m512 dot(__m512 acc, __m512i a, uint32_t pair) {
+static inline __attribute__((always_inline)) __m512 dot(__m512 acc, __m512i a, uint32_t pair) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)pair));
 }
 
 /* the block's scores of nr rows (qp[r]: row r's query, dword pairs) into s[r][0..15] */
-static inline void dot_scores(int nr, const uint32_t *const *qp, const __m512i *kt, int64_t pairs,
-                              float scale, float *const *s) {
+static inline __attribute__((always_inline)) void dot_scores(
+    int nr, const uint32_t *const *qp, const __m512i *kt, int64_t pairs, float scale,
+    float *const *s) {
     __m512 even[DOT_GROUP], odd[DOT_GROUP];
     for (int r = 0; r < nr; r++)
         even[r] = odd[r] = _mm512_setzero_ps();
@@ -126,8 +127,8 @@ static inline void dot_scores(int nr, const uint32_t *const *qp, const __m512i *
 
 /* the block's weighed values of nr rows (pp[r]: row r's weights of the block's pairs of keys)
  * into acc[r] (D floats, dimensions as vi's lanes) */
-static inline void dot_weigh(int nr, const uint32_t *const *pp, const __m512i *vi, int64_t Z,
-                             float *const *acc) {
+static inline __attribute__((always_inline)) void dot_weigh(
+    int nr, const uint32_t *const *pp, const __m512i *vi, int64_t Z, float *const *acc) {
     for (int64_t z = 0; z < Z; z++) {
         __m512 lo[DOT_GROUP], hi[DOT_GROUP];
         for (int r = 0; r < nr; r++) {
