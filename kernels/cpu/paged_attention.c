@@ -19,7 +19,10 @@
  *
  * The cache holds float32, bfloat16 or fp8 e4m3 (`--kv-cache-dtype`: a half or a quarter of
  * the bytes a token): `paged_attention_short` reads the one, `paged_attention_short_bf16` and
- * `_fp8` the others (all written once, in `paged_attention_kv.h`). The narrow forms widen each
+ * `_fp8` the others (all written once, in `paged_attention_kv.h`; where the build has
+ * AVX512-BF16, `paged_attention_short_bf16` is `paged_attention_dot.h`'s form, on the bf16
+ * dot-product units, and this file's bf16 form `paged_attention_short_bf16w` serves the head
+ * sizes that one does not take). The narrow forms here widen each
  * value exactly to float32 in registers, once for all the rows that read it (prompt tiles: into
  * a small scratch in the L1 cache), and run the float32 form's arithmetic on it: the same
  * products and sums in the same order, so they compute bit for bit what the float32 form

@@ -17,12 +17,13 @@
  * key) weigh exactly 0, so they add nothing: a verify row or a prompt row computes bit for bit
  * what the decode at its position computes.
  *
- * A task is a request's kv head: up to DOT_ROWS query rows of it (positions x the heads that
- * read the kv head, or one head where tasks would be too few for the threads); each block of
- * keys is transposed once (lanes = keys) for all its rows, each pair of keys' values interleaved
- * once (lanes = dimensions, a pair a lane), and the rows run DOT_GROUP at a time, their chains
- * interleaved. Against the widening form this does half the multiply-adds an instruction and no
- * widening per row group: a 9-row verify pass over a long context is compute-bound.
+ * A task is a request's heads (all, or with fewer requests than threads a part of them) at up
+ * to DOT_ROWS query rows (positions x heads); it walks the keys once, each key's slot from its
+ * first kv head to its last. Each block of keys is transposed once (lanes = keys) for all the
+ * rows of a kv head, each pair of keys' values interleaved once (lanes = dimensions, a pair a
+ * lane), and the rows run DOT_GROUP at a time, their chains interleaved. Against the widening
+ * form this does half the multiply-adds an instruction and no widening per row group: a 9-row
+ * verify pass over a long context is compute-bound.
  * (Included once, at the end of paged_attention.c.)
  */
 #if defined(__AVX512BF16__)
@@ -210,22 +211,22 @@ int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uin
     int64_t num_tasks = 0, max_keys = DOT_KEYS, max_rows = 1;
     for (int64_t b = 0; b < num_reqs; b++) {
         const int64_t q_len = requests[b * 3 + 1], keys = requests[b * 3 + 2] + 2 * DOT_KEYS;
+        const int64_t rows = (q_len < per ? q_len : per) * heads;
         num_tasks += (num_heads + heads - 1) / heads * ((q_len + per - 1) / per);
         max_keys = keys > max_keys ? keys : max_keys;
-        max_rows = (q_len < per ? q_len : per) * heads > max_rows
-                       ? (q_len < per ? q_len : per) * heads : max_rows;
+        max_rows = rows > max_rows ? rows : max_rows;
     }
     struct dot_task *tasks = malloc(sizeof(struct dot_task) * (num_tasks ? num_tasks : 1));
     if (!tasks)
         return -1;
     int64_t t = 0;
-    for (int64_t b = 0; b < num_reqs; b++)
-        for (int64_t p0 = 0; p0 < requests[b * 3 + 1]; p0 += per)
-            for (int64_t h0 = 0; h0 < num_heads; h0 += heads) {
-                const int64_t q_len = requests[b * 3 + 1];
+    for (int64_t b = 0; b < num_reqs; b++) {
+        const int64_t q_len = requests[b * 3 + 1];
+        for (int64_t p0 = 0; p0 < q_len; p0 += per)
+            for (int64_t h0 = 0; h0 < num_heads; h0 += heads)
                 tasks[t++] = (struct dot_task){b, p0, p0 + per < q_len ? p0 + per : q_len, h0,
                                                h0 + heads < num_heads ? h0 + heads : num_heads};
-            }
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tasks > 1)
     {
@@ -233,8 +234,8 @@ int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uin
         _mm_setcsr(csr | 0x8040);                 /* denormals flushed, as vdpbf16ps does */
         int64_t *off = malloc(sizeof(int64_t) * max_keys);
         float *scores = malloc(sizeof(float) * max_rows * max_keys);
-        float *acc = malloc(sizeof(float) * DOT_ROWS * D);
-        uint16_t *qb = malloc(sizeof(uint16_t) * DOT_ROWS * D);
+        float *acc = malloc(sizeof(float) * max_rows * D);
+        uint16_t *qb = malloc(sizeof(uint16_t) * max_rows * D);
         __m512i *kt = _mm_malloc(sizeof(__m512i) * num_kv_heads * D / 2, 64);
         __m512i *vi = _mm_malloc(sizeof(__m512i) * num_kv_heads * D / 2, 64);
         const int ok = off && scores && acc && qb && kt && vi;
