@@ -131,13 +131,10 @@ class DenseDraftCache:
                                           self.BLOCK, num_kv_heads, head_dim, dtype, "cpu")
         self.bases = [b * per * self.BLOCK for b in range(len(states))]
         self.tables = [tuple(range(b * per, (b + 1) * per)) for b in range(len(states))]
-        for layer in range(num_layers):
-            k, v = st.k[layer], st.v[layer]
-            for base, state, n in zip(self.bases, states, self.lens):
-                ls = state.layers[layer]
-                sinks = ls.sink_k.shape[0]
-                k[base:base + sinks], v[base:base + sinks] = ls.sink_k, ls.sink_v
-                k[base + sinks:base + n], v[base + sinks:base + n] = ls.tail_k, ls.tail_v
+        for base, state, n in zip(self.bases, states, self.lens):   # every layer at once
+            for cache, parts in ((st.k, ("sink_k", "tail_k")), (st.v, ("sink_v", "tail_v"))):
+                dense = torch.cat([getattr(ls, part) for ls in state.layers for part in parts])
+                cache[:, base:base + n] = dense.view(num_layers, n, num_kv_heads, head_dim)
 
     def step(self, rows: int, step: int) -> tuple[PagedAttentionMetadata, torch.Tensor]:
         """The metadata and slots of draft step `step` for the first `rows` requests."""
