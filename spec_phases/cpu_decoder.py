@@ -54,6 +54,8 @@ def unsupported(model: LlamaModel) -> str | None:
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             if linear.packed is None or linear.packed.onednn:
                 return "linear layers not on the C kernel"
+    if model._lm_head_packed is None or model._lm_head_packed.onednn:
+        return "the LM head not on the C kernel"
     try:
         for kernel in ("rms_norm", "rope", "paged_attention", "activation"):
             library(kernel)
@@ -113,24 +115,68 @@ class CpuDecoder:
         whole stack in one call of `decoder.c`. draft: a draft step's compressed pages (VeriCache's
         drafter, `proposers/lossy_kv.py`), attended beside the cache's keys."""
         model, n = self.model, input_ids.shape[0]
-        x = model.embed(input_ids).contiguous()             # the residual stream, updated in place
         run = range(len(model.layers)) if layers is None else layers
         if not len(run):
-            return model.norm(x)
-        tables = model.rope_tables(positions)     # a layer reads its `DecoderLayer.rope_index`'s
-        cos = torch.stack([c.reshape(n, self.head_dim) for c, _ in tables])
-        sin = torch.stack([s.reshape(n, self.head_dim) for _, s in tables])
-        b = {"x": x, "h": torch.empty(n, self.hidden), "qkv": torch.empty(n, self.qkv_size),
-             "qk": torch.empty(n, self.num_heads + self.num_kv_heads, self.head_dim),
-             "attn": torch.empty(n, self.q_size), "out": torch.empty(n, self.hidden),
-             "gate_up": torch.empty(n, 2 * self.intermediate),
-             "act": torch.empty(n, self.intermediate)}
+            return model.norm(model.embed(input_ids))
+        b = self._buffers(n)
+        b["x"].copy_(model.embed(input_ids))           # the residual stream, updated in place
+        cos, sin = self._rope(positions, 1, n)
         short = cpu_attention.short_requests(meta)
         structs, layer_structs = self._structs(attention, meta.block_size)
-        fused.forward(structs, layer_structs, torch.tensor(run, dtype=torch.int64), b, cos, sin,
-                      storage.k, storage.v, slot_mapping, short.requests, short.tables,
+        fused.forward(structs, layer_structs, torch.tensor(run, dtype=torch.int64), b, cos[0],
+                      sin[0], storage.k, storage.v, slot_mapping, short.requests, short.tables,
                       draft=draft)
         return b["h"]
+
+    def draft(self, tokens: torch.Tensor, positions: torch.Tensor, rows_at: list[int],
+              storage: KVStorage, bases: list[int], lens: list[int],
+              tables: list[tuple[int, ...]], block_size: int, attention: LayerAttention,
+              draft: fused.DraftPages | None = None, seconds: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[float]]:
+        """Greedy draft steps in one call (`fused.draft`; VeriCache's drafter): step s feeds the
+        first rows_at[s] rows (non-increasing) their previous step's argmax (step 0: `tokens`)
+        at positions + s, over a drafting cache in `storage` where row r's context is lens[r]
+        tokens from slot bases[r] on (its blocks: tables[r], all of one length), attending
+        `draft`'s pages too where given. Returns the drafts [steps, rows] (row r's first
+        steps-that-ran-it valid) and each step's seconds. seconds: as `fused.draft`'s."""
+        model, rows, steps = self.model, tokens.shape[0], len(rows_at)
+        b = self._buffers(rows)
+        b["x"].copy_(model.embed(tokens))
+        cos, sin = self._rope(positions[None, :] + torch.arange(steps)[:, None], steps, rows)
+        structs, layer_structs = self._structs(attention, block_size)
+        packed = model._lm_head_packed
+        embed = None if model._embedding_in_head else model.embed_tokens.weight.contiguous()
+        head = fused.Head(fused.Linear(packed.data.data_ptr(), None,
+                                       cpu_linear.LAYOUTS[packed.layout]),
+                          None if embed is None else embed.data_ptr(), packed.out_features,
+                          float(model.embed_scale) if model.config.family.scale_embeddings
+                          else 1.0)
+        out = torch.empty(steps, rows, dtype=torch.int64)
+        step_seconds = torch.zeros(steps, dtype=torch.float64)
+        fused.draft(structs, layer_structs, torch.arange(len(model.layers)), b,
+                    torch.tensor(rows_at, dtype=torch.int64), cos, sin, storage.k, storage.v,
+                    torch.tensor(bases, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
+                    torch.tensor(tables, dtype=torch.int64), draft, head, out,
+                    torch.empty(rows, packed.out_features), step_seconds, seconds=seconds)
+        return out, step_seconds.tolist()
+
+    def _buffers(self, n: int) -> dict[str, torch.Tensor]:
+        """A call's buffers for n rows (`fused.Buffers`)."""
+        return {"x": torch.empty(n, self.hidden), "h": torch.empty(n, self.hidden),
+                "qkv": torch.empty(n, self.qkv_size),
+                "qk": torch.empty(n, self.num_heads + self.num_kv_heads, self.head_dim),
+                "attn": torch.empty(n, self.q_size), "out": torch.empty(n, self.hidden),
+                "gate_up": torch.empty(n, 2 * self.intermediate),
+                "act": torch.empty(n, self.intermediate)}
+
+    def _rope(self, positions: torch.Tensor, steps: int, n: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [steps, RoPE tables, n, head_dim] of positions [steps, n] (a layer reads its
+        `DecoderLayer.rope_index`'s table)."""
+        tables = self.model.rope_tables(positions.reshape(-1))
+        cos = torch.stack([c.reshape(steps, n, self.head_dim) for c, _ in tables], 1)
+        sin = torch.stack([s.reshape(steps, n, self.head_dim) for _, s in tables], 1)
+        return cos.contiguous(), sin.contiguous()
 
     def _structs(self, attention: LayerAttention, block_size: int
                  ) -> tuple[fused.Model, ctypes.Array]:

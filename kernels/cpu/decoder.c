@@ -73,10 +73,22 @@ struct decoder_buffers {
     float *x, *h, *qkv, *qk, *attn, *out, *gate_up, *act;
 };
 
-#define DECODER_ABI_VERSION 9          /* bumped whenever an exported signature or struct changes */
+/* The LM head and the token embedding of `decoder_draft`'s steps: the head packed as the linear
+ * layers are ([vocab, hidden]); the embedding the head's own rows (a tied embedding, read back by
+ * linear_rows) where embed is NULL, else embed's float32 rows [vocab, hidden]; each embedded row
+ * times embed_scale (1: the family scales none). */
+struct decoder_head {
+    struct decoder_linear head;
+    const float *embed;
+    int64_t vocab;
+    float embed_scale;
+};
 
-/* out[0]: DECODER_ABI_VERSION; out[1..8]: the sizes of struct decoder_linear, decoder_layer,
- * decoder_model, decoder_buffers, quant_pages, mustafar_pages, spherical_pages and draft_pages */
+#define DECODER_ABI_VERSION 10         /* bumped whenever an exported signature or struct changes */
+
+/* out[0]: DECODER_ABI_VERSION; out[1..9]: the sizes of struct decoder_linear, decoder_layer,
+ * decoder_model, decoder_buffers, quant_pages, mustafar_pages, spherical_pages, draft_pages and
+ * decoder_head */
 void decoder_abi(int64_t *out) {
     out[0] = DECODER_ABI_VERSION;
     out[1] = (int64_t)sizeof(struct decoder_linear);
@@ -87,6 +99,7 @@ void decoder_abi(int64_t *out) {
     out[6] = (int64_t)sizeof(struct mustafar_pages);
     out[7] = (int64_t)sizeof(struct spherical_pages);
     out[8] = (int64_t)sizeof(struct draft_pages);
+    out[9] = (int64_t)sizeof(struct decoder_head);
 }
 
 /* float32 -> bfloat16 as torch rounds (to nearest, ties to even; a NaN stays a NaN) */
@@ -259,4 +272,77 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
     rms_norm_rows(b->x, b->out, m->final_norm, b->x, b->h, rows, m->hidden, m->eps, num_threads);
     lap(seconds, ELEMENTWISE_S, &mark);
     return 0;
+}
+
+/* Greedy draft steps in one call (VeriCache's drafter, `spec_phases/proposers/lossy_kv.py`) over
+ * a drafting cache in which request r's context is lens[r] tokens from slot bases[r] on (its
+ * blocks: row r of tables). Step s runs the first rows_at[s] requests (rows_at non-increasing:
+ * the longest drafts first), one row each: decoder_forward (request r's K/V written at slot
+ * bases[r] + lens[r] + s, its query seeing lens[r] + s + 1 keys, and `draft`'s pages where
+ * given), the LM head, and the row's argmax (the first of equal maxima, as torch's) into
+ * tokens[s * R + r], which step s + 1 embeds as the row's input: the Python a draft step cost
+ * between two calls is gone. R = rows_at[0]; b->x holds step 0's embedded rows on entry (b sized
+ * for R rows); cos, sin: float32 [steps, num_ropes, R, head_dim], each step's positions' tables;
+ * logits: scratch [R, vocab]; step_seconds[s]: step s's time; seconds: NULL, or [steps][3] to
+ * which each step's time in decoder_forward's kernels is added (as decoder_forward's). The final soft-cap (Gemma 2) is monotonic:
+ * the argmax of the raw logits. Returns 0, or -1 where a kernel found no scratch memory. */
+int decoder_draft(const struct decoder_model *m, const struct decoder_layer *layers,
+                  const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
+                  const int64_t *rows_at, int64_t steps, const float *cos, const float *sin,
+                  int64_t num_ropes, void *k_cache, void *v_cache, int64_t kv_dtype,
+                  int64_t cache_slots, const int64_t *bases, const int64_t *lens,
+                  const int64_t *tables, int64_t table_width, const struct draft_pages *draft,
+                  const struct decoder_head *head, int64_t *tokens, float *logits,
+                  double *step_seconds, double *seconds, int num_threads) {
+    const int64_t R = rows_at[0], D = m->head_dim, H = m->hidden, V = head->vocab;
+    const size_t rope_bytes = sizeof(float) * (size_t)(num_ropes * R * D);
+    int64_t *requests = malloc(sizeof(int64_t) * 3 * R), *slots = malloc(sizeof(int64_t) * R);
+    float *step_cos = malloc(rope_bytes), *step_sin = malloc(rope_bytes);
+    int failed = !(requests && slots && step_cos && step_sin);
+    for (int64_t s = 0; s < steps && !failed; s++) {
+        const double start = now();
+        const int64_t rows = rows_at[s];
+        for (int64_t r = 0; r < rows; r++) {
+            requests[3 * r] = r;
+            requests[3 * r + 1] = 1;
+            requests[3 * r + 2] = lens[r] + s + 1;
+            slots[r] = bases[r] + lens[r] + s;
+        }
+        for (int64_t t = 0; t < num_ropes; t++) {          /* this step's rows of each table */
+            const int64_t from = ((s * num_ropes + t) * R) * D;
+            memcpy(step_cos + t * rows * D, cos + from, sizeof(float) * (size_t)(rows * D));
+            memcpy(step_sin + t * rows * D, sin + from, sizeof(float) * (size_t)(rows * D));
+        }
+        failed = decoder_forward(m, layers, run, num_run, b, rows, step_cos, step_sin, k_cache,
+                                 v_cache, kv_dtype, cache_slots, slots, requests, tables,
+                                 table_width, rows, draft, seconds ? seconds + 3 * s : NULL,
+                                 num_threads)
+                 || linear_forward(b->h, rows, H, head->head.data, (int)head->head.layout, V,
+                                   head->head.bias, logits, num_threads);
+        for (int64_t r = 0; r < rows && !failed; r++) {
+            const float *l = logits + r * V;
+            int64_t best = 0;
+            for (int64_t j = 1; j < V; j++)
+                best = l[j] > l[best] ? j : best;
+            tokens[s * R + r] = best;
+        }
+        if (!failed && s + 1 < steps) {                    /* the next step's inputs */
+            const int64_t next = rows_at[s + 1];
+            if (head->embed)
+                for (int64_t r = 0; r < next; r++)
+                    memcpy(b->x + r * H, head->embed + tokens[s * R + r] * H, sizeof(float) * H);
+            else
+                linear_rows(head->head.data, (int)head->head.layout, H, tokens + s * R, next,
+                            b->x);
+            if (head->embed_scale != 1.0f)
+                for (int64_t i = 0; i < next * H; i++)
+                    b->x[i] *= head->embed_scale;
+        }
+        step_seconds[s] = now() - start;
+    }
+    free(requests);
+    free(slots);
+    free(step_cos);
+    free(step_sin);
+    return failed ? -1 : 0;
 }

@@ -74,13 +74,20 @@ class DraftPages(ctypes.Structure):
                 ("value_bits", _i64), ("kind", _i64)]
 
 
-ABI_VERSION = 9                     # decoder.c's DECODER_ABI_VERSION that these mirrors match
+class Head(ctypes.Structure):
+    """The LM head and the token embedding of `draft`'s steps: embed NULL reads the embedding
+    from the head's rows (a tied embedding), else from float32 rows [vocab, hidden]."""
+    _fields_ = [("head", Linear), ("embed", _ptr), ("vocab", _i64),
+                ("embed_scale", ctypes.c_float)]
+
+
+ABI_VERSION = 10                    # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
     """decoder.c's version and structure sizes against the mirrors above (BuildError if not)."""
     structs = (Linear, Layer, Model, Buffers, QuantPages, MustafarPages, SphericalPages,
-               DraftPages)
+               DraftPages, Head)
     got = (ctypes.c_int64 * (1 + len(structs)))()
     lib.decoder_abi.restype, lib.decoder_abi.argtypes = None, [_ptr]
     lib.decoder_abi(got)
@@ -99,7 +106,44 @@ def _kernel():
     fn.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), _ptr, _i64,
                    ctypes.POINTER(Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
                    _ptr, _i64, _i64, ctypes.POINTER(DraftPages), _ptr, ctypes.c_int]
-    return fn
+    draft = lib.decoder_draft
+    draft.restype = ctypes.c_int
+    draft.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), _ptr, _i64,
+                      ctypes.POINTER(Buffers), _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                      _i64, _ptr, _ptr, _ptr, _i64, ctypes.POINTER(DraftPages),
+                      ctypes.POINTER(Head), _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+    return fn, draft
+
+
+def draft(model: Model, layers: ctypes.Array, run: torch.Tensor,
+          buffers: dict[str, torch.Tensor], rows_at: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bases: torch.Tensor,
+          lens: torch.Tensor, tables: torch.Tensor, draft_pages: DraftPages | None, head: Head,
+          tokens: torch.Tensor, logits: torch.Tensor, step_seconds: torch.Tensor,
+          seconds: torch.Tensor | None = None) -> None:
+    """Greedy draft steps in one call (`decoder.c`'s decoder_draft): step s runs the first
+    rows_at[s] (int64 [steps], non-increasing) requests' rows over a drafting cache (request r's
+    context lens[r] tokens from slot bases[r], its blocks tables[r]), the LM head and each row's
+    argmax into tokens[s, r] (int64 [steps, R]), the next step's input. buffers as `forward`'s,
+    sized for R = rows_at[0] rows, "x" holding step 0's embedded rows; cos, sin: float32 [steps,
+    RoPE tables, R, head_dim]; logits: float32 scratch [R, vocab]; step_seconds: float64 [steps],
+    each step's time; seconds: None, or float64 [steps, 3] to which each step's times in the
+    linear layers, attention and the elementwise kernels are added (as `forward`'s)."""
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"decoder_draft: a {k_cache.dtype} cache; one of {CACHE_DTYPES}")
+    ptrs = Buffers(*(buffers[name].data_ptr() for name, _ in Buffers._fields_))
+    status = _kernel()[1](ctypes.byref(model), layers, run.data_ptr(), run.shape[0],
+                          ctypes.byref(ptrs), rows_at.data_ptr(), rows_at.shape[0],
+                          cos.data_ptr(), sin.data_ptr(), cos.shape[1], k_cache.data_ptr(),
+                          v_cache.data_ptr(), CACHE_DTYPES.index(k_cache.dtype),
+                          k_cache.shape[1], bases.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+                          tables.shape[1],
+                          None if draft_pages is None else ctypes.byref(draft_pages),
+                          ctypes.byref(head), tokens.data_ptr(), logits.data_ptr(),
+                          step_seconds.data_ptr(), None if seconds is None else seconds.data_ptr(),
+                          torch.get_num_threads())
+    if status:
+        raise MemoryError("decoder_draft: a kernel found no scratch memory")
 
 
 def round_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -138,7 +182,7 @@ def forward(model: Model, layers: ctypes.Array, run: torch.Tensor,
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise TypeError(f"decoder_forward: a {k_cache.dtype} cache; one of {CACHE_DTYPES}")
     ptrs = Buffers(*(buffers[name].data_ptr() for name, _ in Buffers._fields_))
-    status = _kernel()(ctypes.byref(model), layers, run.data_ptr(), run.shape[0],
+    status = _kernel()[0](ctypes.byref(model), layers, run.data_ptr(), run.shape[0],
                        ctypes.byref(ptrs), rows, cos.data_ptr(), sin.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(),
                        CACHE_DTYPES.index(k_cache.dtype), k_cache.shape[1],

@@ -9,11 +9,13 @@ preemption the pool rebuilds the state from the recomputed cache.
 
 Drafting is batched across requests: one model forward per draft position for every request still
 drafting. Where no state holds compressed pages (the `window` compressor keeps none; every
-compressor's state is dense until the context outgrows its window), each draft step is one call of
-the C decoder over a small paged cache of the states' dense tokens (`DenseDraftCache`), as a plain
-decode step is; so is a step over states holding compressed pages, which the C kernel
-`draft_attention.c` attends as they are stored (`Compressor.draft_kernel`: quant's codes in their
-`QuantArena`, Mustafar's bitmap-sparse tiles and Spherical-KV's codes joined a layer at a time).
+compressor's state is dense until the context outgrows its window), a round's draft steps run in
+one call of the C decoder (`CpuDecoder.draft`: each step's forward, LM head, argmax and the next
+step's embedding in C) over a small paged cache of the states' dense tokens
+(`DenseDraftCache`), each step as a plain decode step runs; so do steps over states holding
+compressed pages, which the C kernel `draft_attention.c` attends as they are stored
+(`Compressor.draft_kernel`: quant's codes in their `QuantArena`, Mustafar's bitmap-sparse tiles
+and Spherical-KV's codes joined a layer at a time).
 Otherwise (Spherical-KV with a retention budget or quantized values, or no C decoder) the modules
 run it, with per layer two attention calls for all requests:
 the compressor's `PagesBatch` over the compressed pages, and one padded dense attention over each
@@ -109,9 +111,10 @@ class DenseDraftCache:
     """A round's drafting cache where no state holds compressed pages (the `window` compressor,
     or contexts still inside every compressor's dense regions): each request's sinks and dense
     tail copied, in this order, into its own run of blocks of a small paged cache, the round's
-    drafts' K/V written after them. The one-call C decoder (`CpuDecoder.forward`) then runs each
-    draft step over it as it runs a decode over the full cache: no Python per layer. Positions
-    (RoPE) are the tokens' own; slots and context lengths are the buffer's."""
+    drafts' K/V written after them. The C decoder (`CpuDecoder.draft`) then runs the round's
+    draft steps over it in one call, each as it runs a decode over the full cache: no Python per
+    step or layer. Positions (RoPE) are the tokens' own; slots and context lengths are the
+    buffer's."""
     BLOCK = 16
 
     def __init__(self):
@@ -135,15 +138,6 @@ class DenseDraftCache:
             for cache, parts in ((st.k, ("sink_k", "tail_k")), (st.v, ("sink_v", "tail_v"))):
                 dense = torch.cat([getattr(ls, part) for ls in state.layers for part in parts])
                 cache[:, base:base + n] = dense.view(num_layers, n, num_kv_heads, head_dim)
-
-    def step(self, rows: int, step: int) -> tuple[PagedAttentionMetadata, torch.Tensor]:
-        """The metadata and slots of draft step `step` for the first `rows` requests."""
-        meta = PagedAttentionMetadata(list(range(rows + 1)),
-                                      [n + step + 1 for n in self.lens[:rows]],
-                                      list(self.tables[:rows]), self.BLOCK)
-        slots = torch.tensor([b + n + step for b, n in zip(self.bases[:rows], self.lens[:rows])])
-        return meta, slots
-
 
 def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPages:
     """The round's pages as `draft_attention.c` reads them (`comp.draft_kernel()`'s format):
@@ -256,31 +250,35 @@ class LossyKVProposer(Proposer):
             return drafts, passes, False
         num_steps = max_lens[order[0]]
         drafting = [states[i] for i in order]
-        fast, pages = self._c_decoder(drafting)
-        if fast is not None:
-            self.dense.fill(drafting, num_steps)
-        else:
-            attn = DraftAttention(self.pool.comp, drafting, num_steps,
-                                  observe_mass=refresh_mass and self.pool.comp.uses_attention_mass)
+        rows_at = [sum(1 for i in order if max_lens[i] > step)     # a prefix: sorted by length
+                   for step in range(num_steps)]
         dev = self.device
         current = torch.tensor([last_tokens[i] for i in order], device=dev)
         start = torch.tensor([starts[i] for i in order], device=dev)
-        for step in range(num_steps):
+        fast, pages = self._c_decoder(drafting)
+        if fast is not None:                     # every step in one call of the C decoder
+            dense = self.dense
+            dense.fill(drafting, num_steps)
+            called = time.perf_counter()
+            tokens, seconds = fast.draft(current, start, rows_at, dense.storage, dense.bases,
+                                         dense.lens, dense.tables, dense.BLOCK,
+                                         self.runner.layers, draft=pages)
+            for step, (rows, t) in enumerate(zip(rows_at, seconds)):
+                for i, tok in zip(order, tokens[step, :rows].tolist()):
+                    drafts[i].append(tok)
+                passes.append((rows, t + (called - since if step == 0 else 0.0)))
+            return drafts, passes, True
+        attn = DraftAttention(self.pool.comp, drafting, num_steps,
+                              observe_mass=refresh_mass and self.pool.comp.uses_attention_mass)
+        for step, rows in enumerate(rows_at):
             t = since if step == 0 else time.perf_counter()
-            rows = sum(1 for i in order if max_lens[i] > step)    # a prefix: sorted by length
-            if fast is not None:
-                meta, slots = self.dense.step(rows, step)
-                hidden = fast.forward(current[:rows], start[:rows] + step,
-                                      self.dense.storage, meta, slots, self.runner.layers,
-                                      draft=pages)
-            else:
-                attn.step = step
-                hidden = self.model(current[:rows], start[:rows] + step, attn)
+            attn.step = step
+            hidden = self.model(current[:rows], start[:rows] + step, attn)
             current = self.model.compute_logits(hidden).argmax(-1)
             for i, tok in zip(order, current.tolist()):         # .tolist() syncs: t is honest
                 drafts[i].append(tok)
             passes.append((rows, time.perf_counter() - t))
-        return drafts, passes, fast is not None
+        return drafts, passes, False
 
     def _c_decoder(self, states: list[SequenceState]
                    ) -> tuple[CpuDecoder | None, fused.DraftPages | None]:

@@ -2,6 +2,8 @@
 compressor, `compressor.attend(state)` merged with dense attention over the round's scratch, one
 request at a time. Checked per attention call (random states with and without pages, ragged rows)
 and end to end (the drafts `propose` returns on the tiny model)."""
+from dataclasses import replace
+
 import pytest
 import torch
 from specserve.kernels.reference.attention import dense_attention, merge_attention
@@ -237,9 +239,9 @@ PAGE_CASES += [("spherical", {"num_sink": 4, "window": 8, "page_size": page, "ti
 def test_compressed_pages_draft_on_the_one_call_c_decoder(name, settings):
     """States holding `quant`, Mustafar or Spherical-KV pages draft on the C decoder too,
     attending the pages as they are stored (`draft_attention.c`: quant's codes, Mustafar's
-    bitmap-sparse tiles, Spherical-KV's radii and codeword indices):
-    every draft step's hidden states those of the modules' batched path within float32
-    rounding, so the same drafts."""
+    bitmap-sparse tiles, Spherical-KV's radii and codeword indices), every draft step, LM head
+    and argmax in one call (no Python per step: the model's `compute_logits` is never called):
+    the same drafts as the modules' batched path."""
     torch.manual_seed(0)
     model = model_for("mustafar")                                   # head_dim 64
     runner, storage, reqs = c_decoder_case(model)
@@ -249,22 +251,70 @@ def test_compressed_pages_draft_on_the_one_call_c_decoder(name, settings):
     def pool():
         return DraftPool(build_compressor(name, model, dict(settings)), storage, "cpu")
     fast, modules = LossyKVProposer(model, pool(), runner), LossyKVProposer(model, pool())
-    hidden = {"fast": [], "modules": []}
+    heads = {"fast": 0, "modules": 0}
     logits = model.compute_logits
+    drafts = {}
     for name, proposer in (("fast", fast), ("modules", modules)):
-        model.compute_logits = lambda h, name=name: hidden[name].append(h.clone()) or logits(h)
+        def counted(h, name=name):
+            heads[name] += 1
+            return logits(h)
+        model.compute_logits = counted
         try:
-            drafts = proposer.propose(reqs, max_lens).token_ids
+            drafts[name] = proposer.propose(reqs, max_lens).token_ids
         finally:
             model.compute_logits = logits
-        hidden[name + " drafts"] = drafts
     assert all(len(s.layers[0].pages) >= 64 // page for s in fast.pool.states.values())
     assert fast.stats()["num_c_rounds"] == 1 and modules.stats()["num_c_rounds"] == 0
-    assert len(hidden["fast"]) == len(hidden["modules"]) == 5
-    for got, want in zip(hidden["fast"], hidden["modules"]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert hidden["fast drafts"] == hidden["modules drafts"]
-    assert [len(d) for d in hidden["fast drafts"]] == max_lens
+    assert heads == {"fast": 0, "modules": 5}
+    assert drafts["fast"] == drafts["modules"]
+    assert [len(d) for d in drafts["fast"]] == max_lens
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma-untied"])
+def test_one_call_draft_steps_are_the_step_by_step_forwards(family):
+    """`CpuDecoder.draft` (a round's draft steps, LM head, argmax and the next step's embedding in
+    one C call) drafts exactly what one-step `CpuDecoder.forward` calls, the LM head and torch's
+    argmax draft over the same drafting cache, rows dropping out as their drafts end, each row's
+    K/V written at its own slots; the embedding read back from a tied head's rows, or from an
+    untied float32 table times Gemma's scale."""
+    from specserve.kernels.metadata import PagedAttentionMetadata
+    from specserve.spec_phases.families import _GEMMA
+    from specserve.spec_phases.runner import ModelRunner
+    cfg = replace(loader.tiny_config(vocab_size=300), num_layers=3)
+    if family == "gemma-untied":
+        cfg = replace(cfg, tie_word_embeddings=False, family=_GEMMA)
+    model = loader.build_random_model(cfg, seed=5)
+    assert model.pack_for_cpu()
+    assert model._embedding_in_head == (family == "llama")
+    fast = ModelRunner(model, KVStorage(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim,
+                                        torch.float32)).cpu_decoder
+    lens, rows_at, bs = [20, 9, 14], [3, 3, 2, 1], 16      # drafts of 4, 3 and 2 steps
+    per = -(-(max(lens) + len(rows_at)) // bs)
+    bases = [r * per * bs for r in range(3)]
+    tables = [tuple(range(r * per, (r + 1) * per)) for r in range(3)]
+    cache = KVStorage(cfg.num_layers, 3 * per, bs, cfg.num_kv_heads, cfg.head_dim,
+                      torch.float32)
+    cache.k.normal_(generator=torch.Generator().manual_seed(1))
+    cache.v.normal_(generator=torch.Generator().manual_seed(2))
+    stepped = KVStorage(cfg.num_layers, 3 * per, bs, cfg.num_kv_heads, cfg.head_dim,
+                        torch.float32)
+    stepped.k.copy_(cache.k), stepped.v.copy_(cache.v)
+    tokens, positions = torch.tensor([5, 117, 33]), torch.tensor([150, 97, 131])
+    layers = cfg.attention()
+    got, seconds = fast.draft(tokens, positions, rows_at, cache, bases, lens, tables, bs, layers)
+    current, want = tokens, []
+    for step, rows in enumerate(rows_at):
+        meta = PagedAttentionMetadata(list(range(rows + 1)),
+                                      [n + step + 1 for n in lens[:rows]], tables[:rows], bs)
+        slots = torch.tensor([b + n + step for b, n in zip(bases[:rows], lens[:rows])])
+        hidden = fast.forward(current[:rows], positions[:rows] + step, stepped, meta, slots,
+                              layers)
+        current = model.compute_logits(hidden).argmax(-1)
+        want.append(current.tolist())
+    assert [got[step, :rows].tolist() for step, rows in enumerate(rows_at)] == want
+    assert len({t for row in want for t in row}) > 3                  # not one token throughout
+    assert torch.equal(cache.k, stepped.k) and torch.equal(cache.v, stepped.v)
+    assert len(seconds) == len(rows_at) and all(t > 0 for t in seconds)
 
 
 @pytest.mark.parametrize("name,settings", [
