@@ -206,7 +206,10 @@ int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uin
      * rows, reading each key's slot from its first kv head to its last in turn. */
     const int64_t parts = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
     const int64_t part_heads = (num_heads + parts - 1) / parts;
-    const int64_t heads = part_heads < DOT_ROWS ? part_heads : DOT_ROWS;
+    int64_t heads = part_heads < DOT_ROWS ? part_heads : DOT_ROWS;
+    for (int64_t b = 0; b < num_reqs && parts == 1 && heads > G; b++)
+        if (requests[b * 3 + 1] * G >= DOT_ROWS / 2)
+            heads = G;           /* prompt tiles: a kv head's keys read once for DOT_ROWS rows */
     const int64_t per = DOT_ROWS / heads;                        /* positions a task */
     int64_t num_tasks = 0, max_keys = DOT_KEYS, max_rows = 1;
     for (int64_t b = 0; b < num_reqs; b++) {
