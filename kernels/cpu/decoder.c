@@ -284,8 +284,9 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
  * between two calls is gone. R = rows_at[0]; b->x holds step 0's embedded rows on entry (b sized
  * for R rows); cos, sin: float32 [steps, num_ropes, R, head_dim], each step's positions' tables;
  * logits: scratch [R, vocab]; step_seconds[s]: step s's time; seconds: NULL, or [steps][3] to
- * which each step's time in decoder_forward's kernels is added (as decoder_forward's). The final soft-cap (Gemma 2) is monotonic:
- * the argmax of the raw logits. Returns 0, or -1 where a kernel found no scratch memory. */
+ * which each step's time in decoder_forward's kernels is added (as decoder_forward's). The final
+ * soft-cap (Gemma 2) is monotonic: the argmax of the raw logits. Returns 0, or -1 where a kernel
+ * found no scratch memory. */
 int decoder_draft(const struct decoder_model *m, const struct decoder_layer *layers,
                   const int64_t *run, int64_t num_run, const struct decoder_buffers *b,
                   const int64_t *rows_at, int64_t steps, const float *cos, const float *sin,

@@ -5,7 +5,7 @@ draft, and the mean emitted length is the rejection-sampling formula.
 Every drafter here proposes one-hot drafts, so acceptance is: each row draws the token plain
 sampling would draw there, a draft is kept while it equals that token (`spec_phases/verify.py`).
 These tests run that code, the real `Sampler` included, on N independent requests whose target row
-is fixed: a stand-in runner returns the same logits for every row, so only sampling is under test."""
+is fixed: a stand-in runner returns the same logits for every row, so only sampling is tested."""
 import math
 
 import pytest
