@@ -106,7 +106,7 @@ class GrammarMatchers:
 
     def constrain(self, request_id: str, drafts: list[int]) -> tuple[list[int], Constrained]:
         """Cut the drafts at the first token the grammar forbids; one mask per verify row."""
-        import llguidance.torch as llt
+        import llguidance.numpy as llnp     # not llguidance.torch: it imports torch.compile (2 s)
         import torch
 
         if request_id not in self.matchers:
@@ -119,8 +119,9 @@ class GrammarMatchers:
         kept = drafts[:matcher.validate_tokens(list(drafts))] if drafts else []
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(len(kept) + 1, words, dtype=torch.int32)
+        rows = bitmask.numpy()                                          # the same memory
         for i in range(len(kept) + 1):
-            llt.fill_next_token_bitmask(matcher, bitmask, i)
+            llnp.fill_next_token_bitmask(matcher, rows, i)
             if i < len(kept) and not matcher.consume_token(kept[i]):
                 raise RuntimeError(f"request {request_id}: the grammar refused a draft it had "
                                    f"validated")
