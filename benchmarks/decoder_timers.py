@@ -7,6 +7,7 @@ steps in one call) so that each of its steps does the same (its wall seconds wit
 argmax and next embedding). `reset()` clears both."""
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -29,7 +30,8 @@ def _timed_forward(*args, **kwargs):
 
 
 def _timed_draft(*args, **kwargs):
-    rows_at, step_seconds = args[4], args[16]
+    given = inspect.signature(_draft).bind(*args, **kwargs).arguments
+    rows_at, step_seconds = given["rows_at"], given["step_seconds"]
     seconds = torch.zeros(len(rows_at), 3, dtype=torch.float64)
     kwargs["seconds"] = seconds
     out = _draft(*args, **kwargs)

@@ -18,10 +18,13 @@
  * what the decode at its position computes.
  *
  * A task is a request's heads (all, or with fewer requests than threads a part of them) at up
- * to DOT_ROWS query rows (positions x heads); it walks the keys once, each key's slot from its
- * first kv head to its last. Each block of keys is transposed once (lanes = keys) for all the
- * rows of a kv head, each pair of keys' values interleaved once (lanes = dimensions, a pair a
- * lane), and the rows run DOT_GROUP at a time, their chains interleaved. Against the widening
+ * to DOT_ROWS query rows (positions x heads), or, where a step holds prompt tiles (a request
+ * whose rows of one kv head reach DOT_ROWS / 2) and enough requests for the threads, one kv
+ * head's heads at up to DOT_ROWS / G positions, so a tile's keys are transposed once a kv head;
+ * it walks the keys once, each key's slot from its first kv head to its last. Each block of
+ * keys is transposed once (lanes = keys) for all the rows of a kv head, each pair of keys'
+ * values interleaved once (lanes = dimensions, a pair a lane), and the rows run DOT_GROUP at a
+ * time, their chains interleaved. Against the widening
  * form this does half the multiply-adds an instruction and no widening per row group: a 9-row
  * verify pass over a long context is compute-bound.
  * (Included once, at the end of paged_attention.c.)

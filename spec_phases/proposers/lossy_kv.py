@@ -33,7 +33,6 @@ from dataclasses import asdict
 import torch
 from specserve.kernels.cpu import decoder as fused
 from specserve.kernels.dispatch import get_op
-from specserve.kernels.metadata import PagedAttentionMetadata
 from specserve.kv_cache.compress.base import Compressor, SequenceState
 from specserve.kv_cache.compress.quant import FIELDS as QUANT_FIELDS
 from specserve.kv_cache.compress.spherical import TIERS
@@ -138,6 +137,7 @@ class DenseDraftCache:
             for cache, parts in ((st.k, ("sink_k", "tail_k")), (st.v, ("sink_v", "tail_v"))):
                 dense = torch.cat([getattr(ls, part) for ls in state.layers for part in parts])
                 cache[:, base:base + n] = dense.view(num_layers, n, num_kv_heads, head_dim)
+
 
 def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPages:
     """The round's pages as `draft_attention.c` reads them (`comp.draft_kernel()`'s format):

@@ -72,6 +72,9 @@ def test_taken_only_where_it_serves(monkeypatch, decoder_runners):
         tiny_config().family, activation="gelu")))
     model = packed_model()
     assert cpu_decoder.supported(model)
+    head, model._lm_head_packed = model._lm_head_packed, None        # the head off the C kernel
+    assert cpu_decoder.unsupported(model) == "the LM head not on the C kernel"
+    model._lm_head_packed = head
     fast, _ = decoder_runners(model)
     calls = []
     monkeypatch.setattr(cpu_decoder.CpuDecoder, "forward",
