@@ -160,6 +160,10 @@ static inline vrowi bytes_row(const uint8_t *b, int64_t n) {
 #endif
 }
 
+static inline __attribute__((always_inline)) void put_row(float *at, vrow x) {
+    memcpy(at, &x, sizeof x);
+}
+
 #define BLOCK_TOKENS 64                         /* a page's tokens scored together, at most */
 #define AHEAD_TOKENS 8                  /* tokens ahead whose value codes are requested early */
 #define BLOCK_VECS (BLOCK_TOKENS / TILE)
@@ -178,34 +182,118 @@ static inline __attribute__((always_inline)) void weigh_planes(
     }
 }
 
+/* lanes of a and b alternating: half 0 from their first TILE / 2 lanes, half 1 their last */
+static inline __attribute__((always_inline)) vrow interleave_rows(vrow a, vrow b, int half) {
+    vrowi m;
+    for (int l = 0; l < TILE; l++)
+        m[l] = half * (TILE / 2) + l / 2 + (l % 2) * TILE;
+    return __builtin_shuffle(a, b, m);
+}
+
+static inline __attribute__((always_inline)) vrow load_row(const float *at) {
+    vrow x;
+    memcpy(&x, at, sizeof x);
+    return x;
+}
+
 /* n query heads' scores of tokens b0 .. b0 + BLOCK_TOKENS - 1 of a page (those past its end,
  * or outside lo .. hi - 1, computed over zero codes and not written), per = 8 / kbits codes a
- * byte: every count a constant where it is inlined, so the sums stay in registers. Lane l of
- * chunk c, plane j holds token b0 + (c * TILE + l) * per + j. */
+ * byte: every count a constant where it is inlined. A chunk of TILE bytes at a time, its per
+ * planes' sums of every head held in registers over the channels; lane l of chunk c, plane j
+ * holds token b0 + (c * TILE + l) * per + j. */
 static inline __attribute__((always_inline)) void score_block(
     const int n, const int per, struct draft_part *w, const uint8_t *codes, int64_t pbytes,
     int64_t b0, int64_t lo, int64_t hi, int64_t base, int64_t a, int64_t D, const float *qp,
     const float *qz, float scale) {
-    const int chunks = BLOCK_VECS / per;
+    const int chunks = BLOCK_VECS / per, bits = 8 / per, mask = (1 << bits) - 1;
     const int64_t byte0 = b0 / per, nbytes = pbytes - byte0;
-    vrow acc[MAX_G][BLOCK_VECS];
-    for (int g = 0; g < n; g++)
-        for (int v = 0; v < BLOCK_VECS; v++)
-            acc[g][v] = splat_row(0.0f);
-    for (int64_t d = 0; d < D; d++) {
-        const uint8_t *cd = codes + d * pbytes + byte0;
-        for (int c = 0; c < chunks; c++)
-            weigh_planes(n, per, bytes_row(cd + c * TILE, nbytes - c * TILE), qp + d, D, acc, c);
+    float lanes[MAX_G][BLOCK_TOKENS];            /* the sums, vector v at [g][v * TILE] */
+    for (int c = 0; c < chunks; c++) {
+        vrow acc[4][MAX_G];
+        for (int j = 0; j < per; j++)
+            for (int g = 0; g < n; g++)
+                acc[j][g] = splat_row(0.0f);
+        const uint8_t *cd = codes + byte0 + c * TILE;
+        for (int64_t d = 0; d < D; d++, cd += pbytes) {
+            const vrowi x = bytes_row(cd, nbytes - c * TILE);
+            for (int j = 0; j < per; j++) {
+                const vrow cj = __builtin_convertvector((x >> (j * bits)) & mask, vrow);
+                for (int g = 0; g < n; g++)
+                    acc[j][g] = fma_row(splat_row(qp[g * D + d]), cj, acc[j][g]);
+            }
+        }
+        for (int j = 0; j < per; j++)
+            for (int g = 0; g < n; g++)
+                put_row(lanes[g] + (c * per + j) * TILE, acc[j][g]);
     }
-    for (int g = 0; g < n; g++)
+    if (b0 >= lo && b0 + BLOCK_TOKENS <= hi) {    /* a whole block: planes back to token order */
+        const vrow sc = splat_row(scale);
+        for (int g = 0; g < n; g++) {
+            const vrow z = splat_row(qz[g]);
+            float *out = w->s[g] + base + b0 - a;
+            for (int c = 0; c < chunks; c++, out += TILE * per) {
+                const float *pl = lanes[g] + c * per * TILE;
+                if (per == 1) {
+                    put_row(out, (load_row(pl) + z) * sc);
+                } else if (per == 2) {
+                    const vrow p0 = load_row(pl), p1 = load_row(pl + TILE);
+                    put_row(out, (interleave_rows(p0, p1, 0) + z) * sc);
+                    put_row(out + TILE, (interleave_rows(p0, p1, 1) + z) * sc);
+                } else {
+                    const vrow p0 = load_row(pl), p1 = load_row(pl + TILE);
+                    const vrow p2 = load_row(pl + 2 * TILE), p3 = load_row(pl + 3 * TILE);
+                    const vrow u0 = interleave_rows(p0, p2, 0), u1 = interleave_rows(p0, p2, 1);
+                    const vrow v0 = interleave_rows(p1, p3, 0), v1 = interleave_rows(p1, p3, 1);
+                    put_row(out, (interleave_rows(u0, v0, 0) + z) * sc);
+                    put_row(out + TILE, (interleave_rows(u0, v0, 1) + z) * sc);
+                    put_row(out + 2 * TILE, (interleave_rows(u1, v1, 0) + z) * sc);
+                    put_row(out + 3 * TILE, (interleave_rows(u1, v1, 1) + z) * sc);
+                }
+            }
+        }
+        return;
+    }
+    for (int g = 0; g < n; g++)                  /* a block cut by lo or hi: lane by lane */
         for (int c = 0; c < chunks; c++)
             for (int j = 0; j < per; j++)
                 for (int l = 0; l < TILE; l++) {
                     const int64_t t = b0 + (int64_t)(c * TILE + l) * per + j;
                     if (t >= lo && t < hi)
-                        w->s[g][base + t - a] = (acc[g][c * per + j][l] + qz[g]) * scale;
+                        w->s[g][base + t - a] = (lanes[g][(c * per + j) * TILE + l] + qz[g]) *
+                                                scale;
                 }
 }
+
+/* score_block and value_block are compiled as functions of their own, one per head count
+ * (switch_heads), each code width a case: inlined into the one large task function, GCC kept
+ * most of their sums in memory. */
+#define SWITCH_HEADS(n, CALL)                                                                   \
+    switch (n) {                                                                                \
+    case 1: CALL(1); break;                                                                     \
+    case 2: CALL(2); break;                                                                     \
+    case 3: CALL(3); break;                                                                     \
+    case 4: CALL(4); break;                                                                     \
+    case 5: CALL(5); break;                                                                     \
+    case 6: CALL(6); break;                                                                     \
+    case 7: CALL(7); break;                                                                     \
+    default: CALL(8);                                                                           \
+    }
+
+#define SCORE_BLOCK_FN(N)                                                                       \
+    static __attribute__((noinline)) void score_block_##N(                                      \
+        int kbits, struct draft_part *w, const uint8_t *codes, int64_t pbytes, int64_t b0,     \
+        int64_t lo, int64_t hi, int64_t base, int64_t a, int64_t D, const float *qp,           \
+        const float *qz, float scale) {                                                         \
+        if (kbits == 2)                                                                         \
+            score_block(N, 4, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);         \
+        else if (kbits == 4)                                                                    \
+            score_block(N, 2, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);         \
+        else                                                                                    \
+            score_block(N, 1, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);         \
+    }
+SCORE_BLOCK_FN(1) SCORE_BLOCK_FN(2) SCORE_BLOCK_FN(3) SCORE_BLOCK_FN(4)
+SCORE_BLOCK_FN(5) SCORE_BLOCK_FN(6) SCORE_BLOCK_FN(7) SCORE_BLOCK_FN(8)
+#undef SCORE_BLOCK_FN
 
 /* scores of the pages' tokens a .. e - 1 (e <= the pages' tokens). A page's key codes are
  * stored channel by channel, each channel's codes of the page's tokens packed along the tokens
@@ -242,13 +330,11 @@ static inline __attribute__((always_inline)) void page_scores(
         const int64_t lo = (a > base ? a : base) - base;
         const int64_t hi = (e < base + page_size ? e : base + page_size) - base;
         for (int64_t b0 = lo / BLOCK_TOKENS * BLOCK_TOKENS; b0 < hi; b0 += BLOCK_TOKENS)
-            switch (kbits) {                                 /* a constant count each case */
-            case 2: score_block(n, 4, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
-                break;
-            case 4: score_block(n, 2, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
-                break;
-            default: score_block(n, 1, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
-            }
+        {
+#define CALL(N) score_block_##N(kbits, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale)
+            SWITCH_HEADS(n, CALL)
+#undef CALL
+        }
     }
 }
 
@@ -277,6 +363,21 @@ static inline __attribute__((always_inline)) void value_block(
                 for (int l = 0; l < TILE; l++)
                     w->acc[g][d0 + (c * TILE + l) * per + j] = acc[g][c * per + j][l] + zsum[g];
 }
+
+#define VALUE_BLOCK_FN(N)                                                                       \
+    static __attribute__((noinline)) void value_block_##N(                                      \
+        int vbits, struct draft_part *w, const uint8_t *codes, int64_t stride, int64_t d0,     \
+        int64_t a, int64_t e, const float *pw, const float *zsum) {                             \
+        if (vbits == 2)                                                                         \
+            value_block(N, 4, w, codes, stride, d0, a, e, pw, zsum);                            \
+        else if (vbits == 4)                                                                    \
+            value_block(N, 2, w, codes, stride, d0, a, e, pw, zsum);                            \
+        else                                                                                    \
+            value_block(N, 1, w, codes, stride, d0, a, e, pw, zsum);                            \
+    }
+VALUE_BLOCK_FN(1) VALUE_BLOCK_FN(2) VALUE_BLOCK_FN(3) VALUE_BLOCK_FN(4)
+VALUE_BLOCK_FN(5) VALUE_BLOCK_FN(6) VALUE_BLOCK_FN(7) VALUE_BLOCK_FN(8)
+#undef VALUE_BLOCK_FN
 
 /* the pages' tokens a .. e - 1 weighed into acc (which they set), 64 dimensions at a time
  * (value_block), weights e^(s - max) * s_v in pw (n * (e - a)), the zeros' sums apart */
@@ -315,12 +416,11 @@ static inline __attribute__((always_inline)) void page_values(
         }
     }
     const uint8_t *codes = pg->v_codes + h * bytes;
-    for (int64_t d0 = 0; d0 < D; d0 += BLOCK_TOKENS)
-        switch (vbits) {                                     /* a constant count each case */
-        case 2: value_block(n, 4, w, codes, kv_heads * bytes, d0, a, e, pw, zsum); break;
-        case 4: value_block(n, 2, w, codes, kv_heads * bytes, d0, a, e, pw, zsum); break;
-        default: value_block(n, 1, w, codes, kv_heads * bytes, d0, a, e, pw, zsum);
-        }
+    for (int64_t d0 = 0; d0 < D; d0 += BLOCK_TOKENS) {
+#define CALL(N) value_block_##N(vbits, w, codes, kv_heads * bytes, d0, a, e, pw, zsum)
+        SWITCH_HEADS(n, CALL)
+#undef CALL
+    }
 }
 
 /* scores of the dense keys t = from .. b - 1 of n query heads (dense key j's slot at off[j],
