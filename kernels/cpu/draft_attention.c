@@ -497,9 +497,11 @@ static inline void expand64(uint64_t bits, const uint16_t *kept, float *out) {
 
 /* the Mustafar pages' scores of tokens a .. e - 1: each 64-token block's key tiles, one channel
  * after another, scored in lanes */
-static void mustafar_scores(const int n, struct draft_part *w, const struct mustafar_pages *pg,
-                            int64_t h, int64_t D, float scale, int64_t a, int64_t e) {
+static inline __attribute__((always_inline)) void mustafar_scores(
+    const int n, struct draft_part *w, const struct mustafar_pages *pg, int64_t h, int64_t D,
+    float scale, int64_t a, int64_t e) {
     float tile[64] __attribute__((aligned(64)));
+    float lanes[MAX_G][64];
     for (int64_t block = a / 64; block * 64 < e; block++) {
         vrow acc[MAX_G][TILE_VECS];
         for (int g = 0; g < n; g++)
@@ -514,27 +516,39 @@ static void mustafar_scores(const int n, struct draft_part *w, const struct must
             for (int g = 0; g < n; g++) {
                 const vrow qc = splat_row(w->q[g][c]);
                 for (int v = 0; v < TILE_VECS; v++)
-                    acc[g][v] = fma_row(qc, *(const vrow *)(tile + TILE * v), acc[g][v]);
+                    acc[g][v] = fma_row(qc, load_row(tile + TILE * v), acc[g][v]);
             }
         }
         const int64_t lo = a > block * 64 ? a : block * 64;
         const int64_t hi = e < block * 64 + 64 ? e : block * 64 + 64;
-        for (int g = 0; g < n; g++)
+        if (lo == block * 64 && hi == lo + 64) {          /* a whole block: stored as vectors */
+            for (int g = 0; g < n; g++)
+                for (int v = 0; v < TILE_VECS; v++)
+                    put_row(w->s[g] + lo - a + TILE * v, acc[g][v] * splat_row(scale));
+            continue;
+        }
+        for (int g = 0; g < n; g++) {
+            for (int v = 0; v < TILE_VECS; v++)
+                put_row(lanes[g] + TILE * v, acc[g][v]);
             for (int64_t t = lo; t < hi; t++)
-                w->s[g][t - a] = acc[g][(t - block * 64) / TILE][(t - block * 64) % TILE] * scale;
+                w->s[g][t - a] = lanes[g][t - block * 64] * scale;
+        }
     }
 }
 
-/* the Mustafar pages' tokens a .. e - 1 weighed into acc (which they set): each token's value
- * tiles, 64 dimensions each */
-static void mustafar_values(const int n, struct draft_part *w, const struct mustafar_pages *pg,
-                            int64_t h, int64_t D, int64_t a, int64_t e) {
+/* the Mustafar pages' tokens a .. e - 1 weighed into acc (which they set): 64 dimensions (a
+ * value tile of each token) at a time, their sums held in registers over the tokens */
+static inline __attribute__((always_inline)) void mustafar_values(
+    const int n, struct draft_part *w, const struct mustafar_pages *pg, int64_t h, int64_t D,
+    int64_t a, int64_t e) {
     float tile[64] __attribute__((aligned(64)));
     const int64_t tiles = D / 64, tokens = pg->num_blocks * 64;
-    for (int g = 0; g < n; g++)
-        memset(w->acc[g], 0, sizeof(float) * D);
-    for (int64_t t = a; t < e; t++)
-        for (int64_t j = 0; j < tiles; j++) {
+    for (int64_t j = 0; j < tiles; j++) {
+        vrow acc[MAX_G][TILE_VECS];
+        for (int g = 0; g < n; g++)
+            for (int v = 0; v < TILE_VECS; v++)
+                acc[g][v] = splat_row(0.0f);
+        for (int64_t t = a; t < e; t++) {
             const int64_t at = (h * tokens + t) * tiles + j;
             const uint64_t bits = (uint64_t)pg->v_bitmaps[at];
             if (!bits)
@@ -542,17 +556,20 @@ static void mustafar_values(const int n, struct draft_part *w, const struct must
             expand64(reverse64(bits), pg->v_values + pg->v_offsets[at], tile);
             for (int g = 0; g < n; g++) {
                 const vrow p = splat_row(w->s[g][t - a]);
-                vrow *o = (vrow *)(w->acc[g] + 64 * j);
                 for (int v = 0; v < TILE_VECS; v++)
-                    o[v] = fma_row(p, *(const vrow *)(tile + TILE * v), o[v]);
+                    acc[g][v] = fma_row(p, load_row(tile + TILE * v), acc[g][v]);
             }
         }
+        for (int g = 0; g < n; g++)
+            for (int v = 0; v < TILE_VECS; v++)
+                put_row(w->acc[g] + 64 * j + TILE * v, acc[g][v]);
+    }
 }
 
 /* the Spherical-KV pages' scores of tokens a .. e - 1 (table: n * groups * codes of scratch) */
-static void spherical_scores(const int n, struct draft_part *w, const struct spherical_pages *pg,
-                             int64_t page_size, int64_t h, int64_t D, float scale, int64_t a,
-                             int64_t e, float *table) {
+static inline __attribute__((always_inline)) void spherical_scores(
+    const int n, struct draft_part *w, const struct spherical_pages *pg, int64_t page_size,
+    int64_t h, int64_t D, float scale, int64_t a, int64_t e, float *table) {
     const int64_t gs = pg->group, G = D / gs, K = pg->codes;
     const float *cb = pg->codebook + h * G * K * gs;
     for (int g = 0; g < n; g++)                          /* q's groups . every codeword */
@@ -591,8 +608,7 @@ static void spherical_scores(const int n, struct draft_part *w, const struct sph
                 }
             }
             for (int g = 0; g < n; g++)
-                for (int l = 0; l < TILE; l++)
-                    w->s[g][t + l - a] = acc[g][l] * unit;
+                put_row(w->s[g] + t - a, acc[g] * splat_row(unit));
         }
 #endif
         for (; t < end; t++)                            /* the rest one token at a time */
@@ -606,28 +622,62 @@ static void spherical_scores(const int n, struct draft_part *w, const struct sph
     }
 }
 
-/* the Spherical-KV pages' float16 values of tokens a .. e - 1 weighed into acc (which they set) */
-static void spherical_values(const int n, struct draft_part *w, const struct spherical_pages *pg,
-                             int64_t h, int64_t D, int64_t a, int64_t e) {
-    for (int g = 0; g < n; g++)
-        memset(w->acc[g], 0, sizeof(float) * D);
-    for (int64_t t = a; t < e; t++) {
-        const uint16_t *v = pg->values + (h * pg->tokens + t) * D;
-        for (int64_t d = 0; d < D; d += 8) {
-#if defined(__F16C__)
-            const v8f x = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d)));
+/* TILE float16 values as floats */
+static inline vrow half_row(const uint16_t *h) {
+#if TILE == 16
+    return (vrow)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 #else
-            v8f x;
-            for (int i = 0; i < 8; i++)
-                x[i] = half_to_float(v[d + i]);
+    return half8(h);
 #endif
-            for (int g = 0; g < n; g++) {
-                v8f *o = (v8f *)(w->acc[g] + d);
-                *o = fma8(splat8(w->s[g][t - a]), x, *o);
+}
+
+/* the Spherical-KV pages' float16 values of tokens a .. e - 1 weighed into acc (which they set):
+ * 64 dimensions at a time, their sums held in registers over the tokens */
+static inline __attribute__((always_inline)) void spherical_values(
+    const int n, struct draft_part *w, const struct spherical_pages *pg, int64_t h, int64_t D,
+    int64_t a, int64_t e) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        vrow acc[MAX_G][TILE_VECS];
+        for (int g = 0; g < n; g++)
+            for (int v = 0; v < TILE_VECS; v++)
+                acc[g][v] = splat_row(0.0f);
+        const uint16_t *x = pg->values + (h * pg->tokens + a) * D + d0;
+        for (int64_t t = a; t < e; t++, x += D)
+            for (int v = 0; v < TILE_VECS; v++) {
+                const vrow xv = half_row(x + TILE * v);
+                for (int g = 0; g < n; g++)
+                    acc[g][v] = fma_row(splat_row(w->s[g][t - a]), xv, acc[g][v]);
             }
-        }
+        for (int g = 0; g < n; g++)
+            for (int v = 0; v < TILE_VECS; v++)
+                put_row(w->acc[g] + d0 + TILE * v, acc[g][v]);
     }
 }
+
+#define PAGES_FN(NAME, N, PARAMS, ARGS)                                                         \
+    static __attribute__((noinline)) void NAME##_##N PARAMS { NAME(N, A ARGS); }
+#define PAGES_FNS(NAME, PARAMS, ARGS)                                                           \
+    PAGES_FN(NAME, 1, PARAMS, ARGS) PAGES_FN(NAME, 2, PARAMS, ARGS)                             \
+    PAGES_FN(NAME, 3, PARAMS, ARGS) PAGES_FN(NAME, 4, PARAMS, ARGS)                             \
+    PAGES_FN(NAME, 5, PARAMS, ARGS) PAGES_FN(NAME, 6, PARAMS, ARGS)                             \
+    PAGES_FN(NAME, 7, PARAMS, ARGS) PAGES_FN(NAME, 8, PARAMS, ARGS)
+#define A(...) __VA_ARGS__
+/* Mustafar's and Spherical-KV's, each as functions of its own per head count (as quant's
+ * blocks, for the same reason) */
+PAGES_FNS(mustafar_scores, (struct draft_part *w, const struct mustafar_pages *pg, int64_t h,
+                            int64_t D, float scale, int64_t a, int64_t e),
+          (w, pg, h, D, scale, a, e))
+PAGES_FNS(mustafar_values, (struct draft_part *w, const struct mustafar_pages *pg, int64_t h,
+                            int64_t D, int64_t a, int64_t e), (w, pg, h, D, a, e))
+PAGES_FNS(spherical_scores, (struct draft_part *w, const struct spherical_pages *pg,
+                             int64_t page_size, int64_t h, int64_t D, float scale, int64_t a,
+                             int64_t e, float *table),
+          (w, pg, page_size, h, D, scale, a, e, table))
+PAGES_FNS(spherical_values, (struct draft_part *w, const struct spherical_pages *pg, int64_t h,
+                             int64_t D, int64_t a, int64_t e), (w, pg, h, D, a, e))
+#undef A
+#undef PAGES_FNS
+#undef PAGES_FN
 
 /* One task: n of kv head h's query heads over keys [a, b) of a request's sequence: its pages'
  * tokens first (t < page_tokens; pg: the request's pages in draft's format), then its dense keys
@@ -640,23 +690,32 @@ static inline __attribute__((always_inline)) void draft_part_n(
     float *qp, float *pw) {
     const int64_t e = b < page_tokens ? b : page_tokens, dense_from = a > e ? a : e;
     const int64_t page_size = draft->page_size;
-    if (a < e && draft->kind == DRAFT_MUSTAFAR)
-        mustafar_scores(n, w, pg, h, D, scale, a, e);
-    else if (a < e && draft->kind == DRAFT_SPHERICAL)
-        spherical_scores(n, w, pg, page_size, h, D, scale, a, e, qp);
-    else if (a < e)
+    const int kind = a < e ? (int)draft->kind : -1;                 /* -1: no page tokens */
+#define MUSTAFAR(N) mustafar_scores_##N(w, pg, h, D, scale, a, e)
+#define SPHERICAL(N) spherical_scores_##N(w, pg, page_size, h, D, scale, a, e, qp)
+    if (kind == DRAFT_MUSTAFAR)
+        SWITCH_HEADS(n, MUSTAFAR)
+    else if (kind == DRAFT_SPHERICAL)
+        SWITCH_HEADS(n, SPHERICAL)
+    else if (kind == DRAFT_QUANT)
         page_scores(n, w, pg, page_size, (int)draft->key_bits, h, D, kv_heads, scale, a, e, qp);
+#undef MUSTAFAR
+#undef SPHERICAL
     dense_scores(n, w, k_cache, bf16, off, page_tokens, h, D, scale, a, dense_from, b);
     part_softmax(n, w, b - a, softcap);
-    if (a < e && draft->kind == DRAFT_MUSTAFAR)
-        mustafar_values(n, w, pg, h, D, a, e);
-    else if (a < e && draft->kind == DRAFT_SPHERICAL)
-        spherical_values(n, w, pg, h, D, a, e);
-    else if (a < e)
+#define MUSTAFAR(N) mustafar_values_##N(w, pg, h, D, a, e)
+#define SPHERICAL(N) spherical_values_##N(w, pg, h, D, a, e)
+    if (kind == DRAFT_MUSTAFAR)
+        SWITCH_HEADS(n, MUSTAFAR)
+    else if (kind == DRAFT_SPHERICAL)
+        SWITCH_HEADS(n, SPHERICAL)
+    else if (kind == DRAFT_QUANT)
         page_values(n, w, pg, (int)draft->value_bits, h, D, kv_heads, a, e, pw);
     else
         for (int g = 0; g < n; g++)
             memset(w->acc[g], 0, sizeof(float) * D);
+#undef MUSTAFAR
+#undef SPHERICAL
     dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
 }
 
