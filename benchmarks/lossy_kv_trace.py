@@ -2,7 +2,7 @@
 not a test): one request on the embedded model, the long workloads' pinned prompt, greedy.
 
     python benchmarks/lossy_kv_trace.py --compressor window --context 2800 --new-tokens 64 \\
-        [--adaptive]
+        [--adaptive] [--vocab-prefix 1073741824]
 
 Prints, per row count of the one-call C decoder (1: a draft pass or a decode; k + 1: a
 verify; the engine's warm-up adds a few calls of its own shapes), the calls' median milliseconds
@@ -35,7 +35,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--vocab-prefix", type=int, default=lossy_kv.DRAFT_VOCAB_PREFIX,
+                    help="the drafts' vocabulary's first ids (beside the context's tokens); "
+                         "1073741824: every token")
     args = ap.parse_args()
+    lossy_kv.DRAFT_VOCAB_PREFIX = args.vocab_prefix
     log = []
     decoder_timers.install()
     choose, observe, fit = (faser.DraftLengthController.choose,

@@ -131,13 +131,15 @@ class CpuDecoder:
     def draft(self, tokens: torch.Tensor, positions: torch.Tensor, rows_at: list[int],
               storage: KVStorage, bases: list[int], lens: list[int],
               tables: list[tuple[int, ...]], block_size: int, attention: LayerAttention,
-              draft: fused.DraftPages | None = None, seconds: torch.Tensor | None = None
+              draft: fused.DraftPages | None = None, seconds: torch.Tensor | None = None,
+              vocab: tuple[int, cpu_linear.PackedWeight | None, torch.Tensor | None] | None = None
               ) -> tuple[torch.Tensor, list[float]]:
         """Greedy draft steps in one call (`fused.draft`; VeriCache's drafter): step s feeds the
         first rows_at[s] rows (non-increasing) their previous step's argmax (step 0: `tokens`)
         at positions + s, over a drafting cache in `storage` where row r's context is lens[r]
         tokens from slot bases[r] on (its blocks: tables[r], all of one length), attending
-        `draft`'s pages too where given. Returns the drafts [steps, rows] (row r's first
+        `draft`'s pages too where given. vocab: the drafts' vocabulary (`fused.Head`'s scored,
+        extra and extra_ids; None: every token). Returns the drafts [steps, rows] (row r's first
         steps-that-ran-it valid) and each step's seconds. seconds: as `fused.draft`'s."""
         model, rows, steps = self.model, tokens.shape[0], len(rows_at)
         b = self._buffers(rows)
@@ -146,18 +148,24 @@ class CpuDecoder:
         structs, layer_structs = self._structs(attention, block_size)
         packed = model._lm_head_packed
         embed = None if model._embedding_in_head else model.embed_tokens.weight.contiguous()
+        scored, extra, extra_ids = vocab or (packed.out_features, None, None)
         head = fused.Head(fused.Linear(packed.data.data_ptr(), None,
                                        cpu_linear.LAYOUTS[packed.layout]),
                           None if embed is None else embed.data_ptr(), packed.out_features,
                           float(model.embed_scale) if model.config.family.scale_embeddings
-                          else 1.0)
+                          else 1.0, scored,
+                          fused.Linear(None, None, 0) if extra is None else fused.Linear(
+                              extra.data.data_ptr(), None, cpu_linear.LAYOUTS[extra.layout]),
+                          None if extra_ids is None else extra_ids.data_ptr(),
+                          0 if extra is None else extra.out_features)
         out = torch.empty(steps, rows, dtype=torch.int64)
         step_seconds = torch.zeros(steps, dtype=torch.float64)
         fused.draft(structs, layer_structs, torch.arange(len(model.layers)), b,
                     torch.tensor(rows_at, dtype=torch.int64), cos, sin, storage.k, storage.v,
                     torch.tensor(bases, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
                     torch.tensor(tables, dtype=torch.int64), draft, head, out,
-                    torch.empty(rows, packed.out_features), step_seconds, seconds=seconds)
+                    torch.empty(rows, head.scored + head.num_extra), step_seconds,
+                    seconds=seconds)
         return out, step_seconds.tolist()
 
     def _buffers(self, n: int) -> dict[str, torch.Tensor]:

@@ -76,15 +76,22 @@ struct decoder_buffers {
 /* The LM head and the token embedding of `decoder_draft`'s steps: the head packed as the linear
  * layers are ([vocab, hidden]); the embedding the head's own rows (a tied embedding, read back by
  * linear_rows) where embed is NULL, else embed's float32 rows [vocab, hidden]; each embedded row
- * times embed_scale (1: the family scales none). */
+ * times embed_scale (1: the family scales none). The drafts' vocabulary: the head's first
+ * `scored` tokens (vocab: all of them) and the num_extra tokens extra_ids (ascending, each at
+ * least scored), whose rows of the head `extra` holds in the head's layout (a draft chooses
+ * among those; every logit it computes is the full head's, bit for bit). */
 struct decoder_head {
     struct decoder_linear head;
     const float *embed;
     int64_t vocab;
     float embed_scale;
+    int64_t scored;
+    struct decoder_linear extra;
+    const int64_t *extra_ids;
+    int64_t num_extra;
 };
 
-#define DECODER_ABI_VERSION 10         /* bumped whenever an exported signature or struct changes */
+#define DECODER_ABI_VERSION 11         /* bumped whenever an exported signature or struct changes */
 
 /* out[0]: DECODER_ABI_VERSION; out[1..9]: the sizes of struct decoder_linear, decoder_layer,
  * decoder_model, decoder_buffers, quant_pages, mustafar_pages, spherical_pages, draft_pages and
@@ -279,11 +286,11 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
  * blocks: row r of tables). Step s runs the first rows_at[s] requests (rows_at non-increasing:
  * the longest drafts first), one row each: decoder_forward (request r's K/V written at slot
  * bases[r] + lens[r] + s, its query seeing lens[r] + s + 1 keys, and `draft`'s pages where
- * given), the LM head, and the row's argmax (the first of equal maxima, as torch's) into
- * tokens[s * R + r], which step s + 1 embeds as the row's input: the Python a draft step cost
+ * given), the LM head over head's drafting vocabulary, and the row's argmax there (the first
+ * of equal maxima by token id, as torch's) into tokens[s * R + r], which step s + 1 embeds as the row's input: the Python a draft step cost
  * between two calls is gone. R = rows_at[0]; b->x holds step 0's embedded rows on entry (b sized
  * for R rows); cos, sin: float32 [steps, num_ropes, R, head_dim], each step's positions' tables;
- * logits: scratch [R, vocab]; step_seconds[s]: step s's time; seconds: NULL, or [steps][3] to
+ * logits: scratch [R, scored + num_extra]; step_seconds[s]: step s's time; seconds: NULL, or [steps][3] to
  * which each step's time in decoder_forward's kernels is added (as decoder_forward's). The final
  * soft-cap (Gemma 2) is monotonic: the argmax of the raw logits. Returns 0, or -1 where a kernel
  * found no scratch memory. */
@@ -295,7 +302,8 @@ int decoder_draft(const struct decoder_model *m, const struct decoder_layer *lay
                   const int64_t *tables, int64_t table_width, const struct draft_pages *draft,
                   const struct decoder_head *head, int64_t *tokens, float *logits,
                   double *step_seconds, double *seconds, int num_threads) {
-    const int64_t R = rows_at[0], D = m->head_dim, H = m->hidden, V = head->vocab;
+    const int64_t R = rows_at[0], D = m->head_dim, H = m->hidden;
+    const int64_t N0 = head->scored, NE = head->num_extra;       /* logits: [R, N0 + NE] */
     const size_t rope_bytes = sizeof(float) * (size_t)(num_ropes * R * D);
     int64_t *requests = malloc(sizeof(int64_t) * 3 * R), *slots = malloc(sizeof(int64_t) * R);
     float *step_cos = malloc(rope_bytes), *step_sin = malloc(rope_bytes);
@@ -318,13 +326,21 @@ int decoder_draft(const struct decoder_model *m, const struct decoder_layer *lay
                                  v_cache, kv_dtype, cache_slots, slots, requests, tables,
                                  table_width, rows, draft, seconds ? seconds + 3 * s : NULL,
                                  num_threads)
-                 || linear_forward(b->h, rows, H, head->head.data, (int)head->head.layout, V,
-                                   head->head.bias, logits, num_threads);
-        for (int64_t r = 0; r < rows && !failed; r++) {
-            const float *l = logits + r * V;
+                 || linear_forward(b->h, rows, H, head->head.data, (int)head->head.layout, N0,
+                                   head->head.bias, logits, num_threads)
+                 || (NE && linear_forward(b->h, rows, H, head->extra.data,
+                                          (int)head->extra.layout, NE, head->extra.bias,
+                                          logits + rows * N0, num_threads));
+        for (int64_t r = 0; r < rows && !failed; r++) {   /* the first of equal maxima by id */
+            const float *l = logits + r * N0, *le = logits + rows * N0 + r * NE;
             int64_t best = 0;
-            for (int64_t j = 1; j < V; j++)
-                best = l[j] > l[best] ? j : best;
+            float top = l[0];
+            for (int64_t j = 1; j < N0; j++)
+                if (l[j] > top)
+                    best = j, top = l[j];
+            for (int64_t j = 0; j < NE; j++)
+                if (le[j] > top)
+                    best = head->extra_ids[j], top = le[j];
             tokens[s * R + r] = best;
         }
         if (!failed && s + 1 < steps) {                    /* the next step's inputs */

@@ -76,12 +76,15 @@ class DraftPages(ctypes.Structure):
 
 class Head(ctypes.Structure):
     """The LM head and the token embedding of `draft`'s steps: embed NULL reads the embedding
-    from the head's rows (a tied embedding), else from float32 rows [vocab, hidden]."""
+    from the head's rows (a tied embedding), else from float32 rows [vocab, hidden]. The drafts'
+    vocabulary: the head's first `scored` tokens and the num_extra tokens extra_ids (int64,
+    ascending, each >= scored) whose rows `extra` holds (`linear.select_outputs`)."""
     _fields_ = [("head", Linear), ("embed", _ptr), ("vocab", _i64),
-                ("embed_scale", ctypes.c_float)]
+                ("embed_scale", ctypes.c_float), ("scored", _i64), ("extra", Linear),
+                ("extra_ids", _ptr), ("num_extra", _i64)]
 
 
-ABI_VERSION = 10                    # decoder.c's DECODER_ABI_VERSION that these mirrors match
+ABI_VERSION = 11                    # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
@@ -124,10 +127,10 @@ def draft(model: Model, layers: ctypes.Array, run: torch.Tensor,
     """Greedy draft steps in one call (`decoder.c`'s decoder_draft): step s runs the first
     rows_at[s] (int64 [steps], non-increasing) requests' rows over a drafting cache (request r's
     context lens[r] tokens from slot bases[r], its blocks tables[r]), the LM head and each row's
-    argmax into tokens[s, r] (int64 [steps, R]), the next step's input. buffers as `forward`'s,
-    sized for R = rows_at[0] rows, "x" holding step 0's embedded rows; cos, sin: float32 [steps,
-    RoPE tables, R, head_dim]; logits: float32 scratch [R, vocab]; step_seconds: float64 [steps],
-    each step's time; seconds: None, or float64 [steps, 3] to which each step's times in the
+    argmax over head's drafting vocabulary into tokens[s, r] (int64 [steps, R]), the next step's
+    input. buffers as `forward`'s, sized for R = rows_at[0] rows, "x" holding step 0's embedded
+    rows; cos, sin: float32 [steps, RoPE tables, R, head_dim]; logits: float32 scratch [R,
+    head.scored + head.num_extra]; step_seconds: float64 [steps], each step's time; seconds: None, or float64 [steps, 3] to which each step's times in the
     linear layers, attention and the elementwise kernels are added (as `forward`'s)."""
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise TypeError(f"decoder_draft: a {k_cache.dtype} cache; one of {CACHE_DTYPES}")

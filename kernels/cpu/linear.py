@@ -327,6 +327,42 @@ def pack_q8_0(blocks: torch.Tensor, in_features: int, int8: bool = False) -> Pac
     return pack_gguf("q8_0", blocks, in_features, int8)
 
 
+# A panel's bytes per block (or per k for "f32" and "bf16") as stripes of PANEL * width bytes, in
+# which output c of the panel owns bytes [c * width, (c + 1) * width): (stripes, width) in order
+# (scales as float32 or fp16, then the codes' 64-byte rows of 4 k an output; "q4_k_i8" a
+# super-block: d and dmin, the scales and minimums a byte each, then 8 blocks' codes)
+STRIPES = {"f32": [(1, 4)], "bf16": [(1, 2)], "q8_0": [(1, 4), (32, 1)],
+           "q4_1_i8": [(6, 4)], "q8_0_i8": [(9, 4)],
+           "u8_i8": [(12, 4)], "q4_1_i8h": [(2, 2), (4, 4)], "q8_0_i8h": [(1, 2), (8, 4)],
+           "u8_i8h": [(4, 2), (8, 4)], "u8s_i8": [(10, 4)],
+           "q4_k_i8": [(2, 2), (16, 1), (32, 4)]}
+
+
+def select_outputs(packed: PackedWeight, ids: torch.Tensor) -> PackedWeight | None:
+    """The outputs ids (int64 [n]) of a packed weight as a packed weight of their own, in ids'
+    order, each output's bytes copied as they are (`STRIPES`): its outputs are the full weight's
+    at ids, bit for bit (VeriCache's draft vocabulary). None for a layout without stripes."""
+    if packed.layout not in STRIPES:
+        return None
+    unit = (Q4_K_I8_SUPER_BYTES if packed.layout == "q4_k_i8"     # a block's (k's) bytes a panel
+            else packed.data[0, 0].nbytes)
+    src = packed.data.view(torch.uint8).reshape(packed.data.shape[0], -1, unit)
+    n = len(ids)
+    panels, units = -(-n // PANEL), src.shape[1]
+    ids = torch.cat([ids, ids[-1:].expand(panels * PANEL - n)]) if n % PANEL else ids
+    p, c = ids // PANEL, ids % PANEL
+    parts, at = [], 0
+    for count, width in STRIPES[packed.layout]:
+        seg = src[:, :, at:at + count * PANEL * width].reshape(-1, units, count, PANEL, width)
+        picked = seg[p, :, :, c, :]                                   # [n', units, count, width]
+        parts.append(picked.reshape(panels, PANEL, units, count, width).permute(0, 2, 3, 1, 4)
+                     .reshape(panels, units, count * PANEL * width))
+        at += count * PANEL * width
+    data = torch.cat(parts, dim=2).contiguous().view(packed.data.dtype)
+    return PackedWeight(data.reshape(panels, *packed.data.shape[1:]), n, packed.in_features,
+                        packed.layout)
+
+
 def weight_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """Rows of a C-packed weight (`ROW_LAYOUTS`), exactly the (dequantized) weight's:
     [len(rows), in] (a tied embedding's lookup read from the packed LM head, so the matrix is held

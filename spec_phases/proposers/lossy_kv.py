@@ -11,9 +11,10 @@ Drafting is batched across requests: one model forward per draft position for ev
 drafting. Where no state holds compressed pages (the `window` compressor keeps none; every
 compressor's state is dense until the context outgrows its window), a round's draft steps run in
 one call of the C decoder (`CpuDecoder.draft`: each step's forward, LM head, argmax and the next
-step's embedding in C) over a small paged cache of the states' dense tokens
-(`DenseDraftCache`), each step as a plain decode step runs; so do steps over states holding
-compressed pages, which the C kernel `draft_attention.c` attends as they are stored
+step's embedding in C; the head scores the drafts' vocabulary alone, `DraftVocabulary`) over a
+small paged cache of the states' dense tokens (`DenseDraftCache`), each step as a plain decode
+step runs; so do steps over states holding compressed pages, which the C kernel
+`draft_attention.c` attends as they are stored
 (`Compressor.draft_kernel`: quant's codes in their `QuantArena`, Mustafar's bitmap-sparse tiles
 and Spherical-KV's codes joined a layer at a time).
 Otherwise (Spherical-KV with a retention budget or quantized values, or no C decoder) the modules
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
 from specserve.kernels.cpu import decoder as fused
+from specserve.kernels.cpu import linear as cpu_linear
 from specserve.kernels.dispatch import get_op
 from specserve.kv_cache.compress.base import Compressor, SequenceState
 from specserve.kv_cache.compress.quant import FIELDS as QUANT_FIELDS
@@ -174,6 +177,64 @@ def draft_pages(states: list[SequenceState], comp: Compressor) -> fused.DraftPag
     return pages
 
 
+DRAFT_VOCAB_PREFIX = 8192       # a draft's vocabulary: the first ids, beside its contexts' tokens
+
+
+class DraftVocabulary:
+    """The tokens a draft chooses among: the vocabulary's first DRAFT_VOCAB_PREFIX ids (a BPE
+    vocabulary's earliest merges, its commonest tokens) and every token of the drafting requests'
+    contexts. A draft is a guess the verify pass checks, so the narrower choice costs only the
+    drafts whose token lies outside it (`benchmarks/draft_vocabulary.py`: 0.3% of the tokens
+    plain decoding produced on workload C's source files), while on the C decoder the LM head,
+    a quarter of a draft pass on the embedded model, scores a sixth of its vocabulary (a pass
+    0.7-1.2 ms shorter at 2.8K: `lossy_kv_trace.py --vocab-prefix`). Each logit it scores is
+    the full head's, bit for bit (`linear.select_outputs`), and the modules' drafts take the
+    argmax over the same tokens, so both paths draft the same. A packed head in a layout without
+    stripes (`linear.STRIPES`) scores every token on both."""
+
+    def __init__(self, vocab_size: int, head: cpu_linear.PackedWeight | None):
+        self.head = head
+        whole = head is not None and head.layout not in cpu_linear.STRIPES
+        self.scored = vocab_size if whole else min(vocab_size, DRAFT_VOCAB_PREFIX
+                                                   // cpu_linear.PANEL * cpu_linear.PANEL)
+        self.vocab_size = vocab_size
+        self.seen: dict[str, tuple[int, set[int]]] = {}    # request -> (tokens read, ids >= scored)
+        self.ids = torch.zeros(0, dtype=torch.int64)          # the round's, ascending
+        self._extra: cpu_linear.PackedWeight | None = None    # their head rows, gathered once
+
+    def round(self, contexts: dict[str, Sequence[int]]) -> None:
+        """The round's tokens past the prefix: the drafting requests' contexts' (each request's
+        read once)."""
+        for rid in [rid for rid in self.seen if rid not in contexts]:
+            del self.seen[rid]
+        union: set[int] = set()
+        for rid, tokens in contexts.items():
+            done, ids = self.seen.get(rid, (0, set()))
+            ids.update(t for t in tokens[done:] if t >= self.scored)
+            self.seen[rid] = (len(tokens), ids)
+            union |= ids
+        if len(union) != len(self.ids) or union.difference(self.ids.tolist()):
+            self.ids = torch.tensor(sorted(union), dtype=torch.int64)
+            self._extra = None
+
+    def head_rows(self) -> tuple[int, cpu_linear.PackedWeight | None, torch.Tensor | None]:
+        """`CpuDecoder.draft`'s vocab for the round."""
+        if not len(self.ids):
+            return self.scored, None, None
+        if self._extra is None:
+            self._extra = cpu_linear.select_outputs(self.head, self.ids)
+        return self.scored, self._extra, self.ids
+
+    def allowed(self, device: torch.device) -> torch.Tensor | None:
+        """bool [vocab]: the round's tokens (None: every token)."""
+        if self.scored >= self.vocab_size:
+            return None
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[:self.scored] = True
+        mask[self.ids] = True
+        return mask.to(device)
+
+
 class LossyKVProposer(Proposer):
     """Drafts greedily with the target model over the drafting pool's compressed states: on the
     one-call C decoder where every state is dense (`DenseDraftCache`) or its pages have a C form
@@ -184,6 +245,7 @@ class LossyKVProposer(Proposer):
         self.model, self.pool = model, pool
         self.runner = runner
         self.dense = DenseDraftCache()
+        self.vocab: DraftVocabulary | None = None          # made on the first round
         self.num_rounds = self.num_draft_steps = 0         # counters (monotonic)
         self.num_c_rounds = 0
         self.draft_s = 0.0
@@ -203,9 +265,10 @@ class LossyKVProposer(Proposer):
         states = [self.pool.sync(r.request_id, r.num_computed_tokens, r.block_ids)
                   for r in requests]
         refresh = self.num_rounds % MASS_REFRESH_ROUNDS == 0
+        contexts = {r.request_id: r.token_ids for r, n in zip(requests, max_lens) if n > 0}
         drafts, passes, on_c = self._draft(states, [r.token_ids[-1] for r in requests],
                                            [r.num_computed_tokens for r in requests], max_lens,
-                                           refresh, since=t1)
+                                           refresh, since=t1, contexts=contexts)
         self.num_rounds += 1
         self.num_c_rounds += on_c
         self.num_draft_steps += len(passes)
@@ -237,12 +300,15 @@ class LossyKVProposer(Proposer):
         return DrafterTiming(out, encode_s / max(sum(contexts), 1))
 
     def _draft(self, states: list[SequenceState], last_tokens: list[int], starts: list[int],
-               max_lens: list[int], refresh_mass: bool, since: float
+               max_lens: list[int], refresh_mass: bool, since: float,
+               contexts: dict[str, Sequence[int]] | None = None
                ) -> tuple[list[list[int]], list[tuple[int, float]], bool]:
         """Greedy drafts over the states (request i: its newest token last_tokens[i] at position
         starts[i], at most max_lens[i] drafts), each pass's (rows, seconds), and whether the C
         decoder ran them. refresh_mass: feed the retention the round's attention mass. The first
-        pass is timed from `since` (the round's set-up with it: `DraftPass.first`)."""
+        pass is timed from `since` (the round's set-up with it: `DraftPass.first`). contexts: the
+        drafting requests' tokens, which the drafts may choose beside the vocabulary's first ids
+        (`DraftVocabulary`; None: those alone)."""
         drafts: list[list[int]] = [[] for _ in states]
         passes = []
         order = sorted((i for i, n in enumerate(max_lens) if n > 0), key=lambda i: -max_lens[i])
@@ -255,6 +321,8 @@ class LossyKVProposer(Proposer):
         dev = self.device
         current = torch.tensor([last_tokens[i] for i in order], device=dev)
         start = torch.tensor([starts[i] for i in order], device=dev)
+        vocab = self._vocabulary()
+        vocab.round(contexts or {})
         fast, pages = self._c_decoder(drafting)
         if fast is not None:                     # every step in one call of the C decoder
             dense = self.dense
@@ -262,7 +330,8 @@ class LossyKVProposer(Proposer):
             called = time.perf_counter()
             tokens, seconds = fast.draft(current, start, rows_at, dense.storage, dense.bases,
                                          dense.lens, dense.tables, dense.BLOCK,
-                                         self.runner.layers, draft=pages)
+                                         self.runner.layers, draft=pages,
+                                         vocab=vocab.head_rows())
             for step, (rows, t) in enumerate(zip(rows_at, seconds)):
                 for i, tok in zip(order, tokens[step, :rows].tolist()):
                     drafts[i].append(tok)
@@ -270,15 +339,26 @@ class LossyKVProposer(Proposer):
             return drafts, passes, True
         attn = DraftAttention(self.pool.comp, drafting, num_steps,
                               observe_mass=refresh_mass and self.pool.comp.uses_attention_mass)
+        allowed = vocab.allowed(dev)
         for step, rows in enumerate(rows_at):
             t = since if step == 0 else time.perf_counter()
             attn.step = step
             hidden = self.model(current[:rows], start[:rows] + step, attn)
-            current = self.model.compute_logits(hidden).argmax(-1)
+            logits = self.model.compute_logits(hidden)
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, -torch.inf)
+            current = logits.argmax(-1)
             for i, tok in zip(order, current.tolist()):         # .tolist() syncs: t is honest
                 drafts[i].append(tok)
             passes.append((rows, time.perf_counter() - t))
         return drafts, passes, False
+
+    def _vocabulary(self) -> DraftVocabulary:
+        """The drafts' vocabulary, made on the first round (the model's head packed by then)."""
+        if self.vocab is None:
+            self.vocab = DraftVocabulary(self.model.config.vocab_size,
+                                         self.model._lm_head_packed)
+        return self.vocab
 
     def _c_decoder(self, states: list[SequenceState]
                    ) -> tuple[CpuDecoder | None, fused.DraftPages | None]:

@@ -257,3 +257,30 @@ def test_symmetric_parts_beside_q8_0_run_as_q8_0():
     exact = F.linear(x.double(), torch.cat((deq5, deq5_1)).double())
     got = cpu_linear.linear(x, both, None).double()
     assert float((got - exact).norm() / exact.norm()) <= 2e-2
+
+
+@pytest.mark.parametrize("kind,int8", [("f32", False), ("bf16", False), ("q8_0", False),
+                                       ("q8_0", True), *((k, True) for k in BLOCKS)])
+def test_selected_outputs_are_the_full_weight_s_bit_for_bit(kind, int8):
+    """`select_outputs` (VeriCache's draft vocabulary): a packed weight of some outputs, in any
+    order and any count (a panel's worth or not), computes exactly the full weight's outputs
+    there, for every layout that GGUF types and float weights pack into (but the float32 form of
+    Q4_1, whose outputs c and c + 8 share bytes)."""
+    out_features, in_features = 80, 512
+    if kind in ("f32", "bf16"):
+        w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3))
+        packed = cpu_linear.pack(w.bfloat16().float() if kind == "bf16" else w)
+    elif kind == "q8_0":
+        packed = cpu_linear.pack_q8_0(q8_0_weight(out_features, in_features, 5)[0], in_features,
+                                      int8)
+    else:
+        blocks, _ = random_blocks(kind, out_features, in_features, len(kind))
+        packed = cpu_linear.pack_gguf(kind, blocks, in_features, int8=True)
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(4))
+    full = cpu_linear.linear(x, packed, None)
+    for ids in ([79, 0, 16, 17, 33], list(range(16, 48)), [8]):
+        ids = torch.tensor(ids)
+        sub = cpu_linear.select_outputs(packed, ids)
+        assert sub is not None, packed.layout
+        assert sub.out_features == len(ids)
+        assert torch.equal(cpu_linear.linear(x, sub, None), full[:, ids])

@@ -11,6 +11,7 @@ from specserve.spec_phases.model import ModelConfig
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.spec_phases.proposers.base import DraftRequest
 from specserve.spec_phases.calibration import build_compressor
+from specserve.spec_phases.proposers import lossy_kv
 from specserve.spec_phases.proposers.lossy_kv import LossyKVProposer
 
 SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
@@ -128,9 +129,11 @@ def test_seeded_sampling_is_reproducible_and_counts_are_consistent(engine):
     assert again == out
 
 
-def test_a_lossless_drafting_cache_drafts_what_the_target_says(engine):
+def test_a_lossless_drafting_cache_drafts_what_the_target_says(engine, monkeypatch):
     """With a window wider than any context nothing is compressed: the drafter is the target itself
-    (fp16 K/V), so almost every draft must be accepted. Catches position, scratch and merge bugs."""
+    (fp16 K/V), so almost every draft must be accepted. Catches position, scratch and merge bugs.
+    (The drafts' vocabulary is the whole one: a random model's tokens are not its contexts'.)"""
+    monkeypatch.setattr(lossy_kv, "DRAFT_VOCAB_PREFIX", 1 << 30)
     full = SpeculativeConfig(method="lossy_kv", num_speculative_tokens=6, kv_compressor="window",
                              kv_compressor_config={"window": 1 << 20})
     core = engine(16, speculative=full)

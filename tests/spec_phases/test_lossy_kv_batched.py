@@ -13,6 +13,7 @@ from specserve.spec_phases.model import ModelConfig
 from specserve.kv_cache.draft_pool import DraftPool
 from specserve.spec_phases.proposers.base import DraftRequest
 from specserve.spec_phases.calibration import build_compressor
+from specserve.spec_phases.proposers import lossy_kv
 from specserve.spec_phases.proposers.lossy_kv import DraftAttention, LossyKVProposer
 
 SMALL_PAGES = {"num_sink": 4, "window": 8, "page_size": 8}
@@ -358,3 +359,28 @@ def test_a_request_s_first_round_reports_building_its_state_apart():
     assert first.state_s > 0 and pool.states["r"].num_tokens == 120
     later = proposer.propose([DraftRequest("r", tokens[:124], 123, tuple(range(9)))], [2])
     assert later.state_s == 0.0 and pool.states["r"].num_tokens == 123
+
+
+def test_drafts_choose_among_the_first_ids_and_the_contexts_tokens(monkeypatch):
+    """The drafts' vocabulary (`DraftVocabulary`): the vocabulary's first ids and the drafting
+    requests' context tokens. On the C decoder the LM head scores those rows alone (the contexts'
+    gathered from the packed head, `linear.select_outputs`); on the modules the other logits are
+    masked: both draft the same tokens, every one inside the vocabulary. With 16 first ids, most
+    of the contexts' tokens are the gathered rows'."""
+    monkeypatch.setattr(lossy_kv, "DRAFT_VOCAB_PREFIX", 16)
+    torch.manual_seed(0)
+    model = model_for("window")
+    runner, storage, reqs = c_decoder_case(model)
+    max_lens = [5, 2, 5]
+
+    def pool():
+        return DraftPool(build_compressor("window", model, dict(COMPRESSORS["window"][1])),
+                         storage, "cpu")
+    fast, modules = LossyKVProposer(model, pool(), runner), LossyKVProposer(model, pool())
+    got, want = fast.propose(reqs, max_lens).token_ids, modules.propose(reqs, max_lens).token_ids
+    assert fast.stats()["num_c_rounds"] == 1
+    assert got == want
+    vocabulary = set(range(16)) | {t for r in reqs for t in r.token_ids}
+    assert all(t in vocabulary for d in got for t in d)
+    assert len(fast.vocab.ids) == len({t for r in reqs for t in r.token_ids if t >= 16})
+    assert any(t >= 16 for d in got for t in d)
