@@ -286,11 +286,12 @@ int decoder_forward(const struct decoder_model *m, const struct decoder_layer *l
  * blocks: row r of tables). Step s runs the first rows_at[s] requests (rows_at non-increasing:
  * the longest drafts first), one row each: decoder_forward (request r's K/V written at slot
  * bases[r] + lens[r] + s, its query seeing lens[r] + s + 1 keys, and `draft`'s pages where
- * given), the LM head over head's drafting vocabulary, and the row's argmax there (the first
- * of equal maxima by token id, as torch's) into tokens[s * R + r], which step s + 1 embeds as the row's input: the Python a draft step cost
- * between two calls is gone. R = rows_at[0]; b->x holds step 0's embedded rows on entry (b sized
- * for R rows); cos, sin: float32 [steps, num_ropes, R, head_dim], each step's positions' tables;
- * logits: scratch [R, scored + num_extra]; step_seconds[s]: step s's time; seconds: NULL, or [steps][3] to
+ * given), the LM head over head's drafting vocabulary (scored + num_extra >= 1 tokens), and the
+ * row's argmax there (the first of equal maxima by token id, as torch's) into tokens[s * R + r],
+ * which step s + 1 embeds as the row's input: the Python a draft step cost between two calls is
+ * gone. R = rows_at[0]; b->x holds step 0's embedded rows on entry (b sized for R rows); cos,
+ * sin: float32 [steps, num_ropes, R, head_dim], each step's positions' tables; logits: scratch
+ * [R, scored + num_extra]; step_seconds[s]: step s's time; seconds: NULL, or [steps][3] to
  * which each step's time in decoder_forward's kernels is added (as decoder_forward's). The final
  * soft-cap (Gemma 2) is monotonic: the argmax of the raw logits. Returns 0, or -1 where a kernel
  * found no scratch memory. */
@@ -333,12 +334,12 @@ int decoder_draft(const struct decoder_model *m, const struct decoder_layer *lay
                                           logits + rows * N0, num_threads));
         for (int64_t r = 0; r < rows && !failed; r++) {   /* the first of equal maxima by id */
             const float *l = logits + r * N0, *le = logits + rows * N0 + r * NE;
-            int64_t best = 0;
-            float top = l[0];
+            int64_t best = N0 ? 0 : head->extra_ids[0];
+            float top = N0 ? l[0] : le[0];
             for (int64_t j = 1; j < N0; j++)
                 if (l[j] > top)
                     best = j, top = l[j];
-            for (int64_t j = 0; j < NE; j++)
+            for (int64_t j = N0 ? 0 : 1; j < NE; j++)
                 if (le[j] > top)
                     best = head->extra_ids[j], top = le[j];
             tokens[s * R + r] = best;

@@ -195,8 +195,9 @@ class DraftVocabulary:
     def __init__(self, vocab_size: int, head: cpu_linear.PackedWeight | None):
         self.head = head
         whole = head is not None and head.layout not in cpu_linear.STRIPES
-        self.scored = vocab_size if whole else min(vocab_size, DRAFT_VOCAB_PREFIX
-                                                   // cpu_linear.PANEL * cpu_linear.PANEL)
+        panel = cpu_linear.PANEL                    # whole panels of the packed head, at least one
+        self.scored = vocab_size if whole else min(vocab_size,
+                                                   max(panel, DRAFT_VOCAB_PREFIX // panel * panel))
         self.vocab_size = vocab_size
         self.seen: dict[str, tuple[int, set[int]]] = {}    # request -> (tokens read, ids >= scored)
         self.ids = torch.zeros(0, dtype=torch.int64)          # the round's, ascending
