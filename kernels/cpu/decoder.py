@@ -130,8 +130,9 @@ def draft(model: Model, layers: ctypes.Array, run: torch.Tensor,
     argmax over head's drafting vocabulary into tokens[s, r] (int64 [steps, R]), the next step's
     input. buffers as `forward`'s, sized for R = rows_at[0] rows, "x" holding step 0's embedded
     rows; cos, sin: float32 [steps, RoPE tables, R, head_dim]; logits: float32 scratch [R,
-    head.scored + head.num_extra]; step_seconds: float64 [steps], each step's time; seconds: None, or float64 [steps, 3] to which each step's times in the
-    linear layers, attention and the elementwise kernels are added (as `forward`'s)."""
+    head.scored + head.num_extra]; step_seconds: float64 [steps], each step's time; seconds:
+    None, or float64 [steps, 3] to which each step's times in the linear layers, attention and
+    the elementwise kernels are added (as `forward`'s)."""
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise TypeError(f"decoder_draft: a {k_cache.dtype} cache; one of {CACHE_DTYPES}")
     ptrs = Buffers(*(buffers[name].data_ptr() for name, _ in Buffers._fields_))
