@@ -264,9 +264,11 @@ static inline __attribute__((always_inline)) void score_block(
                 }
 }
 
-/* score_block and value_block are compiled as functions of their own, one per head count
- * (switch_heads), each code width a case: inlined into the one large task function, GCC kept
- * most of their sums in memory. */
+/* The pages' inner loops (quant's key and value blocks, Mustafar's and Spherical-KV's scores and
+ * values) are compiled as functions of their own, one per head count: inlined into the one large
+ * task function, GCC kept most of their sums in memory. PER_HEAD_COUNT(NAME, PARAMS, ARGS)
+ * defines NAME_1 .. NAME_8 PARAMS, each NAME(N, ARGS) with N its head count, a constant;
+ * SWITCH_HEADS(n, CALL) runs CALL(n) for a head count n. */
 #define SWITCH_HEADS(n, CALL)                                                                   \
     switch (n) {                                                                                \
     case 1: CALL(1); break;                                                                     \
@@ -278,22 +280,32 @@ static inline __attribute__((always_inline)) void score_block(
     case 7: CALL(7); break;                                                                     \
     default: CALL(8);                                                                           \
     }
+#define HEAD_COUNT_FN(NAME, N, PARAMS, ARGS)                                                    \
+    static __attribute__((noinline)) void NAME##_##N PARAMS { NAME(N, UNPAREN ARGS); }
+#define PER_HEAD_COUNT(NAME, PARAMS, ARGS)                                                      \
+    HEAD_COUNT_FN(NAME, 1, PARAMS, ARGS) HEAD_COUNT_FN(NAME, 2, PARAMS, ARGS)                   \
+    HEAD_COUNT_FN(NAME, 3, PARAMS, ARGS) HEAD_COUNT_FN(NAME, 4, PARAMS, ARGS)                   \
+    HEAD_COUNT_FN(NAME, 5, PARAMS, ARGS) HEAD_COUNT_FN(NAME, 6, PARAMS, ARGS)                   \
+    HEAD_COUNT_FN(NAME, 7, PARAMS, ARGS) HEAD_COUNT_FN(NAME, 8, PARAMS, ARGS)
+#define UNPAREN(...) __VA_ARGS__
 
-#define SCORE_BLOCK_FN(N)                                                                       \
-    static __attribute__((noinline)) void score_block_##N(                                      \
-        int kbits, struct draft_part *w, const uint8_t *codes, int64_t pbytes, int64_t b0,     \
-        int64_t lo, int64_t hi, int64_t base, int64_t a, int64_t D, const float *qp,           \
-        const float *qz, float scale) {                                                         \
-        if (kbits == 2)                                                                         \
-            score_block(N, 4, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);         \
-        else if (kbits == 4)                                                                    \
-            score_block(N, 2, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);         \
-        else                                                                                    \
-            score_block(N, 1, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);         \
-    }
-SCORE_BLOCK_FN(1) SCORE_BLOCK_FN(2) SCORE_BLOCK_FN(3) SCORE_BLOCK_FN(4)
-SCORE_BLOCK_FN(5) SCORE_BLOCK_FN(6) SCORE_BLOCK_FN(7) SCORE_BLOCK_FN(8)
-#undef SCORE_BLOCK_FN
+/* score_block for keys of kbits bits */
+static inline __attribute__((always_inline)) void score_blocks(
+    const int n, int kbits, struct draft_part *w, const uint8_t *codes, int64_t pbytes,
+    int64_t b0, int64_t lo, int64_t hi, int64_t base, int64_t a, int64_t D, const float *qp,
+    const float *qz, float scale) {
+    if (kbits == 2)
+        score_block(n, 4, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
+    else if (kbits == 4)
+        score_block(n, 2, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
+    else
+        score_block(n, 1, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale);
+}
+PER_HEAD_COUNT(score_blocks, (int kbits, struct draft_part *w, const uint8_t *codes,
+                              int64_t pbytes, int64_t b0, int64_t lo, int64_t hi, int64_t base,
+                              int64_t a, int64_t D, const float *qp, const float *qz,
+                              float scale),
+               (kbits, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale))
 
 /* scores of the pages' tokens a .. e - 1 (e <= the pages' tokens). A page's key codes are
  * stored channel by channel, each channel's codes of the page's tokens packed along the tokens
@@ -329,9 +341,8 @@ static inline __attribute__((always_inline)) void page_scores(
         const int64_t base = p * page_size;
         const int64_t lo = (a > base ? a : base) - base;
         const int64_t hi = (e < base + page_size ? e : base + page_size) - base;
-        for (int64_t b0 = lo / BLOCK_TOKENS * BLOCK_TOKENS; b0 < hi; b0 += BLOCK_TOKENS)
-        {
-#define CALL(N) score_block_##N(kbits, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale)
+        for (int64_t b0 = lo / BLOCK_TOKENS * BLOCK_TOKENS; b0 < hi; b0 += BLOCK_TOKENS) {
+#define CALL(N) score_blocks_##N(kbits, w, codes, pbytes, b0, lo, hi, base, a, D, qp, qz, scale)
             SWITCH_HEADS(n, CALL)
 #undef CALL
         }
@@ -364,20 +375,21 @@ static inline __attribute__((always_inline)) void value_block(
                     w->acc[g][d0 + (c * TILE + l) * per + j] = acc[g][c * per + j][l] + zsum[g];
 }
 
-#define VALUE_BLOCK_FN(N)                                                                       \
-    static __attribute__((noinline)) void value_block_##N(                                      \
-        int vbits, struct draft_part *w, const uint8_t *codes, int64_t stride, int64_t d0,     \
-        int64_t a, int64_t e, const float *pw, const float *zsum) {                             \
-        if (vbits == 2)                                                                         \
-            value_block(N, 4, w, codes, stride, d0, a, e, pw, zsum);                            \
-        else if (vbits == 4)                                                                    \
-            value_block(N, 2, w, codes, stride, d0, a, e, pw, zsum);                            \
-        else                                                                                    \
-            value_block(N, 1, w, codes, stride, d0, a, e, pw, zsum);                            \
-    }
-VALUE_BLOCK_FN(1) VALUE_BLOCK_FN(2) VALUE_BLOCK_FN(3) VALUE_BLOCK_FN(4)
-VALUE_BLOCK_FN(5) VALUE_BLOCK_FN(6) VALUE_BLOCK_FN(7) VALUE_BLOCK_FN(8)
-#undef VALUE_BLOCK_FN
+/* value_block for values of vbits bits */
+static inline __attribute__((always_inline)) void value_blocks(
+    const int n, int vbits, struct draft_part *w, const uint8_t *codes, int64_t stride,
+    int64_t d0, int64_t a, int64_t e, const float *pw, const float *zsum) {
+    if (vbits == 2)
+        value_block(n, 4, w, codes, stride, d0, a, e, pw, zsum);
+    else if (vbits == 4)
+        value_block(n, 2, w, codes, stride, d0, a, e, pw, zsum);
+    else
+        value_block(n, 1, w, codes, stride, d0, a, e, pw, zsum);
+}
+PER_HEAD_COUNT(value_blocks, (int vbits, struct draft_part *w, const uint8_t *codes,
+                              int64_t stride, int64_t d0, int64_t a, int64_t e, const float *pw,
+                              const float *zsum),
+               (vbits, w, codes, stride, d0, a, e, pw, zsum))
 
 /* the pages' tokens a .. e - 1 weighed into acc (which they set), 64 dimensions at a time
  * (value_block), weights e^(s - max) * s_v in pw (n * (e - a)), the zeros' sums apart */
@@ -417,7 +429,7 @@ static inline __attribute__((always_inline)) void page_values(
     }
     const uint8_t *codes = pg->v_codes + h * bytes;
     for (int64_t d0 = 0; d0 < D; d0 += BLOCK_TOKENS) {
-#define CALL(N) value_block_##N(vbits, w, codes, kv_heads * bytes, d0, a, e, pw, zsum)
+#define CALL(N) value_blocks_##N(vbits, w, codes, kv_heads * bytes, d0, a, e, pw, zsum)
         SWITCH_HEADS(n, CALL)
 #undef CALL
     }
@@ -654,30 +666,21 @@ static inline __attribute__((always_inline)) void spherical_values(
     }
 }
 
-#define PAGES_FN(NAME, N, PARAMS, ARGS)                                                         \
-    static __attribute__((noinline)) void NAME##_##N PARAMS { NAME(N, A ARGS); }
-#define PAGES_FNS(NAME, PARAMS, ARGS)                                                           \
-    PAGES_FN(NAME, 1, PARAMS, ARGS) PAGES_FN(NAME, 2, PARAMS, ARGS)                             \
-    PAGES_FN(NAME, 3, PARAMS, ARGS) PAGES_FN(NAME, 4, PARAMS, ARGS)                             \
-    PAGES_FN(NAME, 5, PARAMS, ARGS) PAGES_FN(NAME, 6, PARAMS, ARGS)                             \
-    PAGES_FN(NAME, 7, PARAMS, ARGS) PAGES_FN(NAME, 8, PARAMS, ARGS)
-#define A(...) __VA_ARGS__
-/* Mustafar's and Spherical-KV's, each as functions of its own per head count (as quant's
- * blocks, for the same reason) */
-PAGES_FNS(mustafar_scores, (struct draft_part *w, const struct mustafar_pages *pg, int64_t h,
-                            int64_t D, float scale, int64_t a, int64_t e),
-          (w, pg, h, D, scale, a, e))
-PAGES_FNS(mustafar_values, (struct draft_part *w, const struct mustafar_pages *pg, int64_t h,
-                            int64_t D, int64_t a, int64_t e), (w, pg, h, D, a, e))
-PAGES_FNS(spherical_scores, (struct draft_part *w, const struct spherical_pages *pg,
-                             int64_t page_size, int64_t h, int64_t D, float scale, int64_t a,
-                             int64_t e, float *table),
-          (w, pg, page_size, h, D, scale, a, e, table))
-PAGES_FNS(spherical_values, (struct draft_part *w, const struct spherical_pages *pg, int64_t h,
-                             int64_t D, int64_t a, int64_t e), (w, pg, h, D, a, e))
-#undef A
-#undef PAGES_FNS
-#undef PAGES_FN
+PER_HEAD_COUNT(mustafar_scores, (struct draft_part *w, const struct mustafar_pages *pg,
+                                 int64_t h, int64_t D, float scale, int64_t a, int64_t e),
+               (w, pg, h, D, scale, a, e))
+PER_HEAD_COUNT(mustafar_values, (struct draft_part *w, const struct mustafar_pages *pg,
+                                 int64_t h, int64_t D, int64_t a, int64_t e), (w, pg, h, D, a, e))
+PER_HEAD_COUNT(spherical_scores, (struct draft_part *w, const struct spherical_pages *pg,
+                                  int64_t page_size, int64_t h, int64_t D, float scale,
+                                  int64_t a, int64_t e, float *table),
+               (w, pg, page_size, h, D, scale, a, e, table))
+PER_HEAD_COUNT(spherical_values, (struct draft_part *w, const struct spherical_pages *pg,
+                                  int64_t h, int64_t D, int64_t a, int64_t e),
+               (w, pg, h, D, a, e))
+#undef PER_HEAD_COUNT
+#undef HEAD_COUNT_FN
+#undef UNPAREN
 
 /* One task: n of kv head h's query heads over keys [a, b) of a request's sequence: its pages'
  * tokens first (t < page_tokens; pg: the request's pages in draft's format), then its dense keys
@@ -718,6 +721,7 @@ static inline __attribute__((always_inline)) void draft_part_n(
 #undef SPHERICAL
     dense_values(n, w, v_cache, bf16, off, page_tokens, h, D, a, dense_from, b);
 }
+#undef SWITCH_HEADS
 
 /* Every request of the step one query row (q: [rows, q_token_stride], request r's row r), its
  * dense keys in the paged cache k_cache / v_cache (float32, or bfloat16 bits where bf16) as
