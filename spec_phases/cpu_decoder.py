@@ -151,7 +151,7 @@ class CpuDecoder:
         scored, extra, extra_ids = vocab or (packed.out_features, None, None)
         head = fused.Head(fused.Linear(packed.data.data_ptr(), None,
                                        cpu_linear.LAYOUTS[packed.layout]),
-                          None if embed is None else embed.data_ptr(), packed.out_features,
+                          None if embed is None else embed.data_ptr(),
                           float(model.embed_scale) if model.config.family.scale_embeddings
                           else 1.0, scored,
                           fused.Linear(None, None, 0) if extra is None else fused.Linear(

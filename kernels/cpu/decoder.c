@@ -77,13 +77,12 @@ struct decoder_buffers {
  * layers are ([vocab, hidden]); the embedding the head's own rows (a tied embedding, read back by
  * linear_rows) where embed is NULL, else embed's float32 rows [vocab, hidden]; each embedded row
  * times embed_scale (1: the family scales none). The drafts' vocabulary: the head's first
- * `scored` tokens (vocab: all of them) and the num_extra tokens extra_ids (ascending, each at
- * least scored), whose rows of the head `extra` holds in the head's layout (a draft chooses
- * among those; every logit it computes is the full head's, bit for bit). */
+ * `scored` tokens (all of them, or the first ids) and the num_extra tokens extra_ids (ascending,
+ * each at least scored), whose rows of the head `extra` holds in the head's layout (a draft
+ * chooses among those; every logit it computes is the full head's, bit for bit). */
 struct decoder_head {
     struct decoder_linear head;
     const float *embed;
-    int64_t vocab;
     float embed_scale;
     int64_t scored;
     struct decoder_linear extra;
@@ -91,7 +90,7 @@ struct decoder_head {
     int64_t num_extra;
 };
 
-#define DECODER_ABI_VERSION 11         /* bumped whenever an exported signature or struct changes */
+#define DECODER_ABI_VERSION 12         /* bumped whenever an exported signature or struct changes */
 
 /* out[0]: DECODER_ABI_VERSION; out[1..9]: the sizes of struct decoder_linear, decoder_layer,
  * decoder_model, decoder_buffers, quant_pages, mustafar_pages, spherical_pages, draft_pages and

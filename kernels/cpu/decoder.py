@@ -79,12 +79,11 @@ class Head(ctypes.Structure):
     from the head's rows (a tied embedding), else from float32 rows [vocab, hidden]. The drafts'
     vocabulary: the head's first `scored` tokens and the num_extra tokens extra_ids (int64,
     ascending, each >= scored) whose rows `extra` holds (`linear.select_outputs`)."""
-    _fields_ = [("head", Linear), ("embed", _ptr), ("vocab", _i64),
-                ("embed_scale", ctypes.c_float), ("scored", _i64), ("extra", Linear),
-                ("extra_ids", _ptr), ("num_extra", _i64)]
+    _fields_ = [("head", Linear), ("embed", _ptr), ("embed_scale", ctypes.c_float),
+                ("scored", _i64), ("extra", Linear), ("extra_ids", _ptr), ("num_extra", _i64)]
 
 
-ABI_VERSION = 11                    # decoder.c's DECODER_ABI_VERSION that these mirrors match
+ABI_VERSION = 12                    # decoder.c's DECODER_ABI_VERSION that these mirrors match
 
 
 def check_abi(lib: ctypes.CDLL) -> None:
