@@ -384,3 +384,9 @@ def test_drafts_choose_among_the_first_ids_and_the_contexts_tokens(monkeypatch):
     assert all(t in vocabulary for d in got for t in d)
     assert len(fast.vocab.ids) == len({t for r in reqs for t in r.token_ids if t >= 16})
     assert any(t >= 16 for d in got for t in d)
+    # a token new to the contexts joins the next round's vocabulary (its head row gathered anew)
+    r = reqs[0]
+    grown = [DraftRequest(r.request_id, r.token_ids + (700,), r.num_computed_tokens + 1,
+                          r.block_ids), *reqs[1:]]
+    got, want = fast.propose(grown, max_lens).token_ids, modules.propose(grown, max_lens).token_ids
+    assert 700 in fast.vocab.ids.tolist() and got == want
