@@ -41,10 +41,15 @@ def dot_form(cache_dtype, dim) -> bool:
     return cache_dtype == torch.bfloat16 and dim % 32 == 0 and cpu_paged.bf16_dot()
 
 
+SEGMENT = 256          # paged_attention_dot.h's DOT_SEG: keys whose softmax is taken together
+
+
 def rounded_reference(q, k_cache, v_cache, shapes, query_start, tables, block_size, scale,
                       window=0, softcap=0.0):
-    """The dot form's arithmetic in float64: each query rounded to bfloat16, each softmax weight
-    exp(s - max) rounded to bfloat16 (from float32), the sum of the unrounded ones dividing."""
+    """The dot form's arithmetic in float64: each query rounded to bfloat16; the keys a row sees
+    taken in segments of SEGMENT (by key index), each segment's weights exp(s - its maximum)
+    rounded to bfloat16 (from float32) and their sum unrounded; the segments' weighed values and
+    sums scaled to the row's maximum, summed, and divided."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[1]
     qb = q.bfloat16().double()
@@ -59,10 +64,15 @@ def rounded_reference(q, k_cache, v_cache, shapes, query_start, tables, block_si
                 s = k[lo:pos + 1, h // group] @ qb[query_start[b] + i, h] * scale
                 if softcap:
                     s = torch.tanh(s / softcap) * softcap
-                e = torch.exp(s - s.max())
-                w = e.float().bfloat16().double()
-                out[query_start[b] + i, h] = ((w[:, None] * v[lo:pos + 1, h // group]).sum(0)
-                                              / e.sum()).float()
+                top, acc, total = s.max(), 0.0, 0.0
+                for a in range(lo - lo % SEGMENT, pos + 1, SEGMENT):
+                    seg = slice(max(a, lo) - lo, min(a + SEGMENT, pos + 1) - lo)
+                    e = torch.exp(s[seg] - s[seg].max())
+                    w = e.float().bfloat16().double()
+                    shift = torch.exp(s[seg].max() - top)
+                    acc = acc + (w[:, None] * v[lo:pos + 1][seg, h // group]).sum(0) * shift
+                    total = total + e.sum() * shift
+                out[query_start[b] + i, h] = (acc / total).float()
     return out
 
 
