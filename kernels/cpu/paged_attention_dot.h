@@ -32,8 +32,8 @@
  * context is compute-bound. With fewer requests than threads, a request whose rows fit one task
  * and whose keys span two segments or more (a decode over a long context) is split by segments
  * instead: each task reads whole slots for every head, keeps each row's segment partials, and
- * the rows' partials are folded after the tasks (a decode over 2.8K keys: 0.80x the time of
- * the head split, which read the middle kv head twice; `benchmarks/attention_ab.py`).
+ * the rows' partials are folded after the tasks (a decode over 2.8K keys: 0.74-0.83x the time
+ * of the head split, which read the middle kv head twice; `benchmarks/attention_ab.py`).
  * (Included once, at the end of paged_attention.c.)
  */
 #if defined(__AVX512BF16__)
@@ -41,7 +41,9 @@
 #define DOT_KEYS 16                  /* keys a block: a score vector's lanes */
 #define DOT_ROWS 48                  /* query rows of a task at most: a 16-row tile x 3 heads */
 #define DOT_GROUP 4                  /* rows whose chains run interleaved */
-#define DOT_SEG 256                  /* keys a segment (a multiple of DOT_KEYS) */
+/* keys a segment (a multiple of DOT_KEYS): 256 cost a 9-row verify at 2.8K 1.03-1.08x the
+ * unsegmented time (a segment's softmax and fold for each of its 45 rows), 512 0.95-1.00x */
+#define DOT_SEG 512
 /* floats between two rows' scores: a segment's and a block more, so that one block of every row
  * falls in distinct L1 sets (a stride of 1 KiB put each 4th row in the same set) */
 #define DOT_SCORES (DOT_SEG + DOT_KEYS)
@@ -288,6 +290,16 @@ static int64_t dot_span(int64_t q_len, int64_t seq_len, int64_t window, int64_t 
     return (seq_len - 1) / DOT_SEG - *sa + 1;
 }
 
+/* whether a request is split by segments into `parts` tasks: its rows fit one task and it has
+ * a segment's keys for every part (with 256-key segments, a decode over 260 keys split into
+ * tasks of 256 and 4 keys took 1.18x the head split's time; over 400 keys and more the split
+ * paid) */
+static int dot_split(int64_t q_len, int64_t seq_len, int64_t window, int64_t num_heads,
+                     int64_t parts) {
+    return parts > 1 && q_len * num_heads <= DOT_ROWS
+           && seq_len - first_key(seq_len - q_len, window) >= parts * DOT_SEG;
+}
+
 int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uint16_t *k_cache,
                                const uint16_t *v_cache, float *out, int64_t out_token_stride,
                                const int64_t *requests, const int64_t *tables, int64_t table_width,
@@ -318,7 +330,7 @@ int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uin
         const int64_t q_len = requests[b * 3 + 1], keys = requests[b * 3 + 2] + 2 * DOT_KEYS;
         int64_t sa;
         const int64_t span = dot_span(q_len, requests[b * 3 + 2], window, &sa);
-        const int split = parts > 1 && q_len * num_heads <= DOT_ROWS && span > 1;
+        const int split = dot_split(q_len, requests[b * 3 + 2], window, num_heads, parts);
         const int64_t rows = split ? q_len * num_heads : (q_len < per ? q_len : per) * heads;
         num_tasks += split ? (span < parts ? span : parts)
                            : (num_heads + heads - 1) / heads * ((q_len + per - 1) / per);
@@ -337,7 +349,7 @@ int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uin
         const int64_t q_len = requests[b * 3 + 1];
         int64_t sa;
         const int64_t span = dot_span(q_len, requests[b * 3 + 2], window, &sa);
-        if (parts > 1 && q_len * num_heads <= DOT_ROWS && span > 1) {
+        if (dot_split(q_len, requests[b * 3 + 2], window, num_heads, parts)) {
             const int64_t n = span < parts ? span : parts;
             for (int64_t i = 0; i < n; i++)
                 tasks[t++] = (struct dot_task){b, 0, q_len, 0, num_heads, sa + span * i / n,

@@ -41,7 +41,7 @@ def dot_form(cache_dtype, dim) -> bool:
     return cache_dtype == torch.bfloat16 and dim % 32 == 0 and cpu_paged.bf16_dot()
 
 
-SEGMENT = 256          # paged_attention_dot.h's DOT_SEG: keys whose softmax is taken together
+SEGMENT = 512          # paged_attention_dot.h's DOT_SEG: keys whose softmax is taken together
 
 
 def rounded_reference(q, k_cache, v_cache, shapes, query_start, tables, block_size, scale,
