@@ -45,7 +45,7 @@
  * unsegmented time (a segment's softmax and fold for each of its 45 rows), 512 0.95-1.00x */
 #define DOT_SEG 512
 /* floats between two rows' scores: a segment's and a block more, so that one block of every row
- * falls in distinct L1 sets (a stride of 1 KiB put each 4th row in the same set) */
+ * falls in distinct L1 sets (a stride of a whole number of KiB puts many rows in the same set) */
 #define DOT_SCORES (DOT_SEG + DOT_KEYS)
 
 /* Transpose 16 x 16 dwords in place: r[i] lane c -> r[c] lane i. */
@@ -253,6 +253,18 @@ static void dot_write(float *o, const float *acc, float l, int64_t D) {
         }
 }
 
+/* STEP(nr) for each kv head kv's rows of a task (rows from[kv - kv0] .. from[kv - kv0 + 1] - 1),
+ * DOT_GROUP at a time from row g0, nr a constant in each case (their chains fully unrolled) */
+#define ROW_GROUPS(STEP)                                                                        \
+    for (int64_t kv = kv0; kv <= kv1; kv++)                                                     \
+        for (int g0 = from[kv - kv0], end_kv = from[kv - kv0 + 1]; g0 < end_kv; g0 += DOT_GROUP) \
+            switch (end_kv - g0 < DOT_GROUP ? end_kv - g0 : DOT_GROUP) {                        \
+            case 4: STEP(4); break;                                                             \
+            case 3: STEP(3); break;                                                             \
+            case 2: STEP(2); break;                                                             \
+            default: STEP(1); break;                                                            \
+            }
+
 struct dot_task {
     int64_t b, p0, p1, h0, h1;         /* request, positions p0 .. p1 - 1, heads h0 .. h1 - 1 */
     int64_t s0, s1;                    /* segments s0 .. s1 - 1 of its rows' keys; s1 = 0: all */
@@ -445,19 +457,9 @@ int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uin
                     for (r = 0; r < rows; r++)
                         sc[r] = sr[r] + (j0 - ja);
                     dot_keys(k_cache, off, j0 - from_key, n, kv0, kv1 - kv0 + 1, D, kt);
-                    for (int64_t kv = kv0; kv <= kv1; kv++) {
-                        const __m512i *ktk = kt + (kv - kv0) * D / 2;
-                        const int rows_kv = from[kv - kv0 + 1];
-                        for (int g0 = from[kv - kv0]; g0 < rows_kv; g0 += DOT_GROUP) {
-                            const int nr = rows_kv - g0 < DOT_GROUP ? rows_kv - g0 : DOT_GROUP;
-                            switch (nr) {                   /* a constant count each case */
-                            case 4: dot_scores(4, qp + g0, ktk, D / 2, scale, sc + g0); break;
-                            case 3: dot_scores(3, qp + g0, ktk, D / 2, scale, sc + g0); break;
-                            case 2: dot_scores(2, qp + g0, ktk, D / 2, scale, sc + g0); break;
-                            default: dot_scores(1, qp + g0, ktk, D / 2, scale, sc + g0); break;
-                            }
-                        }
-                    }
+#define SCORES(nr) dot_scores(nr, qp + g0, kt + (kv - kv0) * D / 2, D / 2, scale, sc + g0)
+                    ROW_GROUPS(SCORES);
+#undef SCORES
                 }
                 for (r = 0; r < rows; r++) {      /* rows seeing no key here weigh every one 0 */
                     const int64_t a = lo[r] > ja ? lo[r] : ja, z = hi[r] < jb - 1 ? hi[r] : jb - 1;
@@ -473,19 +475,9 @@ int paged_attention_short_bf16(const float *q, int64_t q_token_stride, const uin
                     for (r = 0; r < rows; r++)
                         pp[r] = (const uint32_t *)((const uint16_t *)sr[r] + (j0 - ja));
                     dot_values_of(v_cache, off, j0 - from_key, n, kv0, kv1 - kv0 + 1, D, vi);
-                    for (int64_t kv = kv0; kv <= kv1; kv++) {
-                        const __m512i *vik = vi + (kv - kv0) * D / 2;
-                        const int rows_kv = from[kv - kv0 + 1];
-                        for (int g0 = from[kv - kv0]; g0 < rows_kv; g0 += DOT_GROUP) {
-                            const int nr = rows_kv - g0 < DOT_GROUP ? rows_kv - g0 : DOT_GROUP;
-                            switch (nr) {
-                            case 4: dot_weigh(4, pp + g0, vik, D / 32, pr + g0); break;
-                            case 3: dot_weigh(3, pp + g0, vik, D / 32, pr + g0); break;
-                            case 2: dot_weigh(2, pp + g0, vik, D / 32, pr + g0); break;
-                            default: dot_weigh(1, pp + g0, vik, D / 32, pr + g0); break;
-                            }
-                        }
-                    }
+#define WEIGH(nr) dot_weigh(nr, pp + g0, vi + (kv - kv0) * D / 2, D / 32, pr + g0)
+                    ROW_GROUPS(WEIGH);
+#undef WEIGH
                 }
                 if (task->part >= 0) {                  /* each row's segment: kept or folded */
                     for (r = 0; r < rows; r++)
