@@ -123,7 +123,7 @@ def test_takes_strided_queries():
     (9, 3, 64, 0, 0.0, torch.float32), (9, 3, 64, 0, 0.0, torch.bfloat16),
     (4, 2, 24, 50, 0.0, torch.float32), (6, 6, 12, 0, 4.0, torch.float32),
     (2, 1, 88, 0, 0.0, torch.bfloat16), (9, 3, 64, 0, 0.0, torch.float8_e4m3fn),
-    (4, 2, 20, 50, 2.0, torch.float8_e4m3fn)])
+    (4, 2, 20, 50, 2.0, torch.float8_e4m3fn), (9, 3, 64, 1030, 0.0, torch.bfloat16)])
 def test_rows_do_not_depend_on_what_shares_the_call(threads, num_heads, num_kv, dim, window,
                                                     softcap, cache_dtype):
     """A verify row, or a prompt chunk's row (the chunk cut into tiles, run rows in lanes),
