@@ -58,6 +58,22 @@
  * 4 blocks ahead and one line in four before 86d9e52: the many-row steps' gain is part of
  * docs/BENCHMARKS.md §1's 12th-session comparison) */
 #define I8_LEAD 16
+
+/* While a tile sums block b of panel p, the lines it reads next are requested from memory
+ * (`i8_prefetch`): block b + I8_LEAD of the same panel and, for a tile of at most 3 rows, block
+ * b of the panel NP on (`next` bytes on), which the thread's next tile reads (a thread's panels
+ * are contiguous). Such a tile is memory-bound and done in microseconds (a panel at K = 576 is
+ * 5.8 KB): with the first request alone each tile started on lines nobody had asked for yet
+ * (`benchmarks/linear_ab.py`, the embedded model's 30 layers streamed: 0.83-0.87x the time at 1
+ * row, 0.78-0.81x at 2 and 3; 4 rows and more, compute-bound, keep the first request alone). */
+static inline __attribute__((always_inline)) void i8_prefetch(const uint8_t *panel, int64_t b,
+                                                              int64_t bytes, int64_t next) {
+    for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(panel + (b + I8_LEAD) * bytes + line, 0, 1);
+        if (next)
+            __builtin_prefetch(panel + next + b * bytes + line, 0, 1);
+    }
+}
 #define I8_CHUNK_BYTES (256 << 10)  /* activation codes swept against a thread's panels at once */
 
 /* a call's quantized rows: codes [M, K], per row and block the scale e, e * t and t, and e * t
@@ -270,8 +286,7 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
             lo[i] = hi[i] = _mm512_setzero_si512();
         for (int p = 0; p < NP; p++) {
             const uint8_t *codes = i8_codes(panels[p], b, layout, bytes);
-            for (int64_t line = 0; line < bytes; line += 64)
-                __builtin_prefetch(panels[p] + (b + I8_LEAD) * bytes + line, 0, 1);
+            i8_prefetch(panels[p], b, bytes, MR <= 3 ? NP * blocks * bytes : 0);
             for (int c = 0; c < 4; c++) {
                 __m512i w0, w1;
                 int k0, k1;                       /* the first k of w0's and w1's groups */
@@ -360,8 +375,7 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
                 _mm256_setzero_si256();
         for (int p = 0; p < NP; p++) {
             const uint8_t *codes = i8_codes(panels[p], b, layout, bytes);
-            for (int64_t line = 0; line < bytes; line += 64)
-                __builtin_prefetch(panels[p] + (b + I8_LEAD) * bytes + line, 0, 1);
+            i8_prefetch(panels[p], b, bytes, MR <= 3 ? NP * blocks * bytes : 0);
             for (int g = 0; g < 8; g++)
                 for (int h = 0; h < 2; h++) {
                     const int kh = kind == U8_I8 && g >= 4;
