@@ -373,7 +373,7 @@ def table(names: list[str], runs: dict[str, list[dict]], levels: list[int], base
             return None                               # a round without it: an error, no number
         vals = [r["cells"][cell][key] for r in runs[name]]
         return statistics.median(vals) if vals else None
-    ttfts = [f"A c={c}" for c in (levels[0], levels[-1])]
+    ttfts = [f"A c={c}" for c in dict.fromkeys((levels[0], levels[-1]))]    # c = 1 once
     lines = ["| server | weights | " + " | ".join(cells) + " | "
              + " | ".join(f"TTFT p50 {t} (ms)" for t in ttfts)
              + " | start (s) | peak RSS (GiB) |", "|---" * (len(cells) + 4 + len(ttfts)) + "|"]

