@@ -568,9 +568,14 @@ static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t
             const int64_t r1 = M - r0 < chunk ? M : r0 + chunk;
             for (int64_t p = begin; p < end; p += np_max) {
                 const int np = (int)(end - p < np_max ? end - p : np_max);
-                for (int64_t m0 = r0; m0 < r1; m0 += mr_max) {
-                    const int64_t mr = r1 - m0 < mr_max ? r1 - m0 : mr_max;
+                /* the chunk's rows in tiles of equal height (within one): 9 rows as 5 + 4,
+                 * not 8 + 1, whose one-row tile waits on its dot products' chains (a 9-row
+                 * verify's linear layers 0.96x the time, 10 rows 0.93-0.97x: linear_ab.py) */
+                const int64_t tiles = (r1 - r0 + mr_max - 1) / mr_max;
+                for (int64_t i = 0, m0 = r0; i < tiles; i++) {
+                    const int64_t mr = (r1 - r0) / tiles + (i < (r1 - r0) % tiles);
                     i8_rows_panels(&a, m0, mr, base, panel_bytes, p, np, layout, N, bias, y);
+                    m0 += mr;
                 }
             }
         }
