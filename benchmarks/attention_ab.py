@@ -13,17 +13,12 @@ context (1: a decode; up to 9: a verify pass).
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
-import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from specserve.kernels.cpu import native, paged_attention
+from kernel_ab import alternate, builds, parser
+from specserve.kernels.cpu import paged_attention
 from specserve.kernels.metadata import PagedAttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -31,26 +26,14 @@ CACHE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": tor
                 "fp8": torch.float8_e4m3fn}
 
 
-def build(source: Path, out: Path) -> dict:
-    """The build's paged_attention_short forms, by cache dtype."""
-    subprocess.run([native._compiler(), *native.FLAGS, "-o", str(out),
-                    str(source / "paged_attention.c"), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    return {dtype: paged_attention.bind(lib, dtype) for dtype in paged_attention.CACHE_DTYPES}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("a", type=Path, help="folder holding build A's paged_attention.c")
-    ap.add_argument("b", type=Path, help="folder holding build B's paged_attention.c")
+    ap = parser(__doc__.split("\n")[0], "paged_attention.c", alternations=12)
     ap.add_argument("--context", type=int, default=2800)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 9])
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(CACHE_DTYPES))
-    ap.add_argument("--alternations", type=int, default=12)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="attention-ab-"))
-    builds = {"A": build(args.a, tmp / "a.so"), "B": build(args.b, tmp / "b.so")}
+    forms = {tag: {d: paged_attention.bind(lib, d) for d in paged_attention.CACHE_DTYPES}
+             for tag, lib in builds(args.a, args.b, "paged_attention.c").items()}
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     blocks = args.context // BLOCK + 1
@@ -64,20 +47,19 @@ def main() -> None:
             q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
 
             def step(tag: str) -> list[torch.Tensor]:
-                paged_attention._kernel = lambda d, t=tag: builds[t][d]
+                paged_attention._kernel = lambda d, t=tag: forms[t][d]
                 return [paged_attention.paged_attention(q, k, v, meta, HEAD_DIM ** -0.5)
                         for k, v in layers]
 
             same = all(torch.equal(x, y) for x, y in zip(step("A"), step("B")))
-            ms: dict[str, list[float]] = {"A": [], "B": []}
-            for i in range(args.alternations):
-                for tag in ("A", "B") if i % 2 == 0 else ("B", "A"):
+            def timed(tag: str) -> float:
+                step(tag)
+                start = time.perf_counter()
+                for _ in range(5):
                     step(tag)
-                    start = time.perf_counter()
-                    for _ in range(5):
-                        step(tag)
-                    ms[tag].append((time.perf_counter() - start) / 5 * 1e3)
-            a, b = statistics.median(ms["A"]), statistics.median(ms["B"])
+                return (time.perf_counter() - start) / 5 * 1e3
+
+            a, b = alternate(timed, args.alternations)
             print(f"{name} context {args.context} rows {rows}: A {a:.2f} ms, B {b:.2f} ms, "
                   f"B/A {b / a:.3f}, same bits: {same}", flush=True)
 

@@ -12,42 +12,21 @@ the same bits. The times include a ctypes call per weight (a few microseconds ea
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
-import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from kernel_ab import alternate, builds, parser
 from specserve.kernels.cpu import linear as cpu_linear
-from specserve.kernels.cpu import native
 from specserve.spec_phases.loader import load_model
 
 
-def build(source: Path, out: Path):
-    """The build's linear_forward."""
-    subprocess.run([native._compiler(), *native.FLAGS, "-o", str(out), str(source / "linear.c"),
-                    "-lm"], check=True)
-    fn = ctypes.CDLL(str(out)).linear_forward
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return fn
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("a", type=Path, help="folder holding build A's linear.c")
-    ap.add_argument("b", type=Path, help="folder holding build B's linear.c")
+    ap = parser(__doc__.split("\n")[0], "linear.c", alternations=30)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 9])
-    ap.add_argument("--alternations", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="linear-ab-"))
-    builds = {"A": build(args.a, tmp / "a.so"), "B": build(args.b, tmp / "b.so")}
+    fns = {tag: cpu_linear.bind(lib).linear_forward
+           for tag, lib in builds(args.a, args.b, "linear.c").items()}
     torch.set_num_threads(args.threads)
     model = load_model(None)
     model.pack_for_cpu(int8=True)
@@ -64,23 +43,19 @@ def main() -> None:
                      for w in weights]
 
             def run(tag: str) -> float:
-                fn, start = builds[tag], time.perf_counter()
+                fn, start = fns[tag], time.perf_counter()
                 for x, w, out in calls:
                     if fn(x.data_ptr(), rows, w.in_features, w.data.data_ptr(),
                           cpu_linear.LAYOUTS[w.layout], w.out_features, None, out.data_ptr(),
                           args.threads):
                         raise MemoryError("linear_forward: no memory")
-                return time.perf_counter() - start
+                return (time.perf_counter() - start) * 1e3
 
             run("A")
             want = [out.clone() for _, _, out in calls]
             run("B")
             same = all(torch.equal(w, out) for w, (_, _, out) in zip(want, calls))
-            ms: dict[str, list[float]] = {"A": [], "B": []}
-            for i in range(args.alternations):
-                for tag in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                    ms[tag].append(run(tag) * 1e3)
-            a, b = statistics.median(ms["A"]), statistics.median(ms["B"])
+            a, b = alternate(run, args.alternations)
             print(f"rows {rows} {name}: A {a:.3f} ms, B {b:.3f} ms, B/A {b / a:.3f}, "
                   f"same bits: {same}", flush=True)
 

@@ -43,7 +43,12 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = library("linear")
+    return bind(library("linear"))
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A build of linear.c with its functions' signatures set (`benchmarks/linear_ab.py` binds
+    two builds)."""
     lib.linear_pack.restype = None
     lib.linear_pack.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.linear_pack_bf16.restype = None
