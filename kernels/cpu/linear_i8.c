@@ -60,7 +60,7 @@
 #define I8_LEAD 16
 
 /* While a tile sums block b of panel p, the lines it reads next are requested from memory
- * (`i8_prefetch`): block b + I8_LEAD of the same panel and, for a tile of at most 3 rows, block
+ * (`i8_prefetch`): block b + I8_LEAD of the same panel and, in a call of at most 3 rows, block
  * b of the panel NP on (`next` bytes on), which the thread's next tile reads (a thread's panels
  * are contiguous). Such a tile is memory-bound and done in microseconds (a panel at K = 576 is
  * 5.8 KB): with the first request alone each tile started on lines nobody had asked for yet
@@ -274,7 +274,7 @@ static inline __m512i i8_bcast(const int8_t *a) {
  * (row, panel) (the lower and upper halves of a block's k) keep the dot-product unit busy. */
 static inline __attribute__((always_inline)) void
 i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int layout,
-        const int MR, const int NP, __m512 acc[I8_TILE]) {
+        int64_t next, const int MR, const int NP, __m512 acc[I8_TILE]) {
     const int64_t K = a->K, blocks = K / QBLOCK, bytes = i8_block_bytes(layout);
     const int kind = i8_kind(layout);
     for (int i = 0; i < MR * NP; i++)
@@ -286,7 +286,7 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
             lo[i] = hi[i] = _mm512_setzero_si512();
         for (int p = 0; p < NP; p++) {
             const uint8_t *codes = i8_codes(panels[p], b, layout, bytes);
-            i8_prefetch(panels[p], b, bytes, MR <= 3 ? NP * blocks * bytes : 0);
+            i8_prefetch(panels[p], b, bytes, next);
             for (int c = 0; c < 4; c++) {
                 __m512i w0, w1;
                 int k0, k1;                       /* the first k of w0's and w1's groups */
@@ -325,13 +325,19 @@ static inline void i8_store(const __m512 *acc, int i, float out[PANEL]) {
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2: a panel's 16 columns as two halves of 8 int32 / float lanes; 4 products a lane by
- * `vpmaddubsw` (unsigned x signed bytes to int16 pairs) then `vpmaddwd` against ones. Q4_1's codes
- * (<= 15) never saturate a pair; Q8_0 takes |q| and the activation with q's sign (|q| <= 128,
- * |a| <= 127), which sums q * a directly: the integer the header's u * a - 128 * t is. */
+ * `vpmaddubsw` (unsigned x signed bytes to int16 pairs) then `vpmaddwd` against ones. Q8_0 takes
+ * |q| and the activation with q's sign (|q| <= 128, |a| <= 127), which sums q * a directly: the
+ * integer the header's u * a - 128 * t is. Q4_1's codes (<= 15) leave the pairs in int16 for the
+ * whole block, one `vpmaddwd` a block: an int16 lane sums 16 products of at most 15 * 127, at
+ * most 30480 < 2^15, so the sums are exact and the pairs' second multiply leaves the inner loop
+ * (the multiplies are what a many-row tile waits on). */
 typedef struct {
     __m256 h[2];
 } i8_tile_acc;
-#define I8_MANY_ROWS 3
+/* 2 rows a tile: 4 int16 sums and 4 float accumulators leave the 16 registers room for the
+ * codes, two activations and a product (a 3-row tile spilled: its 64-row call 1.15x the time,
+ * `benchmarks/linear_ab.py` on a Zen 3 AVX2 host) */
+#define I8_MANY_ROWS 2
 #define I8_ONE_ROW_PANELS 2
 
 static inline __m256i i8_dot4(__m256i w, __m256i a, int kind) {
@@ -340,7 +346,20 @@ static inline __m256i i8_dot4(__m256i w, __m256i a, int kind) {
         w = _mm256_abs_epi8(q);
         a = _mm256_sign_epi8(a, q);
     }
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+    const __m256i pairs = _mm256_maddubs_epi16(w, a);
+    return kind == Q4_1_I8 ? pairs : _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* a running sum plus a group's i8_dot4: int16 lanes for Q4_1, int32 for the others. The empty
+ * asm pins each sum to its place in the chain: integer adds are associative, and GCC otherwise
+ * gathers a block's chain at its end, every product of the block live at once, spilled to the
+ * stack and read back (a 16-row call 1.x the time) */
+static inline __m256i i8_add(__m256i sum, __m256i dot, int kind) {
+    if (kind != Q4_1_I8)
+        return _mm256_add_epi32(sum, dot);
+    sum = _mm256_add_epi16(sum, dot);
+    __asm__("" : "+x"(sum));
+    return sum;
 }
 
 /* a block's scales j (d, m, ...) of its columns 8 h .. 8 h + 7 */
@@ -362,7 +381,7 @@ static inline __m256 i8_scales8(const uint8_t *blk, int layout, int j, int h, in
 
 static inline __attribute__((always_inline)) void
 i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int layout,
-        const int MR, const int NP, i8_tile_acc acc[I8_TILE]) {
+        int64_t next, const int MR, const int NP, i8_tile_acc acc[I8_TILE]) {
     const int64_t K = a->K, blocks = K / QBLOCK, bytes = i8_block_bytes(layout);
     const int kind = i8_kind(layout);
     for (int i = 0; i < MR * NP; i++)
@@ -375,7 +394,7 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
                 _mm256_setzero_si256();
         for (int p = 0; p < NP; p++) {
             const uint8_t *codes = i8_codes(panels[p], b, layout, bytes);
-            i8_prefetch(panels[p], b, bytes, MR <= 3 ? NP * blocks * bytes : 0);
+            i8_prefetch(panels[p], b, bytes, next);
             for (int g = 0; g < 8; g++)
                 for (int h = 0; h < 2; h++) {
                     const int kh = kind == U8_I8 && g >= 4;
@@ -389,11 +408,16 @@ i8_tile(const struct i8_rows *a, int64_t m0, const uint8_t *const *panels, int l
                     for (int r = 0; r < MR; r++) {
                         int32_t x4;
                         memcpy(&x4, a->q + (m0 + r) * K + b * QBLOCK + 4 * g, 4);
-                        isum[r * NP + p][kh][h] = _mm256_add_epi32(
-                            isum[r * NP + p][kh][h], i8_dot4(w, _mm256_set1_epi32(x4), kind));
+                        isum[r * NP + p][kh][h] = i8_add(
+                            isum[r * NP + p][kh][h], i8_dot4(w, _mm256_set1_epi32(x4), kind),
+                            kind);
                     }
                 }
         }
+        if (kind == Q4_1_I8)                                     /* int16 pairs -> int32 */
+            for (int i = 0; i < MR * NP; i++)
+                for (int h = 0; h < 2; h++)
+                    isum[i][0][h] = _mm256_madd_epi16(isum[i][0][h], _mm256_set1_epi16(1));
         for (int r = 0; r < MR; r++) {
             const int64_t i = (m0 + r) * blocks + b;
             for (int p = 0; p < NP; p++)
@@ -482,7 +506,7 @@ static inline void i8_tile_generic(const struct i8_rows *a, int64_t m0,
         }
 }
 
-#define i8_tile(a, m0, panels, layout, MR, NP, acc) \
+#define i8_tile(a, m0, panels, layout, next, MR, NP, acc) \
     i8_tile_generic(a, m0, panels, layout, MR, NP, acc)
 
 static inline void i8_store(const i8_acc *acc, int i, float out[PANEL]) {
@@ -494,26 +518,26 @@ static inline void i8_store(const i8_acc *acc, int i, float out[PANEL]) {
  * a constant layout (`i8_rows_panels`), so each tile is compiled for its one layout */
 static inline __attribute__((always_inline)) void
 i8_rows_panels_as(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t *base,
-                  int64_t panel_bytes, int64_t p0, int np, const int layout, int64_t N,
-                  const float *bias, float *y) {
+                  int64_t panel_bytes, int64_t p0, int np, const int layout, int64_t next,
+                  int64_t N, const float *bias, float *y) {
     const uint8_t *panels[I8_TILE];
     for (int p = 0; p < np; p++)
         panels[p] = base + (p0 + p) * panel_bytes;
     i8_tile_acc acc[I8_TILE];
     switch (mr * 16 + np) {                   /* constant tile shapes: fully unrolled loops */
-    case 1 * 16 + 4: i8_tile(a, m0, panels, layout, 1, 4, acc); break;
-    case 1 * 16 + 3: i8_tile(a, m0, panels, layout, 1, 3, acc); break;
-    case 1 * 16 + 2: i8_tile(a, m0, panels, layout, 1, 2, acc); break;
-    case 2 * 16 + 2: i8_tile(a, m0, panels, layout, 2, 2, acc); break;
-    case 3 * 16 + 2: i8_tile(a, m0, panels, layout, 3, 2, acc); break;
-    case 2 * 16 + 1: i8_tile(a, m0, panels, layout, 2, 1, acc); break;
-    case 3 * 16 + 1: i8_tile(a, m0, panels, layout, 3, 1, acc); break;
-    case 4 * 16 + 1: i8_tile(a, m0, panels, layout, 4, 1, acc); break;
-    case 5 * 16 + 1: i8_tile(a, m0, panels, layout, 5, 1, acc); break;
-    case 6 * 16 + 1: i8_tile(a, m0, panels, layout, 6, 1, acc); break;
-    case 7 * 16 + 1: i8_tile(a, m0, panels, layout, 7, 1, acc); break;
-    case 8 * 16 + 1: i8_tile(a, m0, panels, layout, 8, 1, acc); break;
-    default: i8_tile(a, m0, panels, layout, 1, 1, acc); break;
+    case 1 * 16 + 4: i8_tile(a, m0, panels, layout, next, 1, 4, acc); break;
+    case 1 * 16 + 3: i8_tile(a, m0, panels, layout, next, 1, 3, acc); break;
+    case 1 * 16 + 2: i8_tile(a, m0, panels, layout, next, 1, 2, acc); break;
+    case 2 * 16 + 2: i8_tile(a, m0, panels, layout, next, 2, 2, acc); break;
+    case 3 * 16 + 2: i8_tile(a, m0, panels, layout, next, 3, 2, acc); break;
+    case 2 * 16 + 1: i8_tile(a, m0, panels, layout, next, 2, 1, acc); break;
+    case 3 * 16 + 1: i8_tile(a, m0, panels, layout, next, 3, 1, acc); break;
+    case 4 * 16 + 1: i8_tile(a, m0, panels, layout, next, 4, 1, acc); break;
+    case 5 * 16 + 1: i8_tile(a, m0, panels, layout, next, 5, 1, acc); break;
+    case 6 * 16 + 1: i8_tile(a, m0, panels, layout, next, 6, 1, acc); break;
+    case 7 * 16 + 1: i8_tile(a, m0, panels, layout, next, 7, 1, acc); break;
+    case 8 * 16 + 1: i8_tile(a, m0, panels, layout, next, 8, 1, acc); break;
+    default: i8_tile(a, m0, panels, layout, next, 1, 1, acc); break;
     }
     for (int r = 0; r < mr; r++)
         for (int p = 0; p < np; p++) {
@@ -524,15 +548,15 @@ i8_rows_panels_as(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t
 }
 
 static void i8_rows_panels(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t *base,
-                           int64_t panel_bytes, int64_t p0, int np, int layout, int64_t N,
-                           const float *bias, float *y) {
+                           int64_t panel_bytes, int64_t p0, int np, int layout, int64_t next,
+                           int64_t N, const float *bias, float *y) {
 #define I8_LAYOUT_CASE(L)                                                                       \
-    case L: i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, L, N, bias, y); break;
+    case L: i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, L, next, N, bias, y); break;
     switch (layout) {                         /* a constant layout each case: its own tiles */
         I8_LAYOUT_CASE(Q4_1_I8) I8_LAYOUT_CASE(Q8_0_I8) I8_LAYOUT_CASE(Q4_1_I8H)
         I8_LAYOUT_CASE(Q8_0_I8H) I8_LAYOUT_CASE(U8_I8H) I8_LAYOUT_CASE(U8S_I8)
         I8_LAYOUT_CASE(Q4K_I8)
-    default: i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, N, bias, y);
+    default: i8_rows_panels_as(a, m0, mr, base, panel_bytes, p0, np, U8_I8, next, N, bias, y);
     }
 #undef I8_LAYOUT_CASE
 }
@@ -574,7 +598,8 @@ static int linear_forward_i8(const float *x, int64_t M, int64_t K, const uint8_t
                 const int64_t tiles = (r1 - r0 + mr_max - 1) / mr_max;
                 for (int64_t i = 0, m0 = r0; i < tiles; i++) {
                     const int64_t mr = (r1 - r0) / tiles + (i < (r1 - r0) % tiles);
-                    i8_rows_panels(&a, m0, mr, base, panel_bytes, p, np, layout, N, bias, y);
+                    i8_rows_panels(&a, m0, mr, base, panel_bytes, p, np, layout,
+                                   M <= 3 ? np * panel_bytes : 0, N, bias, y);
                     m0 += mr;
                 }
             }

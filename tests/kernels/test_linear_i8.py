@@ -102,9 +102,15 @@ def test_every_vector_form_gives_the_same_bits(monkeypatch, tmp_path, form):
                cpu_linear.pack_codes("u8_i8", *cpu_linear.gguf_codes("q5_1", blocks5, 576)),
                cpu_linear.pack_codes("u8s_i8", torch.randint(0, 64, (200, 576), generator=g,
                                                              dtype=torch.uint8),
-                                     torch.rand(200, 36, generator=g) * 1e-2, None)]
+                                     torch.rand(200, 36, generator=g) * 1e-2, None),
+               # every code 15 against rows of equal x: each int16 lane of the AVX2 form's
+               # Q4_1 block sums 16 products of 15 * (+-127), its bound
+               cpu_linear.pack_codes("q4_1_i8", torch.full((200, 576), 15, dtype=torch.uint8),
+                                     torch.rand(200, 18, generator=g) * 1e-2,
+                                     torch.rand(200, 18, generator=g) * 1e-2)]
     x, b = torch.randn(70, 576, generator=g), torch.randn(200, generator=g)
     x[1, 64:] *= 1e3                  # large codes: Q8_0's pairs near the int16 bound (AVX2)
+    x[2], x[3] = 1.0, -1.0
     rows = (1, 2, 3, 4, 7, 70)
     flags = {"avx2": "-mno-avx512f", "plain": "-mno-avx2 -mno-avx512f"}[form]
     x86 = platform.machine() in ("x86_64", "AMD64")
