@@ -101,7 +101,12 @@ def check_abi(lib: ctypes.CDLL) -> None:
 
 @functools.cache
 def _kernel():
-    lib = library("decoder")
+    return bind(library("decoder"))
+
+
+def bind(lib: ctypes.CDLL):
+    """decoder.c's two entry points in a loaded build, its ABI checked (also the kernel A/B's,
+    `benchmarks/decoder_ab.py`)."""
     check_abi(lib)
     fn = lib.decoder_forward
     fn.restype = ctypes.c_int
