@@ -335,7 +335,7 @@ typedef struct {
     __m256 h[2];
 } i8_tile_acc;
 /* 2 rows a tile: 4 int16 sums and 4 float accumulators leave the 16 registers room for the
- * codes, two activations and a product (a 3-row tile spilled: its 64-row call 1.15x the time,
+ * codes, two activations and a product (a 3-row tile spilled: its 64-row call 1.14x the time,
  * `benchmarks/linear_ab.py` on a Zen 3 AVX2 host) */
 #define I8_MANY_ROWS 2
 #define I8_ONE_ROW_PANELS 2
@@ -352,8 +352,8 @@ static inline __m256i i8_dot4(__m256i w, __m256i a, int kind) {
 
 /* a running sum plus a group's i8_dot4: int16 lanes for Q4_1, int32 for the others. The empty
  * asm pins each sum to its place in the chain: integer adds are associative, and GCC otherwise
- * gathers a block's chain at its end, every product of the block live at once, spilled to the
- * stack and read back (a 16-row call 1.x the time) */
+ * gathers a block's chain at its end, every product of the block live at once, each stored to
+ * the stack and loaded back (as `perf annotate` showed of the 3-row tile) */
 static inline __m256i i8_add(__m256i sum, __m256i dot, int kind) {
     if (kind != Q4_1_I8)
         return _mm256_add_epi32(sum, dot);
