@@ -524,21 +524,15 @@ i8_rows_panels_as(const struct i8_rows *a, int64_t m0, int64_t mr, const uint8_t
     for (int p = 0; p < np; p++)
         panels[p] = base + (p0 + p) * panel_bytes;
     i8_tile_acc acc[I8_TILE];
+#define I8_TILE_CASE(MR, NP)                                                                    \
+    case MR * 16 + NP: i8_tile(a, m0, panels, layout, next, MR, NP, acc); break;
     switch (mr * 16 + np) {                   /* constant tile shapes: fully unrolled loops */
-    case 1 * 16 + 4: i8_tile(a, m0, panels, layout, next, 1, 4, acc); break;
-    case 1 * 16 + 3: i8_tile(a, m0, panels, layout, next, 1, 3, acc); break;
-    case 1 * 16 + 2: i8_tile(a, m0, panels, layout, next, 1, 2, acc); break;
-    case 2 * 16 + 2: i8_tile(a, m0, panels, layout, next, 2, 2, acc); break;
-    case 3 * 16 + 2: i8_tile(a, m0, panels, layout, next, 3, 2, acc); break;
-    case 2 * 16 + 1: i8_tile(a, m0, panels, layout, next, 2, 1, acc); break;
-    case 3 * 16 + 1: i8_tile(a, m0, panels, layout, next, 3, 1, acc); break;
-    case 4 * 16 + 1: i8_tile(a, m0, panels, layout, next, 4, 1, acc); break;
-    case 5 * 16 + 1: i8_tile(a, m0, panels, layout, next, 5, 1, acc); break;
-    case 6 * 16 + 1: i8_tile(a, m0, panels, layout, next, 6, 1, acc); break;
-    case 7 * 16 + 1: i8_tile(a, m0, panels, layout, next, 7, 1, acc); break;
-    case 8 * 16 + 1: i8_tile(a, m0, panels, layout, next, 8, 1, acc); break;
+        I8_TILE_CASE(1, 4) I8_TILE_CASE(1, 3) I8_TILE_CASE(1, 2) I8_TILE_CASE(2, 2)
+        I8_TILE_CASE(3, 2) I8_TILE_CASE(2, 1) I8_TILE_CASE(3, 1) I8_TILE_CASE(4, 1)
+        I8_TILE_CASE(5, 1) I8_TILE_CASE(6, 1) I8_TILE_CASE(7, 1) I8_TILE_CASE(8, 1)
     default: i8_tile(a, m0, panels, layout, next, 1, 1, acc); break;
     }
+#undef I8_TILE_CASE
     for (int r = 0; r < mr; r++)
         for (int p = 0; p < np; p++) {
             float out[PANEL];
