@@ -1,7 +1,7 @@
-"""What the kernel A/B benchmarks share (`attention_ab.py`, `linear_ab.py`): one kernel source
-from two folders (e.g. a worktree of an older commit and this checkout) built side by side, and
-the two builds alternated in one process, A first then B first, so that the host's slow and
-fast phases fall on both."""
+"""What the kernel A/B benchmarks share (`attention_ab.py`, `linear_ab.py`, `decoder_ab.py`): one
+kernel source from two folders (e.g. a worktree of an older commit and this checkout) built side
+by side, and the two builds alternated in one process, A first then B first, so that the host's
+slow and fast phases fall on both."""
 from __future__ import annotations
 
 import argparse
