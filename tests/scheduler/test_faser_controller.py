@@ -416,9 +416,10 @@ def _greedy_allocation(ctl, ids, caps, other, swap):
         drafts += [(float(g), j, i) for j, g in enumerate(chain) if g > 0]
     drafts.sort(key=lambda d: (-d[0], d[1], d[2]))
     # drafting must beat no draft by the margin
-    best_ks, best = [0] * len(ids), (1 + ctl.margin) * len(ids) / ctl.cost.predict(other, 0, swap)
+    # every decoding row commits a token: `other` of them, the drafting candidates among them
+    best_ks, best = [0] * len(ids), (1 + ctl.margin) * other / ctl.cost.predict(other, 0, swap)
     for depth in range(1, max(min(c, ctl.k_max) for c in caps) + 1):
-        ks, value, n = [0] * len(ids), float(len(ids)), 0
+        ks, value, n = [0] * len(ids), float(other), 0
         goodput = value / (ctl.cost.predict(other, depth, swap) + ctl.cost.step_price())
         for gain, j, i in drafts:
             if j >= depth:
@@ -729,3 +730,42 @@ def test_a_negative_intercept_is_refitted_not_floored():
     assert cost.prices.step >= 0
     for rows, seconds in ((1, 0.001), (2, 0.003), (3, 0.005)):
         assert abs(cost.predict(rows, 0) - seconds) < 0.5 * seconds
+
+
+def test_requests_that_cannot_draft_still_count_in_the_step():
+    """The scheduler passes only the requests that may draft (n-gram: those whose context
+    matches), with the step's decoding rows as num_other_tokens. Every decoding row commits a
+    token, so the allocation must equal the one over every row with the others capped at 0: a
+    step of 8 rows valued as 1 made a lone request's 80% drafts look like a gain."""
+    model = CostModel(0.0005, 0.004, draft_row=0.0035)
+    ids = [f"r{i}" for i in range(8)]
+    rng = np.random.default_rng(3)
+    for p in (0.8, 0.9, 0.97):
+        ctl = DraftLengthController(4, cost=model, margin=0.0)
+        for r in ids:
+            ctl.accept[r] = np.clip(p + rng.normal(0, 0.02, 4), 0, 1)
+        full = ctl._allocate(ids, [4, 0, 4, 0, 0, 0, 0, 0], 8)
+        assert ctl._allocate(["r0", "r2"], [4, 4], 8) == [full[0], full[2]]
+    # 80%: a draft (0.8 tokens for 3.5 ms) is worth less than a decode row (1 for 4 ms)
+    ctl.accept["r0"] = np.full(4, 0.8)
+    assert ctl._allocate(["r0"], [4], 8) == [0]
+
+
+def test_estimates_that_regress_are_calibrated():
+    """Each new request arrives with estimates of 90% at every position, and each round it is
+    given realises its first draft and never its second. The controller keeps what the drafts
+    it allocated promised per position against what they realised: after such rounds a new
+    request with the same estimates drafts one, where a fresh controller drafts four."""
+    cost = CostModel(0.02, 0.002, draft_row=0.002)
+    fresh, ctl = DraftLengthController(4, cost=cost), DraftLengthController(4, cost=cost)
+    for c in (fresh, ctl):
+        c.accept["new"] = np.full(4, 0.9)
+    assert fresh.choose(["new"], [4], 1) == [4]
+    for t in range(40):
+        ctl.accept[f"r{t}"] = np.full(4, 0.9)
+        k = ctl.choose([f"r{t}"], [4], 1)[0]
+        ctl.observe(f"r{t}", k, 1)
+        ctl.release(f"r{t}")
+    assert not ctl.pending                              # observed or released: none left
+    assert ctl.calibration[0] == 1.0 and ctl.calibration[1] < 0.1
+    assert ctl.choose(["new"], [4], 1) == [1]
