@@ -184,6 +184,35 @@ static inline void i8_quantize_block(const float *x, int8_t *q, float *e, float 
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
     const int32_t half[2] = {_mm512_reduce_add_epi32(i0), _mm512_reduce_add_epi32(i1)};
+#elif defined(__AVX2__)
+    /* the scalar form's operations 8 lanes at a time (the rounding, to nearest with ties to
+     * even, is the default MXCSR mode's): a libm nearbyintf a value made quantizing 6% of a
+     * 16-row step on an AVX2 host */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+    const __m256 x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
+    const __m256 m8 = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+        _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 s = _mm256_set1_ps(inv);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, s));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, s));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, s));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, s));
+    /* the packs interleave the 128-bit lanes: 4-code groups i0 lo, i1 lo, i2 lo, i3 lo, i0 hi,
+     * ...; the permutation puts them back in order */
+    const __m256i codes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
+                                             _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                                          codes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    h = _mm256_hadd_epi32(h, h);
+    const __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const int32_t half[2] = {_mm_cvtsi128_si32(h4), _mm_extract_epi32(h4, 1)};
 #else
     float amax = 0.0f;
     for (int j = 0; j < QBLOCK; j++)
