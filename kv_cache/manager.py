@@ -47,8 +47,23 @@ class KVCacheManager:
         so the step that finishes the prompt has logits to sample from."""
         if self.block_ids(request_id):
             raise RuntimeError(f"match_prefix on {request_id} which already holds blocks")
+        hits, hashes = self._cached_prefix(token_ids)
+        if hits:
+            self.primary.touch(hits)
+            self.block_tables[self.primary.name][request_id] = hits
+            self.block_hashes[request_id] = hashes
+        return len(hits) * self.block_size
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """The tokens `match_prefix` would cover now, taking nothing (the scheduler's estimate of
+        a waiting prompt's work)."""
+        return len(self._cached_prefix(token_ids)[0]) * self.block_size
+
+    def _cached_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """The cached full blocks matching token_ids from the start, and their chained hashes;
+        the last token is never covered."""
         if not self.enable_caching:
-            return 0
+            return [], []
         pool, bs = self.primary, self.block_size
         hits, hashes, parent = [], [], _ROOT_HASH
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
@@ -59,11 +74,7 @@ class KVCacheManager:
                 break
             hits.append(block_id)
             hashes.append(parent)
-        if hits:
-            pool.touch(hits)
-            self.block_tables[pool.name][request_id] = hits
-            self.block_hashes[request_id] = hashes
-        return len(hits) * bs
+        return hits, hashes
 
     def allocate(self, request_id: str, num_total_tokens: int,
                  num_computed_tokens: int = 0) -> list[int] | None:

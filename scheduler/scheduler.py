@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.scheduler.faser import (CostModel, DraftLengthController, DraftPass, Prices,
@@ -97,7 +98,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []          # (request, tokens, draft slots)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        allowance = self.prefill_allowance(decoding)
+        allowance = self.prefill_allowance(decoding, prompts)
         estimate = self._chunks(prompts, budget - len(decoding), allowance)
         draft_lens = self._choose_draft_lens(decoding, sum(estimate))
         first_chunk = True
@@ -112,7 +113,7 @@ class Scheduler:
                 num_new, seconds = self._chunk(req, budget, allowance, first_chunk)
                 if num_new == 0:
                     break
-                first_chunk, allowance = False, self._after_chunk(allowance, seconds)
+                first_chunk, allowance = False, allowance - seconds
             if not self._reserve(req, num_new + num_drafts, scheduled):
                 break                                           # req itself was preempted
             scheduled.append((req, num_new, num_drafts))
@@ -121,7 +122,7 @@ class Scheduler:
             self._admit(scheduled, budget, allowance, first_chunk)
         return self._plan(scheduled)
 
-    def prefill_allowance(self, decoding: list[Request]) -> float:
+    def prefill_allowance(self, decoding: list[Request], prompts: list[Request] = ()) -> float:
         """Seconds of prompt chunks this step may run beside its decoding requests. Each step
         earns (s - 1) times a step of decoding alone, s = `max_decode_slowdown`, as measured
         (`decode_step_s`), and pays what its prompt chunks measurably added
@@ -129,14 +130,42 @@ class Scheduler:
         alone at most. The credit is saved up to PREFILL_CREDIT_STEPS steps' earnings and spent
         when full: fewer, longer chunks (on this CPU a chunk's fixed cost is most of a decode
         step's), no step longer than ~1 + PREFILL_CREDIT_STEPS * (s - 1) decode steps, and decode
-        steps between them to measure. 0 while the credit fills; unbounded in a step with nothing
-        to decode, or with no slowdown bound."""
+        steps between them to measure. Before it is full it is spent where it already covers
+        every pending prompt to its end (`_pending_prefill_s`; `prompts`: the running ones): a
+        few short prompts, or prompts mostly found in the prefix cache, start at once instead of
+        waiting for the credit to fill. Otherwise 0 while the credit fills; unbounded in a step
+        with nothing to decode, or with no slowdown bound."""
         slowdown = self.config.max_decode_slowdown
         if slowdown is None or not decoding:
             return math.inf
         earn = (slowdown - 1) * self.decode_step_s
+        if earn <= 0:
+            return 0.0
         credit = self.prefill_credit + earn
-        return credit if earn > 0 and credit >= PREFILL_CREDIT_STEPS * earn else 0.0
+        if credit >= PREFILL_CREDIT_STEPS * earn or credit >= self._pending_prefill_s(prompts,
+                                                                                     credit):
+            return credit
+        return 0.0
+
+    def _pending_prefill_s(self, prompts: list[Request], limit: float) -> float:
+        """What finishing every pending prompt costs at `prompt_row_s` a row: the running
+        prompts' remainders and those of the waiting requests there are sequence slots for (each
+        less its cached prefix, as `_admit` would match it). inf before a chunk beside decodes
+        was measured, where nothing is pending, or once the sum passes `limit`."""
+        if not self.prompt_row_s:
+            return math.inf
+        free = max(self.config.max_num_seqs - len(self.running), 0)
+        rows = [r.num_tokens - r.num_computed_tokens for r in prompts]
+        need = sum(rows) * self.prompt_row_s
+        for req in islice(self.waiting, free):
+            if need > limit:
+                break
+            start = req.num_computed_tokens
+            if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
+                start = self.kv.cached_prefix_tokens(req.all_token_ids)
+            rows.append(req.num_tokens - start)
+            need += rows[-1] * self.prompt_row_s
+        return need if rows and need <= limit else math.inf
 
     def _settle_prefill_credit(self, plan: StepPlan, seconds: float) -> None:
         """The step's earnings less what its prompt chunks took beyond a decode step
@@ -165,27 +194,28 @@ class Scheduler:
         (`prompt_row_s`, their fixed costs included: chunks that took less than their allowance
         grow by allowance / seconds, towards the size that takes it all; the first chunk beside
         decodes FIRST_CHUNK_ROWS rows, priced by the cost model). The first chunk of a step that
-        allows any takes at least one row, so prompts always advance."""
+        allows any takes at least one row, so prompts always advance. Beside decodes a later
+        chunk must finish its prompt within what is left (one partial prefill a step, as vLLM's
+        max_num_partial_prefills = 1, the oldest prompt's first; a prompt mostly found in the
+        prefix cache does not wait a step for each one before it), else it gets no rows."""
         start = req.num_computed_tokens
-        rows = min(req.num_tokens - start, budget)
+        remaining = req.num_tokens - start
+        rows = min(remaining, budget)
         if allowance == math.inf:
             return rows, 0.0
         if allowance <= 0:
             return 0, 0.0
         if not self.prompt_row_s:
             rows = min(rows, FIRST_CHUNK_ROWS)
-            return rows, self.cost.prefill_price(start, rows)
-        rows = min(rows, int(allowance / self.prompt_row_s))
-        if first:
-            rows = max(rows, min(req.num_tokens - start, budget, 1))
-        return rows, rows * self.prompt_row_s
-
-    @staticmethod
-    def _after_chunk(allowance: float, seconds: float) -> float:
-        """What a chunk of `seconds` leaves of a step's allowance: beside decodes nothing (one
-        prompt chunk a step, as vLLM's max_num_partial_prefills = 1: each chunk pays a fixed cost,
-        and the oldest prompt's first token comes first)."""
-        return allowance - seconds if allowance == math.inf else 0.0
+            seconds = self.cost.prefill_price(start, rows)
+        else:
+            rows = min(rows, int(allowance / self.prompt_row_s))
+            if first:
+                rows = max(rows, min(remaining, budget, 1))
+            seconds = rows * self.prompt_row_s
+        if not first and (rows < remaining or seconds > allowance):
+            return 0, 0.0
+        return rows, seconds
 
     def _chunks(self, prompts: list[Request], budget: int, allowance: float) -> list[int]:
         """The chunks `schedule` would give these running prompts (for the controller's view)."""
@@ -197,7 +227,7 @@ class Scheduler:
             if rows == 0:
                 break
             out.append(rows)
-            budget, allowance = budget - rows, self._after_chunk(allowance, seconds)
+            budget, allowance = budget - rows, allowance - seconds
         return out
 
     def _reserve(self, req: Request, num_new: int,
@@ -280,7 +310,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new, 0))
             budget -= num_new
-            allowance = self._after_chunk(allowance, seconds)
+            allowance -= seconds
             first_chunk = False
 
     def _preempt(self, req: Request) -> None:

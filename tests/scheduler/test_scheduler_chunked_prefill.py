@@ -16,8 +16,8 @@ BS = 16
 DECODE_S = 0.010                     # a fabricated decode step
 
 
-def scheduler(slowdown=1.8, budget=2048, k=0, adaptive=False):
-    kv = KVCacheManager([BlockPool(1024, BS, False, name="full")])
+def scheduler(slowdown=1.8, budget=2048, k=0, adaptive=False, caching=False):
+    kv = KVCacheManager([BlockPool(1024, BS, caching, name="full")])
     return Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                          max_model_len=8192, eos_token_ids=(2,),
                                          num_speculative_tokens=k, adaptive=adaptive,
@@ -138,9 +138,10 @@ def test_a_chunk_that_overruns_its_credit_delays_the_next_and_the_chunks_shrink(
 
 @pytest.mark.parametrize("per_chunk", [0.004, 0.1])
 def test_prompts_side_by_side_share_the_credit_and_each_finishes(per_chunk):
-    """Several prompts beside a decode: one prompt chunk a step (vLLM's
-    max_num_partial_prefills = 1), of at least one row even where a chunk costs more than the
-    whole credit, and every prompt's chunks add up to it."""
+    """Several prompts beside a decode: one partial prefill a step (vLLM's
+    max_num_partial_prefills = 1; a later chunk only where it finishes its prompt), of at least
+    one row even where a chunk costs more than the whole credit, and every prompt's chunks add
+    up to it."""
     sched = scheduler(slowdown=1.5)
     add(sched, "d", 50)
     for _ in range(40):
@@ -150,7 +151,8 @@ def test_prompts_side_by_side_share_the_credit_and_each_finishes(per_chunk):
     rows = {f"p{i}": 0 for i in range(3)}
     for _ in range(20000):
         plan, _ = run_step(sched, per_chunk=per_chunk)
-        assert sum(r.num_new_tokens > 1 for r in plan.requests) <= 1
+        assert sum(r.num_computed_tokens + r.num_new_tokens < r.num_prompt_tokens
+                   for r in plan.requests) <= 1
         for r in plan.requests:
             assert r.num_new_tokens >= 1
             if r.request_id in rows and r.num_computed_tokens < r.num_prompt_tokens:
@@ -216,3 +218,79 @@ def test_chunking_by_time_does_not_change_greedy_output(make_engine):
     got, time_chunks = run(by_time, prompts, 40)
     assert got == expected
     assert len(time_chunks) > len(budget_chunks)           # the prompts were cut differently
+
+
+def started_prompts(sched, ids, steps):
+    """The step (from 0) at which each of `ids` first ran a prompt chunk."""
+    first = {}
+    for i in range(steps):
+        plan, _ = run_step(sched)
+        for r in plan.requests:
+            if r.request_id in ids and r.num_new_tokens >= 1:
+                first.setdefault(r.request_id, i)
+        if len(first) == len(ids):
+            break
+    return first
+
+
+def test_short_prompts_beside_a_decode_start_in_one_step():
+    """Prompts whose whole remainder fits the step's credit all run in it (each finishes: no
+    second partial prefill); before, one prompt a step made the last of 6 wait 6 steps."""
+    sched = scheduler(slowdown=1.5)
+    add(sched, "d", 50)
+    for _ in range(40):
+        run_step(sched)
+    add(sched, "warm", 300, max_tokens=2)               # measures a chunk's row price
+    while "warm" in sched.requests:
+        run_step(sched)
+    for _ in range(PREFILL_CREDIT_STEPS + 1):          # the credit full again
+        run_step(sched)
+    ids = [f"s{i}" for i in range(6)]
+    for rid in ids:
+        add(sched, rid, 3, max_tokens=2)
+    plan = sched.schedule()
+    rows = {r.request_id: r.num_new_tokens for r in plan.requests}
+    assert all(rows.get(rid) == 3 for rid in ids), rows
+    assert rows["d"] == 1
+
+
+def test_the_credit_is_spent_early_where_it_covers_every_pending_prompt():
+    """Right after a long prompt drained the credit, a few short prompts start once the credit
+    covers them all, a few steps later, not after PREFILL_CREDIT_STEPS steps of saving; a long
+    prompt still waits for the full credit."""
+    sched = scheduler(slowdown=1.5)
+    add(sched, "d", 50)
+    for _ in range(40):
+        run_step(sched)
+    add(sched, "long", 2800, max_tokens=2)
+    while "long" in sched.requests:
+        run_step(sched)
+    ids = ["a", "b", "c"]
+    for rid in ids:
+        add(sched, rid, 4, max_tokens=2)
+    first = started_prompts(sched, ids, 100)
+    assert set(first) == set(ids) and max(first.values()) < PREFILL_CREDIT_STEPS // 2, first
+    add(sched, "long2", 2800, max_tokens=2)
+    assert started_prompts(sched, ["long2"], 100)["long2"] >= PREFILL_CREDIT_STEPS // 2
+
+
+def test_a_prompt_found_in_the_prefix_cache_is_priced_by_its_remainder():
+    """A waiting prompt whose blocks are cached counts only what is left to compute: it starts
+    early as a short prompt does, and the kv manager's estimate takes no block."""
+    sched = scheduler(slowdown=1.5, caching=True)
+    add(sched, "d", 50)
+    for _ in range(40):
+        run_step(sched)
+    prompt = [300 + j for j in range(200)]
+    sched.add(Request(EngineRequest("first", prompt, SamplingParams(max_tokens=2,
+                                                                     temperature=0))))
+    while "first" in sched.requests:
+        run_step(sched)
+    free = sched.kv.primary.num_free_blocks
+    assert sched.kv.cached_prefix_tokens(prompt) == 192
+    assert sched.kv.primary.num_free_blocks == free and not sched.kv.block_ids("again")
+    sched.add(Request(EngineRequest("again", prompt, SamplingParams(max_tokens=1,
+                                                                     temperature=0))))
+    first = started_prompts(sched, ["again"], 100)
+    assert first["again"] < PREFILL_CREDIT_STEPS // 2
+
