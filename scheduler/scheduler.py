@@ -386,6 +386,11 @@ class Scheduler:
             stats.num_generation_tokens += len(new_tokens)
             logprobs = sampled.logprobs[:len(new_tokens)] if sampled.logprobs is not None else None
             if req.status.is_finished:
+                # its committed tokens' full blocks stay findable once freed (vLLM caches a
+                # block when it is full): a one-token request's prompt too. A stop among the
+                # accepted drafts leaves tokens computed past the last one kept.
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
+                                          min(req.num_computed_tokens, req.num_tokens - 1))
                 self._finish(req, req.status)
             else:
                 self.kv.rollback(req.request_id, req.num_tokens)

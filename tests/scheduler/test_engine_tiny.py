@@ -89,6 +89,25 @@ def test_prefix_cache_hit_reuses_blocks_and_keeps_output(make_engine):
     assert again[0] == first[0]
 
 
+def test_a_request_finished_by_its_prompt_step_leaves_its_blocks_cached(make_engine):
+    """A one-token request finishes in the step that computes its prompt: its full blocks are
+    indexed before they are freed, so the same prompt next hits them, with the same output; a
+    request stopped among accepted drafts indexes only tokens it kept (`check_integrity`)."""
+    core = make_engine(block_size=4)
+    prompt = [(13 * j) % 500 + 3 for j in range(23)]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    first, _ = run(core, [prompt], one, "a")
+    assert core.scheduler.kv.cached_prefix_tokens(prompt) == 20
+    core.add_request(EngineRequest("b0", prompt, one))
+    step = core.step()
+    assert step.stats.prefix_cache_hits == 20
+    while core.has_unfinished():
+        core.step()
+    again, _ = run(core, [prompt], one, "c")
+    assert again[0] == first[0]
+    core.check_integrity()
+
+
 def test_stop_conditions(make_engine):
     core = make_engine()
     prompt = prompts(1)[0]
