@@ -553,8 +553,8 @@ class DraftLengthController:
 
         Every set of m drafts at depth d has goodput (n + S) / (base_d + P), n the step's decoding
         rows (num_other_tokens: each commits a token, whether its request may draft or not), S
-        the sum of the drafts' values, P the sum of their prices and base_d = base_0 + drafting_step + draft_pass * d the
-        step before its drafts. Nothing pays when
+        the sum of the drafts' values, P the sum of their prices and base_d = base_0 +
+        drafting_step + draft_pass * d the step before its drafts. Nothing pays when
         - every request's first draft g_i (a chain's value only falls) has g_i / price_i below
           the bar: the goodput is a mediant of n / base_d (below n / base_0) and of the drafts'
           value over price (at most the best g_i / price_i); or
