@@ -572,7 +572,7 @@ class DraftLengthController:
             prices = [self.cost.draft_price()] * n
         starts = starts or [0.0] * n
         calibration = self.calibration if probs is None else None
-        firsts = [(self.first_prob(r) * self.calibration[0] if probs is None
+        firsts = [(self.first_prob(r) * calibration[0] if probs is None
                    else float(probs[i, 0]), prices[i] + starts[i])
                   for i, (r, k) in enumerate(zip(request_ids, limits)) if k > 0]
         step, per_pass = self.cost.step_price(), self.cost.prices.draft_pass
@@ -594,7 +594,7 @@ class DraftLengthController:
     def _search(self, request_ids: list[str], limits: list[int], probs: np.ndarray | None,
                 base: float, per_pass: float, prices: list[float], best: float,
                 starts: list[float], tokens: float,
-                calibration: np.ndarray | None = None) -> list[int]:
+                calibration: np.ndarray | None) -> list[int]:
         """The candidate drafts in order of value over price (then position, then request; with
         one price for all, of value), and for each depth d a greedy over those at positions < d
         on a step of base + per_pass * d: take the next while goodput rises (a draft raises it

@@ -155,17 +155,22 @@ class Scheduler:
         if not self.prompt_row_s:
             return math.inf
         free = max(self.config.max_num_seqs - len(self.running), 0)
-        rows = [r.num_tokens - r.num_computed_tokens for r in prompts]
-        need = sum(rows) * self.prompt_row_s
+        need = sum(r.num_tokens - r.num_computed_tokens for r in prompts) * self.prompt_row_s
+        pending = bool(prompts)
         for req in islice(self.waiting, free):
             if need > limit:
                 break
             start = req.num_computed_tokens
-            if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
+            if self._matches_prefix(req):
                 start = self.kv.cached_prefix_tokens(req.all_token_ids)
-            rows.append(req.num_tokens - start)
-            need += rows[-1] * self.prompt_row_s
-        return need if rows and need <= limit else math.inf
+            need += (req.num_tokens - start) * self.prompt_row_s
+            pending = True
+        return need if pending and need <= limit else math.inf
+
+    def _matches_prefix(self, req: Request) -> bool:
+        """Whether admitting req looks its prompt up in the prefix cache: not where it holds
+        blocks already, nor where its prompt's logprobs must be computed."""
+        return not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs
 
     def _settle_prefill_credit(self, plan: StepPlan, seconds: float) -> None:
         """The step's earnings less what its prompt chunks took beyond a decode step
@@ -287,7 +292,7 @@ class Scheduler:
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self.kv.block_ids(req.request_id) and not req.want_prompt_logprobs:
+            if self._matches_prefix(req):
                 hit = self.kv.match_prefix(req.request_id, req.all_token_ids)
                 req.num_computed_tokens = hit
                 self._stats.prefix_cache_queries += req.num_tokens
@@ -388,7 +393,8 @@ class Scheduler:
             if req.status.is_finished:
                 # its committed tokens' full blocks stay findable once freed (vLLM caches a
                 # block when it is full): a one-token request's prompt too. A stop among the
-                # accepted drafts leaves tokens computed past the last one kept.
+                # accepted drafts leaves tokens computed past the last one kept: none past the
+                # kept tokens is indexed (nor the last, whose KV exists only if it was a draft)
                 self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
                                           min(req.num_computed_tokens, req.num_tokens - 1))
                 self._finish(req, req.status)

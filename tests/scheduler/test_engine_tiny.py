@@ -91,8 +91,8 @@ def test_prefix_cache_hit_reuses_blocks_and_keeps_output(make_engine):
 
 def test_a_request_finished_by_its_prompt_step_leaves_its_blocks_cached(make_engine):
     """A one-token request finishes in the step that computes its prompt: its full blocks are
-    indexed before they are freed, so the same prompt next hits them, with the same output; a
-    request stopped among accepted drafts indexes only tokens it kept (`check_integrity`)."""
+    indexed before they are freed, so the same prompt next hits them, with the same output, and
+    the pool's books still balance (`check_integrity`)."""
     core = make_engine(block_size=4)
     prompt = [(13 * j) % 500 + 3 for j in range(23)]
     one = SamplingParams(max_tokens=1, temperature=0)
