@@ -14,8 +14,8 @@ from specserve.spec_phases.sampling_params import SamplingParams
 BS = 4
 
 
-def scheduler(num_blocks=64, k=0, max_num_seqs=8, budget=4096):
-    kv = KVCacheManager([BlockPool(num_blocks, BS, False, name="full")])
+def scheduler(num_blocks=64, k=0, max_num_seqs=8, budget=4096, caching=False):
+    kv = KVCacheManager([BlockPool(num_blocks, BS, caching, name="full")])
     return Scheduler(kv, SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                          max_model_len=256, eos_token_ids=(2,),
                                          num_speculative_tokens=k))
@@ -114,6 +114,24 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
     assert stats.finished == [("a", "stop")]
     follow = sched.schedule()                               # the worker is told to release it
     assert follow.finished_ids == ("a",) and not follow.requests
+    sched.kv.check_integrity()
+
+
+def test_a_stop_among_accepted_drafts_indexes_only_the_kept_tokens():
+    """With the prefix cache on, a request stopped at an accepted draft indexes the full blocks of
+    the tokens it kept and none past them: the accepted drafts after the stop reach no cached
+    block, and every cached block holds a whole block of tokens."""
+    sched = scheduler(k=4, caching=True)
+    add(sched, "a", 7, stop_token_ids=[77])
+    prefill(sched, {"a": 60})
+    plan = sched.schedule()
+    assert plan.requests[0].num_draft_tokens == 4
+    outputs, _ = sched.commit(plan, result(plan, {"a": [61, 77, 62, 63, 64]}, {"a": 4}))
+    assert outputs[0].new_token_ids == [61, 77] and outputs[0].finish_reason == "stop"
+    kept = [10 + j for j in range(7)] + [60, 61, 77]        # 10 tokens, 12 computed
+    pool = sched.kv.primary
+    assert sched.kv.cached_prefix_tokens(kept + [5]) == 8
+    assert pool.cached and all(len(pool.block_tokens[b]) == BS for b in pool.cached.values())
     sched.kv.check_integrity()
 
 
